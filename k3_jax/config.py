@@ -1,0 +1,298 @@
+"""Frozen configuration dataclasses for K3 models and jobs, plus validation.
+
+Every field is plain data. `validate()` runs before any work starts and raises
+`ConfigError` naming the field, its value and the rule it breaks. Overrides
+from the command line (`kda.num_heads=4`) go through `apply_overrides`, which
+rejects unknown fields by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+  """A configuration value breaks a rule; the message names field, value and rule."""
+
+
+@dataclass(frozen=True)
+class KDAConfig:
+  num_heads: int = 4
+  head_dim: int = 32            # K = V
+  conv_size: int = 4            # depthwise causal short convolution width
+  decay: str = "lower_bound"    # "lower_bound": g = g_min*sigmoid(e^A z) (K3); "softplus": Kimi Linear
+  g_min: float = -5.0
+  gate_rank: int = 0            # output gate: 0 = full rank (K3); r > 0 = low rank d -> r -> H*V
+  decay_rank: int = 0           # rank of the decay logit projection; 0 = head_dim
+  chunk_size: int = 64
+  backend: str = "reference"    # "reference" (k3_jax.ops) | "pallas" (pallas_kernels)
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+  num_heads: int = 4
+  q_lora_rank: int = 32         # 0 = no query low-rank (Kimi Linear)
+  kv_lora_rank: int = 32
+  qk_nope_head_dim: int = 32
+  qk_rope_head_dim: int = 16    # kept in weights and scale, never rotated (NoPE)
+  v_head_dim: int = 32
+  output_gate: bool = True      # sigmoid(W_g x) gate before W_o (K3); False for Kimi Linear
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+  num_experts: int = 8
+  top_k: int = 2
+  num_shared_experts: int = 1
+  expert_intermediate: int = 64     # per routed (and per shared) expert
+  latent_dim: int = 0               # 0 = routed experts run at full width (no latent projection)
+  routed_scaling_factor: float = 1.0
+  n_group: int = 1                  # group-limited routing (DeepSeek-V3); 1 = off
+  topk_group: int = 1
+
+
+@dataclass(frozen=True)
+class AttnResConfig:
+  enabled: bool = False
+  block_size: int = 12          # layers per AttnRes block
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+  name: str = "custom"
+  vocab_size: int = 256
+  d_model: int = 128
+  num_layers: int = 9
+  mla_layers: tuple[int, ...] = (4, 8, 9)      # 1-based; the rest are KDA
+  dense_layers: tuple[int, ...] = (1,)         # 1-based; the rest are MoE
+  dense_intermediate: int = 256
+  activation: str = "situ"                     # "situ" (SiTU-GLU) | "swiglu"
+  situ_beta1: float = 4.0
+  situ_beta2: float = 25.0
+  norm_eps: float = 1e-5
+  max_seq_len: int = 4096
+  dtype: str = "float32"                       # compute dtype of matmuls
+  param_dtype: str = "float32"
+  scan_period: int = 4                         # layers per scanned unit ([KDA, KDA, KDA, MLA])
+  bos_id: int = -1                             # -1 = none
+  eos_id: int = -1
+  pad_id: int = -1
+  init_std: float = 0.02
+  kda: KDAConfig = field(default_factory=KDAConfig)
+  mla: MLAConfig = field(default_factory=MLAConfig)
+  moe: MoEConfig = field(default_factory=MoEConfig)
+  attn_res: AttnResConfig = field(default_factory=AttnResConfig)
+
+  # ----- derived structure -------------------------------------------------
+  def layer_kinds(self) -> tuple[tuple[str, str], ...]:
+    """(mixer, ffn) per layer, 0-based list: mixer in {kda, mla}, ffn in {dense, moe}."""
+    return tuple(
+        ("mla" if i + 1 in self.mla_layers else "kda",
+         "dense" if i + 1 in self.dense_layers else "moe")
+        for i in range(self.num_layers))
+
+  def stack_plan(self) -> tuple[int, int, int]:
+    """(prefix, repeats, period): layers[:prefix] run unscanned, then `repeats`
+    identical units of `period` layers run under one scan, then the rest
+    unscanned. Chosen to scan as many layers as possible, so compile time
+    stays flat as depth grows."""
+    kinds, p = self.layer_kinds(), self.scan_period
+    best = (len(kinds), 0)  # (unscanned count, -start) -> minimise
+    plan = (len(kinds), 0, p)
+    for start in range(len(kinds)):
+      unit = kinds[start:start + p]
+      if len(unit) < p:
+        break
+      reps = 1
+      while kinds[start + reps * p:start + (reps + 1) * p] == unit:
+        reps += 1
+      unscanned = len(kinds) - reps * p
+      if (unscanned, start) < best:
+        best, plan = (unscanned, start), (start, reps, p)
+    return plan
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+  steps: int = 300
+  batch_size: int = 8
+  seq_len: int = 256
+  grad_accum: int = 1
+  optimizer: str = "adamw"          # "adamw" (Muon lands with the Per-Head Muon issue)
+  learning_rate: float = 3e-3
+  warmup_frac: float = 0.01
+  min_lr_ratio: float = 0.1
+  weight_decay: float = 0.1
+  b1: float = 0.9
+  b2: float = 0.95
+  grad_clip: float = 1.0
+  remat: str = "none"               # "none" | "block" (rematerialise each scanned unit) | "full"
+  seed: int = 0
+  eval_every: int = 100
+  eval_batches: int = 4
+  checkpoint_every: int = 100
+  keep_checkpoints: int = 2
+  log_every: int = 10
+  dataset: str = "stdlib"           # "stdlib" | "mqar" | path to a .txt/.jsonl file or folder
+  tokenizer: str = "byte"           # "byte" | path to a tiktoken BPE file
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+  data: int = 1
+  fsdp: int = -1                    # -1: all remaining devices
+  expert: int = 1
+  sequence: int = 1
+  tensor: int = 1
+
+
+# ----- validation ---------------------------------------------------------
+
+def _require(ok: bool, field_name: str, value: Any, rule: str) -> None:
+  if not ok:
+    raise ConfigError(f"{field_name}={value!r}: {rule}")
+
+
+def validate(cfg: ModelConfig) -> ModelConfig:
+  """Checks every rule the model relies on; returns cfg unchanged."""
+  for f in ("vocab_size", "d_model", "num_layers", "dense_intermediate", "max_seq_len",
+            "scan_period"):
+    _require(getattr(cfg, f) > 0, f, getattr(cfg, f), "must be positive")
+  for f in ("mla_layers", "dense_layers"):
+    for i in getattr(cfg, f):
+      _require(1 <= i <= cfg.num_layers, f, getattr(cfg, f),
+               f"layer numbers are 1-based and must lie in [1, num_layers={cfg.num_layers}]")
+  _require(cfg.activation in ("situ", "swiglu"), "activation", cfg.activation,
+           "must be one of 'situ', 'swiglu'")
+  for f in ("dtype", "param_dtype"):
+    _require(getattr(cfg, f) in ("float32", "bfloat16"), f, getattr(cfg, f),
+             "must be 'float32' or 'bfloat16'")
+  k = cfg.kda
+  for f in ("num_heads", "head_dim", "conv_size", "chunk_size"):
+    _require(getattr(k, f) > 0, f"kda.{f}", getattr(k, f), "must be positive")
+  _require(k.decay in ("lower_bound", "softplus"), "kda.decay", k.decay,
+           "must be 'lower_bound' (K3) or 'softplus' (Kimi Linear)")
+  _require(k.g_min < 0, "kda.g_min", k.g_min, "must be negative (log of the smallest decay)")
+  _require(k.gate_rank >= 0 and k.decay_rank >= 0, "kda.gate_rank/decay_rank",
+           (k.gate_rank, k.decay_rank), "must be >= 0")
+  _require(k.backend in ("reference", "pallas"), "kda.backend", k.backend,
+           "must be 'reference' or 'pallas'")
+  m = cfg.mla
+  for f in ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
+    _require(getattr(m, f) > 0, f"mla.{f}", getattr(m, f), "must be positive")
+  _require(m.q_lora_rank >= 0 and m.qk_rope_head_dim >= 0, "mla.q_lora_rank/qk_rope_head_dim",
+           (m.q_lora_rank, m.qk_rope_head_dim), "must be >= 0")
+  e = cfg.moe
+  _require(e.num_experts > 0, "moe.num_experts", e.num_experts, "must be positive")
+  _require(0 < e.top_k <= e.num_experts, "moe.top_k", e.top_k,
+           f"must lie in [1, moe.num_experts={e.num_experts}]")
+  _require(e.expert_intermediate > 0, "moe.expert_intermediate", e.expert_intermediate,
+           "must be positive")
+  _require(e.latent_dim >= 0, "moe.latent_dim", e.latent_dim, "must be >= 0 (0 = no latent)")
+  _require(e.num_shared_experts >= 0, "moe.num_shared_experts", e.num_shared_experts,
+           "must be >= 0")
+  _require(e.num_experts % e.n_group == 0, "moe.n_group", e.n_group,
+           f"must divide moe.num_experts={e.num_experts}")
+  _require(1 <= e.topk_group <= e.n_group, "moe.topk_group", e.topk_group,
+           f"must lie in [1, moe.n_group={e.n_group}]")
+  _require(cfg.attn_res.block_size > 0, "attn_res.block_size", cfg.attn_res.block_size,
+           "must be positive")
+  return cfg
+
+
+def validate_train(tc: TrainConfig, cfg: ModelConfig) -> TrainConfig:
+  for f in ("steps", "batch_size", "seq_len", "grad_accum", "eval_every", "checkpoint_every",
+            "log_every"):
+    _require(getattr(tc, f) > 0, f, getattr(tc, f), "must be positive")
+  _require(tc.batch_size % tc.grad_accum == 0, "batch_size", tc.batch_size,
+           f"must be divisible by grad_accum={tc.grad_accum}")
+  _require(tc.seq_len <= cfg.max_seq_len, "seq_len", tc.seq_len,
+           f"must not exceed the model's max_seq_len={cfg.max_seq_len}")
+  _require(tc.optimizer in ("adamw",), "optimizer", tc.optimizer,
+           "must be 'adamw' (Per-Head Muon is not built yet)")
+  _require(tc.remat in ("none", "block", "full"), "remat", tc.remat,
+           "must be one of 'none', 'block', 'full'")
+  _require(tc.learning_rate > 0, "learning_rate", tc.learning_rate, "must be positive")
+  _require(0 <= tc.warmup_frac < 1, "warmup_frac", tc.warmup_frac, "must lie in [0, 1)")
+  return tc
+
+
+# ----- overrides ----------------------------------------------------------
+
+def _parse_value(raw: str, current: Any, name: str) -> Any:
+  if isinstance(current, bool):
+    if raw.lower() in ("1", "true", "yes", "on"):
+      return True
+    if raw.lower() in ("0", "false", "no", "off"):
+      return False
+    raise ConfigError(f"{name}={raw!r}: expected a boolean (true/false)")
+  try:
+    if isinstance(current, int):
+      return int(raw)
+    if isinstance(current, float):
+      return float(raw)
+    if isinstance(current, tuple):
+      raw = raw.strip("()[] ")
+      return tuple(int(x) for x in raw.split(",") if x.strip())
+  except ValueError:
+    raise ConfigError(f"{name}={raw!r}: expected a value of type {type(current).__name__}") from None
+  return raw
+
+
+def apply_overrides(obj: Any, overrides: list[str] | tuple[str, ...]) -> Any:
+  """Applies `a.b=value` strings to a (nested) frozen dataclass; unknown fields are errors."""
+  for item in overrides:
+    if "=" not in item:
+      raise ConfigError(f"override {item!r}: expected the form field=value (e.g. kda.num_heads=4)")
+    path, raw = item.split("=", 1)
+    obj = _replace_path(obj, path.strip().split("."), raw.strip(), path.strip())
+  return obj
+
+
+def _replace_path(obj: Any, parts: list[str], raw: str, full: str) -> Any:
+  names = {f.name for f in dataclasses.fields(obj)}
+  if parts[0] not in names:
+    raise ConfigError(
+        f"override {full!r}: {type(obj).__name__} has no field {parts[0]!r}; "
+        f"fields are: {', '.join(sorted(names))}")
+  current = getattr(obj, parts[0])
+  if len(parts) == 1:
+    if dataclasses.is_dataclass(current):
+      raise ConfigError(f"override {full!r}: {parts[0]!r} is a group; name one of its fields")
+    return dataclasses.replace(obj, **{parts[0]: _parse_value(raw, current, full)})
+  if not dataclasses.is_dataclass(current):
+    raise ConfigError(f"override {full!r}: {parts[0]!r} is not a group of fields")
+  return dataclasses.replace(obj, **{parts[0]: _replace_path(current, parts[1:], raw, full)})
+
+
+def to_dict(obj: Any) -> dict:
+  return dataclasses.asdict(obj)
+
+
+def from_dict(d: dict) -> ModelConfig:
+  sub = {"kda": KDAConfig, "mla": MLAConfig, "moe": MoEConfig, "attn_res": AttnResConfig}
+  kw = {}
+  for k, v in d.items():
+    if k in sub:
+      kw[k] = sub[k](**v)
+    elif isinstance(v, list):
+      kw[k] = tuple(v)
+    else:
+      kw[k] = v
+  return ModelConfig(**kw)
+
+
+def jnp_dtype(name: str):
+  import jax.numpy as jnp
+  return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
+
+
+def ceil_div(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+__all__ = ["ConfigError", "KDAConfig", "MLAConfig", "MoEConfig", "AttnResConfig", "ModelConfig",
+           "TrainConfig", "MeshConfig", "validate", "validate_train", "apply_overrides",
+           "to_dict", "from_dict", "jnp_dtype"]
