@@ -1,0 +1,157 @@
+"""Routed mixture-of-experts ops: sigmoid router, top-k selection, dropless dispatch.
+
+Shapes: N tokens, D model width, Din expert input width (latent width l for
+Stable LatentMoE, model width d for a plain MoE), E experts, F expert
+intermediate, k experts per token.
+
+Router (spec section 5):
+    s = sigmoid(x W_r)                 (float32)
+    T = top_k(s + b)                   (b: balancing bias, never differentiated)
+    p_j = s_j / sum_{r in T} s_r       (times the routed scaling factor)
+
+`moe_dispatch` is the dropless path: token-expert pairs are sorted by expert
+and each expert's FFN runs as a grouped matmul (`jax.lax.ragged_dot`) over its
+contiguous rows only. `moe_dense_reference` runs every expert on every token
+and masks; it is the baseline for tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from k3_jax.ops.activations import glu
+
+# gmm(lhs [M, K], rhs [G, K, N], group_sizes [G] int32) -> [M, N]; rows of lhs
+# are grouped contiguously, group g multiplies rhs[g].
+GroupedMatmul = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+def ragged_dot_gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+  """Default grouped matmul: jax.lax.ragged_dot with a float32 result."""
+  return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
+
+
+def router_scores(x: jax.Array, w_router: jax.Array) -> jax.Array:
+  """Sigmoid router scores in float32. x [N, D], w_router [D, E] -> [N, E]."""
+  logits = jnp.dot(x.astype(jnp.float32), w_router.astype(jnp.float32))  # [N, E]
+  return jax.nn.sigmoid(logits)
+
+
+def _group_mask(biased: jax.Array, n_group: int, topk_group: int) -> jax.Array:
+  """Keep the experts of the `topk_group` best groups, others -> -inf.
+
+  Group score = sum of the top-2 biased scores in the group (DeepSeek-V3).
+  biased [N, E] -> [N, E].
+  """
+  n, e = biased.shape
+  per_group = e // n_group
+  grouped = biased.reshape(n, n_group, per_group)                        # [N, G, E/G]
+  top2, _ = jax.lax.top_k(grouped, min(2, per_group))                    # [N, G, 2]
+  group_scores = jnp.sum(top2, axis=-1)                                  # [N, G]
+  _, keep_groups = jax.lax.top_k(group_scores, topk_group)               # [N, topk_group]
+  keep = jnp.sum(jax.nn.one_hot(keep_groups, n_group, dtype=jnp.int32), axis=1) > 0  # [N, G]
+  keep = jnp.repeat(keep, per_group, axis=1)                             # [N, E]
+  return jnp.where(keep, biased, -jnp.inf)
+
+
+def select_experts(scores: jax.Array, bias: jax.Array, top_k: int,
+                   routed_scaling_factor: float = 1.0, n_group: int = 1,
+                   topk_group: int = 1) -> tuple[jax.Array, jax.Array]:
+  """Pick top-k experts on scores + bias; weight them by renormalised unbiased scores.
+
+  scores [N, E] (router sigmoid outputs), bias [E] (balancing bias; wrapped in
+  stop_gradient). Returns (weights [N, k] float32, expert_ids [N, k] int32).
+  Gradients reach `scores` through the weights only; the choice is discrete.
+  With n_group > 1, routing is group-limited: only experts in the `topk_group`
+  best groups (group score = sum of its top-2 biased scores) can be chosen.
+  """
+  n, e = scores.shape
+  if not 1 <= top_k <= e:
+    raise ValueError(f"top_k={top_k} must be in [1, num_experts={e}]")
+  if n_group < 1 or e % n_group != 0:
+    raise ValueError(f"n_group={n_group} must be >= 1 and divide num_experts={e}")
+  if n_group > 1:
+    if not 1 <= topk_group <= n_group:
+      raise ValueError(f"topk_group={topk_group} must be in [1, n_group={n_group}]")
+    if top_k > topk_group * (e // n_group):
+      raise ValueError(f"top_k={top_k} exceeds the {topk_group} kept groups x "
+                       f"{e // n_group} experts per group")
+
+  scores = scores.astype(jnp.float32)
+  biased = scores + jax.lax.stop_gradient(bias.astype(jnp.float32))[None, :]  # [N, E]
+  biased = jax.lax.stop_gradient(biased)  # selection only; weights come from `scores`
+  if n_group > 1:
+    biased = _group_mask(biased, n_group, topk_group)
+  _, expert_ids = jax.lax.top_k(biased, top_k)                            # [N, k]
+  expert_ids = expert_ids.astype(jnp.int32)
+  chosen = jnp.take_along_axis(scores, expert_ids, axis=-1)               # [N, k]
+  weights = chosen / (jnp.sum(chosen, axis=-1, keepdims=True) + 1e-20)
+  return weights * routed_scaling_factor, expert_ids
+
+
+def expert_load(expert_ids: jax.Array, num_experts: int) -> jax.Array:
+  """Tokens routed to each expert. expert_ids [N, k] -> counts [E] int32."""
+  return jnp.bincount(expert_ids.reshape(-1), length=num_experts).astype(jnp.int32)
+
+
+def moe_dispatch(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
+                 w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+                 activation: str = "situ", beta1: float = 4.0, beta2: float = 25.0,
+                 gmm: GroupedMatmul | None = None) -> jax.Array:
+  """Dropless routed-expert FFN via grouped matmuls.
+
+  x [N, Din]; weights [N, k] combine weights; expert_ids [N, k] int32;
+  w_gate, w_up [E, Din, F]; w_down [E, F, Din]. Returns y [N, Din] in x.dtype:
+      y_i = sum_j weights[i, j] * FFN_{expert_ids[i, j]}(x_i)
+  Every token-expert pair is computed (no capacity, no drops); each expert
+  only sees its own rows.
+  """
+  if gmm is None:
+    gmm = ragged_dot_gmm
+  n, k = expert_ids.shape
+  e = w_gate.shape[0]
+
+  flat_ids = expert_ids.reshape(-1)                                      # [N*k]
+  order = jnp.argsort(flat_ids, stable=True)                             # [N*k] pair index, sorted by expert
+  token_of_pair = order // k                                             # [N*k] source token of each sorted row
+  group_sizes = jnp.bincount(flat_ids, length=e).astype(jnp.int32)      # [E]
+
+  xs = jnp.take(x, token_of_pair, axis=0)                                # [N*k, Din]
+  gate = gmm(xs, w_gate, group_sizes)                                    # [N*k, F] f32
+  up = gmm(xs, w_up, group_sizes)                                        # [N*k, F] f32
+  h = glu(gate, up, activation, beta1=beta1, beta2=beta2)                # [N*k, F] f32
+  h = h.astype(x.dtype)
+  out_sorted = gmm(h, w_down, group_sizes).astype(jnp.float32)           # [N*k, Din]
+
+  inverse = jnp.argsort(order)                                           # [N*k] sorted row of each pair
+  out = jnp.take(out_sorted, inverse, axis=0).reshape(n, k, -1)          # [N, k, Din]
+  y = jnp.sum(out * weights.astype(jnp.float32)[..., None], axis=1)      # [N, Din]
+  return y.astype(x.dtype)
+
+
+def moe_dense_reference(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
+                        w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+                        activation: str = "situ", beta1: float = 4.0,
+                        beta2: float = 25.0) -> jax.Array:
+  """Baseline: run EVERY expert on every token, then mask with the combine weights.
+
+  Same arguments and result as `moe_dispatch`; costs E/k times the FLOPs.
+  """
+  n, _ = x.shape
+  e = w_gate.shape[0]
+  f32 = jnp.float32
+  # Operands are upcast to f32 (bf16 x bf16 products are exact in f32, so this
+  # matches a bf16 matmul with f32 accumulation; XLA:CPU has no batched
+  # bf16 x bf16 -> f32 dot). The hidden is rounded to x.dtype as in moe_dispatch.
+  xf = x.astype(f32)
+  gate = jnp.einsum("nd,edf->nef", xf, w_gate.astype(f32))                 # [N, E, F]
+  up = jnp.einsum("nd,edf->nef", xf, w_up.astype(f32))                     # [N, E, F]
+  h = glu(gate, up, activation, beta1=beta1, beta2=beta2).astype(x.dtype)  # [N, E, F]
+  out = jnp.einsum("nef,efd->ned", h.astype(f32), w_down.astype(f32))      # [N, E, Din]
+  combine = jnp.zeros((n, e), f32).at[jnp.arange(n)[:, None], expert_ids].add(
+      weights.astype(f32))                                                 # [N, E]
+  y = jnp.einsum("ne,ned->nd", combine, out)                               # [N, Din]
+  return y.astype(x.dtype)
