@@ -1,0 +1,154 @@
+"""Throughput of the KDA reference ops: chunk_kda vs recurrent_kda.
+
+  python benchmarks/kda_ops.py [--quick] [--json out.json] [--runs N]
+
+Measures tokens/s for the forward pass and forward+backward (jax.grad of a
+scalar of the outputs w.r.t. q, k, v, g, beta) at B=1, H=4, K=V=128, float32,
+T in {1024, 4096, 16384} (--quick: T=1024 only), jit-compiled, one warm-up
+call, then the median of --runs timed calls (block_until_ready). It also
+measures a 2048x2048 float32 jnp.dot in the same process, as the machine's
+dense-matmul reference.
+
+Analytic FLOP counts (multiply and add counted separately, per token per head;
+exp, masks and reshapes not counted):
+
+  recurrent (per token): decay K*V + read k^T S 2*K*V + write 2*K*V
+                         + output S^T q 2*K*V                   = 7*K*V
+  chunk (per token, C = chunk, t = sub-tile = 16):
+    intra-chunk scores, q and k, off-diagonal as dense
+      [t, K] x [K, C] per sub-tile                             = 4*C*K
+    diagonal sub-tiles, pairwise, 2 products x 3 ops           = 6*t*K
+    triangular solve, C x C against K+V right-hand sides       = C*(K+V)
+    scan: W S, q S, k^T Vnew (2*K*V each) + Aqk Vnew (2*C*V)    = 6*K*V + 2*C*V
+  forward+backward is counted as 3x the forward (the usual 1 fwd + 2 bwd).
+
+Achieved GFLOP/s = FLOPs / median time. The ratio column is chunk tokens/s
+over recurrent tokens/s for the same T and pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from k3_jax.ops import kda  # noqa: E402
+
+B, H, K, V = 1, 4, 128, 128
+CHUNK = 64
+SUB_TILE = 16
+
+
+def flops_recurrent(T):
+  return 7 * K * V * B * H * T
+
+
+def flops_chunk(T, C=CHUNK, t=SUB_TILE):
+  per_token = 4 * C * K + 6 * t * K + C * (K + V) + 6 * K * V + 2 * C * V
+  return per_token * B * H * T
+
+
+def time_fn(fn, args, runs):
+  jax.block_until_ready(fn(*args))                    # compile + warm-up
+  times = []
+  for _ in range(runs):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times)
+
+
+def make_inputs(T, key):
+  ks = jax.random.split(key, 6)
+  q = kda.l2_normalize(jax.random.normal(ks[0], (B, T, H, K)))
+  k = kda.l2_normalize(jax.random.normal(ks[1], (B, T, H, K)))
+  v = jax.random.normal(ks[2], (B, T, H, V))
+  z = jax.random.normal(ks[3], (B, T, H, K))
+  g = kda.kda_gate_lower_bound(z, jnp.zeros((H,)))
+  beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, H)))
+  return q, k, v, g, beta
+
+
+def build(op):
+  def fwd(q, k, v, g, beta):
+    o, s = op(q, k, v, g, beta, output_final_state=True)
+    return o, s
+
+  def loss(q, k, v, g, beta):
+    o, s = op(q, k, v, g, beta, output_final_state=True)
+    return jnp.sum(o) + jnp.sum(s)
+
+  return jax.jit(fwd), jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+
+
+def bench_matmul(runs):
+  n = 2048
+  a = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.float32)
+  b = jax.random.normal(jax.random.PRNGKey(2), (n, n), jnp.float32)
+  dot = jax.jit(jnp.dot)
+  sec = time_fn(dot, (a, b), runs)
+  return 2 * n ** 3 / sec / 1e9
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--quick", action="store_true", help="T=1024 only")
+  p.add_argument("--json", default=None, help="write results to this file")
+  p.add_argument("--runs", type=int, default=3, help="timed runs (median)")
+  args = p.parse_args()
+
+  lengths = [1024] if args.quick else [1024, 4096, 16384]
+  ops = {"chunk": (kda.chunk_kda, flops_chunk),
+         "recurrent": (kda.recurrent_kda, flops_recurrent)}
+  compiled = {name: build(op) for name, (op, _) in ops.items()}
+
+  matmul_gflops = bench_matmul(args.runs)
+  rows = []
+  for T in lengths:
+    inputs = make_inputs(T, jax.random.PRNGKey(T))
+    res = {}
+    for pass_name, idx, mult in (("fwd", 0, 1), ("fwd+bwd", 1, 3)):
+      for name, (_, flop_fn) in ops.items():
+        sec = time_fn(compiled[name][idx], inputs, args.runs)
+        res[(pass_name, name)] = dict(
+            T=T, op=name, pass_=pass_name, seconds=sec, tokens_per_s=B * T / sec,
+            gflops=mult * flop_fn(T) / sec / 1e9)
+        print(f"  T={T:6d} {pass_name:8s} {name:10s} {sec * 1e3:9.1f} ms",
+              file=sys.stderr, flush=True)
+      ratio = (res[(pass_name, "chunk")]["tokens_per_s"]
+               / res[(pass_name, "recurrent")]["tokens_per_s"])
+      for name in ops:
+        res[(pass_name, name)]["chunk_over_recurrent"] = ratio
+    rows.extend(res.values())
+
+  print(f"\njnp.dot 2048x2048 f32: {matmul_gflops:.1f} GFLOP/s "
+        f"(backend {jax.default_backend()}, {os.cpu_count()} CPUs)\n")
+  print("| T | pass | op | ms | tokens/s | GFLOP/s | % of dot | chunk/recurrent |")
+  print("|---:|---|---|---:|---:|---:|---:|---:|")
+  for r in rows:
+    print(f"| {r['T']} | {r['pass_']} | {r['op']} | {r['seconds'] * 1e3:.1f} "
+          f"| {r['tokens_per_s']:,.0f} | {r['gflops']:.2f} "
+          f"| {100 * r['gflops'] / matmul_gflops:.1f}% "
+          f"| {r['chunk_over_recurrent']:.2f}x |")
+
+  if args.json:
+    out = dict(config=dict(B=B, H=H, K=K, V=V, chunk=CHUNK, dtype="float32",
+                           backend=jax.default_backend(), runs=args.runs),
+               matmul_gflops=matmul_gflops,
+               results=[{("pass" if k_ == "pass_" else k_): v_
+                         for k_, v_ in r.items()} for r in rows])
+    with open(args.json, "w") as f:
+      json.dump(out, f, indent=2)
+
+
+if __name__ == "__main__":
+  main()

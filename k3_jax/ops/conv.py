@@ -1,0 +1,66 @@
+"""Depthwise causal short convolution (the KDA q/k/v conv), no bias, no
+activation (the caller applies SiLU).
+
+  y_t = sum_j weight[j] * x_{t - (W-1) + j}      weight [W, D]
+
+Tap W-1 multiplies the current token, tap 0 the token W-1 steps back. Inputs
+before the sequence come from `cache` [B, W-1, D] (oldest first; zeros = a
+fresh sequence). Computed in float32, returned in x.dtype.
+
+Packed sequences: with `segment_ids` [B, T], a new document starts wherever
+segment_ids[t] != segment_ids[t-1]; the window of a token never reaches tokens
+of another document (they count as zeros). The cache is treated as part of the
+first document only (tokens before the first change), so with segment_ids the
+cache reaches only the first document's tokens; in training segment_ids come
+with cache=None. The returned cache holds the last W-1 inputs of the last
+document (entries from earlier documents zeroed), so decoding continues the
+last document.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def _doc_index(segment_ids: jax.Array) -> jax.Array:
+  """[B, T] -> document number per token (0 first, +1 at every id change)."""
+  change = segment_ids[:, 1:] != segment_ids[:, :-1]
+  change = jnp.concatenate([jnp.zeros_like(change[:, :1]), change], axis=1)
+  return jnp.cumsum(change.astype(jnp.int32), axis=1)
+
+
+def short_conv(x, weight, segment_ids=None, cache=None):
+  """Causal depthwise conv over time.
+
+  x [B, T, D]; weight [W, D]; segment_ids [B, T] int or None;
+  cache [B, W-1, D] or None (zeros).
+  Returns (y [B, T, D] in x.dtype, new_cache [B, W-1, D] in x.dtype).
+  """
+  B, T, D = x.shape
+  W = weight.shape[0]
+  w = weight.astype(jnp.float32)
+  if cache is None:
+    cache = jnp.zeros((B, W - 1, D), x.dtype)
+  xp = jnp.concatenate([cache.astype(jnp.float32), x.astype(jnp.float32)],
+                       axis=1)                                    # [B, W-1+T, D]
+  if segment_ids is None:
+    y = sum(w[j] * xp[:, j:j + T] for j in range(W))              # [B, T, D]
+    new_cache = xp[:, T:]
+  else:
+    doc = _doc_index(segment_ids)                                 # [B, T]
+    docp = jnp.concatenate([jnp.zeros((B, W - 1), doc.dtype), doc], axis=1)  # cache = doc 0
+    y = sum(jnp.where((docp[:, j:j + T] == doc)[..., None], w[j] * xp[:, j:j + T], 0.0)
+            for j in range(W))
+    same_as_last = (docp[:, T:] == doc[:, -1:])[..., None]        # [B, W-1, 1]
+    new_cache = jnp.where(same_as_last, xp[:, T:], 0.0)
+  return y.astype(x.dtype), new_cache.astype(x.dtype)
+
+
+def short_conv_step(x, weight, cache):
+  """One decode token. x [B, D]; weight [W, D]; cache [B, W-1, D].
+  Returns (y [B, D] in x.dtype, new_cache [B, W-1, D])."""
+  xp = jnp.concatenate([cache.astype(jnp.float32),
+                        x.astype(jnp.float32)[:, None]], axis=1)  # [B, W, D]
+  y = jnp.sum(xp * weight.astype(jnp.float32), axis=1)            # [B, D]
+  return y.astype(x.dtype), xp[:, 1:].astype(cache.dtype)
