@@ -128,7 +128,7 @@ class TrainConfig:
   b1: float = 0.9
   b2: float = 0.95
   grad_clip: float = 1.0
-  remat: str = "none"               # "none" | "block" (rematerialise each scanned unit) | "full"
+  remat: str = "none"               # "none" | "block" (recompute each scanned unit) | "dots" (keep matmuls)
   seed: int = 0
   eval_every: int = 100
   eval_batches: int = 4
@@ -212,8 +212,8 @@ def validate_train(tc: TrainConfig, cfg: ModelConfig) -> TrainConfig:
            f"must not exceed the model's max_seq_len={cfg.max_seq_len}")
   _require(tc.optimizer in ("adamw",), "optimizer", tc.optimizer,
            "must be 'adamw' (Per-Head Muon is not built yet)")
-  _require(tc.remat in ("none", "block", "full"), "remat", tc.remat,
-           "must be one of 'none', 'block', 'full'")
+  _require(tc.remat in ("none", "block", "dots"), "remat", tc.remat,
+           "must be one of 'none', 'block', 'dots'")
   _require(tc.learning_rate > 0, "learning_rate", tc.learning_rate, "must be positive")
   _require(0 <= tc.warmup_frac < 1, "warmup_frac", tc.warmup_frac, "must lie in [0, 1)")
   return tc

@@ -1,0 +1,30 @@
+"""Kimi K3, full size (K3_SPEC section 1): about 2.79T total, 104B activated parameters.
+
+Never instantiated on a CPU; `main.py info` and ahead-of-time compilation use it abstractly.
+"""
+
+from k3_jax.config import AttnResConfig, KDAConfig, MLAConfig, ModelConfig, MoEConfig
+
+
+def get_config() -> ModelConfig:
+  return ModelConfig(
+      name="k3",
+      vocab_size=163_840,
+      d_model=7168,
+      num_layers=93,
+      mla_layers=tuple(range(4, 93, 4)) + (93,),
+      dense_layers=(1,),
+      dense_intermediate=33_792,
+      activation="situ",
+      max_seq_len=1_048_576,
+      dtype="bfloat16",
+      param_dtype="bfloat16",
+      bos_id=163_584, eos_id=163_586, pad_id=163_839,
+      kda=KDAConfig(num_heads=96, head_dim=128, conv_size=4, decay="lower_bound", g_min=-5.0,
+                    gate_rank=0, decay_rank=0, chunk_size=64),
+      mla=MLAConfig(num_heads=96, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                    qk_rope_head_dim=64, v_head_dim=128, output_gate=True),
+      moe=MoEConfig(num_experts=896, top_k=16, num_shared_experts=2, expert_intermediate=3072,
+                    latent_dim=3584, routed_scaling_factor=1.0),
+      attn_res=AttnResConfig(enabled=False, block_size=12),  # switched on with the AttnRes issue
+  )

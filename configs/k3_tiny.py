@@ -1,0 +1,32 @@
+"""For tests: every K3 component, three [KDA, KDA, KDA, MLA] blocks + a final MLA, tiny widths."""
+
+from k3_jax.config import (AttnResConfig, KDAConfig, MLAConfig, ModelConfig, MoEConfig,
+                           TrainConfig)
+
+
+def get_config() -> ModelConfig:
+  return ModelConfig(
+      name="k3_tiny",
+      vocab_size=256,
+      d_model=32,
+      num_layers=13,
+      mla_layers=(4, 8, 12, 13),
+      dense_layers=(1,),
+      dense_intermediate=64,
+      activation="situ",
+      max_seq_len=512,
+      dtype="float32",
+      param_dtype="float32",
+      eos_id=0,
+      kda=KDAConfig(num_heads=2, head_dim=8, conv_size=4, decay="lower_bound", chunk_size=16),
+      mla=MLAConfig(num_heads=2, q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8,
+                    qk_rope_head_dim=4, v_head_dim=8, output_gate=True),
+      moe=MoEConfig(num_experts=8, top_k=2, num_shared_experts=1, expert_intermediate=16,
+                    latent_dim=16, routed_scaling_factor=1.0),
+      attn_res=AttnResConfig(enabled=False, block_size=4),  # switched on with the AttnRes issue
+  )
+
+
+def get_train_config() -> TrainConfig:
+  return TrainConfig(steps=4, batch_size=4, seq_len=32, eval_every=2, eval_batches=1,
+                     checkpoint_every=2, log_every=1)

@@ -1,0 +1,31 @@
+"""Kimi-Linear-48B-A3B compatibility config (K3_SPEC section 1): about 48B total, 3B active.
+
+Softplus (unbounded) KDA decay, low-rank forget and output gates, MLA without output
+gate and without q_lora, SwiGLU, a plain (non-latent) MoE with one shared expert, no AttnRes.
+"""
+
+from k3_jax.config import AttnResConfig, KDAConfig, MLAConfig, ModelConfig, MoEConfig
+
+
+def get_config() -> ModelConfig:
+  return ModelConfig(
+      name="kimi_linear_48b",
+      vocab_size=163_840,
+      d_model=2304,
+      num_layers=27,
+      mla_layers=(4, 8, 12, 16, 20, 24, 27),
+      dense_layers=(1,),
+      dense_intermediate=9216,
+      activation="swiglu",
+      max_seq_len=1_048_576,
+      dtype="bfloat16",
+      param_dtype="bfloat16",
+      bos_id=163_584, eos_id=163_586, pad_id=163_839,
+      kda=KDAConfig(num_heads=32, head_dim=128, conv_size=4, decay="softplus",
+                    gate_rank=128, decay_rank=128, chunk_size=64),
+      mla=MLAConfig(num_heads=32, q_lora_rank=0, kv_lora_rank=512, qk_nope_head_dim=128,
+                    qk_rope_head_dim=64, v_head_dim=128, output_gate=False),
+      moe=MoEConfig(num_experts=256, top_k=8, num_shared_experts=1, expert_intermediate=1024,
+                    latent_dim=0, routed_scaling_factor=2.446),
+      attn_res=AttnResConfig(enabled=False),
+  )

@@ -1,0 +1,138 @@
+"""Kimi Delta Attention layer (K3_SPEC section 2), K3 and Kimi-Linear variants.
+
+    q, k, v = SiLU(conv4(W x)); q, k L2-normalised per head
+    beta    = sigmoid(W_beta x)                       one per head
+    z       = W_up W_down x + b                       low rank, per channel
+    g       = g_min sigmoid(e^A z)  (K3)   |   -e^A softplus(z)  (Kimi Linear)
+    o       = delta rule (chunked for many tokens, one recurrent step for decode)
+    y       = W_o [ sigmoid(W_g x) * RMSNorm_head(o) ]
+
+Cache (decode): {'state': [B, H, K, V] f32, 'conv_q'/'conv_k'/'conv_v': [B, W-1, H*K]}.
+"""
+
+from __future__ import annotations
+
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3_jax.config import ModelConfig, jnp_dtype
+from k3_jax.layers.init import Init
+from k3_jax.layers.linear import Linear
+from k3_jax.ops import conv as conv_ops
+from k3_jax.ops import kda as kda_ops
+from k3_jax.ops.norms import rms_norm
+from k3_jax.partitioning import constrain
+
+
+def decay_bias_init(init: Init, shape, g_min: float | None) -> jax.Array:
+  """Bias b of the decay logit so that the initial per-step log decay is -dt, dt ~ logU(1e-3, 0.1).
+
+  Kimi Linear (softplus): b = softplus^-1(dt). K3 (lower bound; a project choice mirroring
+  it): g_min sigmoid(b) = -dt, so b = logit(dt / |g_min|).
+  """
+  dt = jnp.exp(init.uniform(shape, math.log(1e-3), math.log(0.1)))
+  if g_min is None:
+    return jnp.log(jnp.expm1(dt))
+  p = dt / abs(g_min)
+  return jnp.log(p) - jnp.log1p(-p)
+
+
+class KDA(nnx.Module):
+  def __init__(self, cfg: ModelConfig, *, init: Init, out_std: float | None = None):
+    c, d = cfg.kda, cfg.d_model
+    h, k = c.num_heads, c.head_dim
+    dt, pdt = jnp_dtype(cfg.dtype), jnp_dtype(cfg.param_dtype)
+    self.c, self.dtype, self.eps = c, dt, cfg.norm_eps
+    lin = dict(init=init, dtype=dt, param_dtype=pdt)
+    self.q_proj = Linear(d, (h, k), ("embed", "heads", "head_dim"), **lin)
+    self.k_proj = Linear(d, (h, k), ("embed", "heads", "head_dim"), **lin)
+    self.v_proj = Linear(d, (h, k), ("embed", "heads", "head_dim"), **lin)
+    conv_shape = (c.conv_size, h, k)
+    conv_axes = ("conv", "heads", "head_dim")
+    self.q_conv = nnx.Param(init.normal(conv_shape, c.conv_size ** -0.5, pdt),
+                            logical_axes=conv_axes)
+    self.k_conv = nnx.Param(init.normal(conv_shape, c.conv_size ** -0.5, pdt),
+                            logical_axes=conv_axes)
+    self.v_conv = nnx.Param(init.normal(conv_shape, c.conv_size ** -0.5, pdt),
+                            logical_axes=conv_axes)
+    self.b_proj = Linear(d, h, ("embed", "heads"), **lin)
+    rank = c.decay_rank or k
+    self.f_down = Linear(d, rank, ("embed", "rank"), **lin)
+    self.f_up = Linear(rank, (h, k), ("rank", "heads", "head_dim"), **lin)
+    softplus = c.decay == "softplus"
+    self.dt_bias = nnx.Param(decay_bias_init(init, (h, k), None if softplus else c.g_min),
+                             logical_axes=("heads", "head_dim"))
+    a_init = (jnp.log(init.uniform((h,), 1.0, 16.0))
+              if softplus else jnp.zeros((h,), jnp.float32))
+    self.a_log = nnx.Param(a_init, logical_axes=("heads",))
+    if c.gate_rank:
+      self.g_down = Linear(d, c.gate_rank, ("embed", "rank"), **lin)
+      self.g_up = Linear(c.gate_rank, (h, k), ("rank", "heads", "head_dim"), **lin)
+    else:
+      self.g_proj = Linear(d, (h, k), ("embed", "heads", "head_dim"), **lin)
+    self.o_norm = nnx.Param(jnp.ones((k,), pdt), logical_axes=("head_dim",))
+    self.o_proj = Linear((h, k), d, ("heads", "head_dim", "embed"), std=out_std, **lin)
+
+  # ----- pieces ---------------------------------------------------------------
+  def _conv(self, x, weight, segment_ids, cache):
+    b, t, h, k = x.shape
+    w = weight[...].reshape(self.c.conv_size, h * k)
+    flat = x.reshape(b, t, h * k)
+    if t == 1 and cache is not None:
+      y, new = conv_ops.short_conv_step(flat[:, 0], w, cache)
+      y = y[:, None]
+    else:
+      y, new = conv_ops.short_conv(flat, w, segment_ids=segment_ids, cache=cache)
+    return jax.nn.silu(y.astype(jnp.float32)).reshape(b, t, h, k), new
+
+  def _decay(self, x):
+    z = self.f_up(self.f_down(x)).astype(jnp.float32) + self.dt_bias[...]   # [B, T, H, K]
+    if self.c.decay == "softplus":
+      return kda_ops.kda_gate_softplus(z, self.a_log[...])
+    return kda_ops.kda_gate_lower_bound(z, self.a_log[...], self.c.g_min)
+
+  def _gate(self, x):
+    return self.g_up(self.g_down(x)) if self.c.gate_rank else self.g_proj(x)
+
+  def init_cache(self, batch: int) -> dict:
+    h, k, w = self.c.num_heads, self.c.head_dim, self.c.conv_size
+    conv = jnp.zeros((batch, w - 1, h * k), self.dtype)
+    return {"state": jnp.zeros((batch, h, k, k), jnp.float32),
+            "conv_q": conv, "conv_k": conv, "conv_v": conv}
+
+  # ----- forward --------------------------------------------------------------
+  def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None,
+               cache: dict | None = None) -> tuple[jax.Array, dict | None]:
+    """x [B, T, D] -> (y [B, T, D], new cache or None). With a cache and T == 1 the
+    one-step recurrence runs; otherwise the chunked form (from the cached state)."""
+    b, t, _ = x.shape
+    get = (lambda n: cache[n]) if cache is not None else (lambda n: None)
+    q, cq = self._conv(self.q_proj(x), self.q_conv, segment_ids, get("conv_q"))
+    k, ck = self._conv(self.k_proj(x), self.k_conv, segment_ids, get("conv_k"))
+    v, cv = self._conv(self.v_proj(x), self.v_conv, segment_ids, get("conv_v"))
+    q, k = kda_ops.l2_normalize(q), kda_ops.l2_normalize(k)            # [B, T, H, K] f32
+    q = constrain(q, ("batch", "seq", "heads", None))
+    beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))          # [B, T, H]
+    g = self._decay(x)                                                 # [B, T, H, K] f32
+    if cache is not None and t == 1:
+      o, state = kda_ops.kda_decode_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
+                                         cache["state"])
+      o = o[:, None]
+    else:
+      o, state = kda_ops.chunk_kda(q, k, v, g, beta,
+                                   initial_state=None if cache is None else cache["state"],
+                                   output_final_state=cache is not None,
+                                   chunk_size=self.c.chunk_size, segment_ids=segment_ids)
+    o = rms_norm(o.astype(jnp.float32), self.o_norm[...], self.eps)     # [B, T, H, V]
+    o = jax.nn.sigmoid(self._gate(x).astype(jnp.float32)) * o
+    y = self.o_proj(o.astype(self.dtype))
+    new_cache = None if cache is None else {"state": state, "conv_q": cq, "conv_k": ck,
+                                            "conv_v": cv}
+    return y, new_cache
+
+
+__all__ = ["KDA"]

@@ -1,0 +1,37 @@
+"""Linear projections whose weights carry logical axis names.
+
+A weight has shape `in_shape + out_shape` and contracts the trailing `len(in_shape)` axes
+of the input, so per-head projections keep their head axis ([D, H, K]) visible to the
+sharding rules and to per-head optimizers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+class Linear(nnx.Module):
+  """y = x . W with W [*in_shape, *out_shape]; no bias (K3 uses none)."""
+
+  def __init__(self, in_shape, out_shape, axes: tuple[str, ...], *, init: Init,
+               dtype=jnp.float32, param_dtype=jnp.float32, std: float | None = None):
+    in_shape = (in_shape,) if isinstance(in_shape, int) else tuple(in_shape)
+    out_shape = (out_shape,) if isinstance(out_shape, int) else tuple(out_shape)
+    if len(axes) != len(in_shape) + len(out_shape):
+      raise ValueError(f"Linear: {len(axes)} axis names {axes} for weight shape "
+                       f"{in_shape + out_shape}")
+    self.in_shape, self.out_shape, self.dtype = in_shape, out_shape, dtype
+    std = math.prod(in_shape) ** -0.5 if std is None else std
+    self.w = nnx.Param(init.normal(in_shape + out_shape, std, param_dtype),
+                       logical_axes=tuple(axes))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    n_in = len(self.in_shape)
+    contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
+    y = jax.lax.dot_general(x.astype(self.dtype), self.w[...].astype(self.dtype),
+                            (contract, ((), ())), preferred_element_type=jnp.float32)
+    return y.astype(self.dtype)

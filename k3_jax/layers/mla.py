@@ -1,0 +1,109 @@
+"""Gated Multi-head Latent Attention (K3_SPEC section 3), NoPE.
+
+    c_q  = RMSNorm(W_qa x);   q = W_qb c_q            (or q = W_q x without q_lora)
+    ckv  = W_kva x;  c_kv = RMSNorm(ckv[:R]);  k_r = ckv[R:]   (k_r shared by all heads)
+    [k_nope, v] = W_kvb c_kv;  k = [k_nope ; k_r]
+    o    = softmax(q k^T / sqrt(nope + rope) + mask) v
+    y    = W_o [ sigmoid(W_g x) * o ]                 (no gate in Kimi Linear)
+
+Training runs the plain form. With a cache (prefill and decode) W_kvb is absorbed into the
+query and output sides and attention runs over the cached latents: the cache holds only
+c_kv and k_r, (R + P) values per token: {'c_kv': [B, S, R], 'k_r': [B, S, P]}.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3_jax.config import ModelConfig, jnp_dtype
+from k3_jax.layers.init import Init
+from k3_jax.layers.linear import Linear
+from k3_jax.layers.norm import RMSNorm
+from k3_jax.ops import attention as attn_ops
+from k3_jax.partitioning import constrain
+
+
+class MLA(nnx.Module):
+  def __init__(self, cfg: ModelConfig, *, init: Init, out_std: float | None = None):
+    c, d = cfg.mla, cfg.d_model
+    h, n, p, vd, r = (c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim,
+                      c.kv_lora_rank)
+    dt, pdt = jnp_dtype(cfg.dtype), jnp_dtype(cfg.param_dtype)
+    self.c, self.dtype = c, dt
+    self.scale = (n + p) ** -0.5
+    lin = dict(init=init, dtype=dt, param_dtype=pdt)
+    if c.q_lora_rank:
+      self.q_a = Linear(d, c.q_lora_rank, ("embed", "q_lora"), **lin)
+      self.q_norm = RMSNorm(c.q_lora_rank, eps=cfg.norm_eps, param_dtype=pdt, axis_name="q_lora")
+      self.q_b = Linear(c.q_lora_rank, (h, n + p), ("q_lora", "heads", "head_dim"), **lin)
+    else:
+      self.q_proj = Linear(d, (h, n + p), ("embed", "heads", "head_dim"), **lin)
+    self.kv_a = Linear(d, r + p, ("embed", "kv_lora"), **lin)
+    self.kv_norm = RMSNorm(r, eps=cfg.norm_eps, param_dtype=pdt, axis_name="kv_lora")
+    self.kv_b = Linear(r, (h, n + vd), ("kv_lora", "heads", "head_dim"), **lin)
+    if c.output_gate:
+      self.g_proj = Linear(d, (h, vd), ("embed", "heads", "head_dim"), **lin)
+    self.o_proj = Linear((h, vd), d, ("heads", "head_dim", "embed"), std=out_std, **lin)
+
+  def init_cache(self, batch: int, max_len: int) -> dict:
+    return {"c_kv": jnp.zeros((batch, max_len, self.c.kv_lora_rank), self.dtype),
+            "k_r": jnp.zeros((batch, max_len, self.c.qk_rope_head_dim), self.dtype)}
+
+  def _query(self, x):
+    q = self.q_b(self.q_norm(self.q_a(x))) if self.c.q_lora_rank else self.q_proj(x)
+    n = self.c.qk_nope_head_dim
+    return q[..., :n], q[..., n:]                                      # [B, T, H, n], [.., p]
+
+  def _latent(self, x):
+    ckv = self.kv_a(x)                                                 # [B, T, R + P]
+    r = self.c.kv_lora_rank
+    return self.kv_norm(ckv[..., :r]), ckv[..., r:]                    # [B, T, R], [B, T, P]
+
+  def _output(self, x, o):
+    if self.c.output_gate:
+      o = jax.nn.sigmoid(self.g_proj(x).astype(jnp.float32)) * o.astype(jnp.float32)
+    return self.o_proj(o.astype(self.dtype))
+
+  def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None,
+               cache: dict | None = None, pos: jax.Array | int = 0):
+    """x [B, T, D] -> (y [B, T, D], new cache or None, max_logit [H]).
+
+    Without a cache: causal (and segment) masked attention over x itself. With a cache:
+    x holds tokens at positions pos..pos+T-1; their latents are written into the cache and
+    they attend over cache positions <= their own (segment_ids are not used then).
+    """
+    b, t, _ = x.shape
+    c = self.c
+    q_nope, q_rope = self._query(x)
+    c_kv, k_r = self._latent(x)
+    if cache is None:
+      kv = self.kv_b(c_kv)                                             # [B, T, H, n + v]
+      k_nope, v = kv[..., :c.qk_nope_head_dim], kv[..., c.qk_nope_head_dim:]
+      k = jnp.concatenate(
+          [k_nope, jnp.broadcast_to(k_r[:, :, None, :], k_nope.shape[:3] + (k_r.shape[-1],))],
+          axis=-1)
+      q = constrain(jnp.concatenate([q_nope, q_rope], axis=-1), ("batch", "seq", "heads", None))
+      positions = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
+      mask = attn_ops.causal_mask(positions, positions, segment_ids, segment_ids)
+      o, max_logit = attn_ops.attention(q, k, v, self.scale, mask)
+      return self._output(x, o), None, max_logit
+    # Absorbed path over the latent cache.
+    new_cache = {
+        "c_kv": jax.lax.dynamic_update_slice_in_dim(cache["c_kv"], c_kv.astype(self.dtype),
+                                                    pos, axis=1),
+        "k_r": jax.lax.dynamic_update_slice_in_dim(cache["k_r"], k_r.astype(self.dtype),
+                                                   pos, axis=1)}
+    w = self.kv_b.w[...].astype(jnp.float32)                           # [R, H, n + v]
+    w_k, w_v = w[..., :c.qk_nope_head_dim], w[..., c.qk_nope_head_dim:]
+    q_lat = jnp.einsum("bthn,rhn->bthr", q_nope.astype(jnp.float32), w_k)
+    s = new_cache["c_kv"].shape[1]
+    q_pos = jnp.broadcast_to(pos + jnp.arange(t)[None], (b, t))
+    kv_pos = jnp.broadcast_to(jnp.arange(s)[None], (b, s))
+    mask = attn_ops.causal_mask(q_pos, kv_pos)
+    o_lat, max_logit = attn_ops.absorbed_attention(
+        q_lat, q_rope.astype(jnp.float32), new_cache["c_kv"].astype(jnp.float32),
+        new_cache["k_r"].astype(jnp.float32), self.scale, mask)
+    o = jnp.einsum("bthr,rhv->bthv", o_lat, w_v)                       # [B, T, H, V]
+    return self._output(x, o), new_cache, max_logit

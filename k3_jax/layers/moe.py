@@ -1,0 +1,83 @@
+"""Stable LatentMoE (K3_SPEC section 5) and the plain MoE of Kimi Linear.
+
+    s = sigmoid(W_r x)                (full-width router, FP32)
+    T = top_k(s + b)                  (b: balancing bias, non-trainable state)
+    p = s_T / sum s_T * scale
+    z = W_down x                      (d -> l; skipped when latent_dim = 0)
+    u = sum_j p_j E_j(z)              (dropless grouped matmul)
+    y = Shared(x) + W_up RMSNorm(u)   (RMSNorm and W_up only with a latent)
+"""
+
+from __future__ import annotations
+
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3_jax.config import ModelConfig, jnp_dtype
+from k3_jax.layers.ffn import GatedFFN
+from k3_jax.layers.init import Init
+from k3_jax.layers.linear import Linear
+from k3_jax.layers.norm import RMSNorm
+from k3_jax.ops import moe as moe_ops
+
+
+class RouterBias(nnx.Variable):
+  """The balancing bias: state, not a parameter (no gradient, no optimizer, no decay)."""
+
+
+class MoE(nnx.Module):
+  def __init__(self, cfg: ModelConfig, *, init: Init, out_std: float | None = None):
+    m, d = cfg.moe, cfg.d_model
+    dt, pdt = jnp_dtype(cfg.dtype), jnp_dtype(cfg.param_dtype)
+    self.cfg = m
+    self.kind, self.beta1, self.beta2 = cfg.activation, cfg.situ_beta1, cfg.situ_beta2
+    self.dtype = dt
+    self.router = nnx.Param(init.normal((d, m.num_experts), d ** -0.5, jnp.float32),
+                            logical_axes=("embed", "experts"))
+    self.bias = RouterBias(jnp.zeros((m.num_experts,), jnp.float32), logical_axes=("experts",))
+    width = m.latent_dim or d
+    if m.latent_dim:
+      self.down = Linear(d, width, ("embed", "latent"), init=init, dtype=dt, param_dtype=pdt)
+      self.norm = RMSNorm(width, eps=cfg.norm_eps, param_dtype=pdt, axis_name="latent")
+      self.up = Linear(width, d, ("latent", "embed"), init=init, dtype=dt, param_dtype=pdt,
+                       std=out_std)
+    e, f = m.num_experts, m.expert_intermediate
+    in_axes = ("experts", "expert_embed", "expert_mlp")
+    self.w_gate = nnx.Param(init.normal((e, width, f), width ** -0.5, pdt),
+                            logical_axes=in_axes)
+    self.w_up = nnx.Param(init.normal((e, width, f), width ** -0.5, pdt),
+                          logical_axes=in_axes)
+    down_std = f ** -0.5 if (m.latent_dim or out_std is None) else out_std
+    self.w_down = nnx.Param(init.normal((e, f, width), down_std, pdt),
+                            logical_axes=("experts", "expert_mlp", "expert_embed"))
+    if m.num_shared_experts:
+      self.shared = GatedFFN(cfg, d, m.num_shared_experts * f, init=init, out_std=out_std)
+
+  def __call__(self, x: jax.Array) -> tuple[jax.Array, dict]:
+    """x [B, T, D] -> (y [B, T, D], aux) with aux['expert_load'] [E] tokens per expert."""
+    m = self.cfg
+    b, t, d = x.shape
+    xf = x.reshape(b * t, d)                                           # [N, D]
+    scores = moe_ops.router_scores(xf, self.router[...])               # [N, E] f32
+    weights, ids = moe_ops.select_experts(scores, self.bias[...], m.top_k,
+                                          m.routed_scaling_factor, m.n_group, m.topk_group)
+    z = self.down(xf) if m.latent_dim else xf                          # [N, L]
+    u = moe_ops.moe_dispatch(z.astype(self.dtype), weights, ids,
+                             self.w_gate[...].astype(self.dtype),
+                             self.w_up[...].astype(self.dtype),
+                             self.w_down[...].astype(self.dtype),
+                             activation=self.kind, beta1=self.beta1, beta2=self.beta2)
+    y = self.up(self.norm(u)) if m.latent_dim else u                   # [N, D]
+    if m.num_shared_experts:
+      y = y + self.shared(xf)
+    aux = {"expert_load": moe_ops.expert_load(ids, m.num_experts)}
+    return y.reshape(b, t, d).astype(self.dtype), aux
+
+
+def active_fraction(cfg: ModelConfig) -> float:
+  return cfg.moe.top_k / cfg.moe.num_experts
+
+
+__all__ = ["MoE", "RouterBias", "active_fraction"]

@@ -1,0 +1,266 @@
+"""K3Model: embedding -> hybrid decoder layers (the repeating part under one scan) ->
+final norm -> LM head; plus forward / prefill / decode entry points and parameter counts.
+
+Layer layout comes from `ModelConfig.stack_plan()`: a few unscanned leading layers (the
+dense FFN layer breaks the pattern), `repeats` identical units of `period` layers whose
+parameters are stacked on a leading "layers" axis and run under `jax.lax.scan` (compile
+time does not grow with depth), then the unscanned trailing layers.
+
+Cache pytree (prefill/decode): {'pos': int32 [], 'prefix': [layer caches],
+'units': per-unit layer caches stacked on a leading axis, 'suffix': [layer caches]}.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from k3_jax.config import ConfigError, ModelConfig, jnp_dtype
+from k3_jax.layers.embed import Embed, LMHead
+from k3_jax.layers.ffn import GatedFFN
+from k3_jax.layers.init import Init
+from k3_jax.layers.kda import KDA
+from k3_jax.layers.mla import MLA
+from k3_jax.layers.moe import MoE
+from k3_jax.layers.norm import RMSNorm
+from k3_jax.partitioning import constrain
+
+
+class DecoderLayer(nnx.Module):
+  """Pre-norm mixer (KDA or MLA) and FFN (dense or MoE) with residual adds.
+
+  Attention Residuals replace the two residual inputs (`_sublayer_input`) in a later step.
+  """
+
+  def __init__(self, cfg: ModelConfig, mixer: str, ffn: str, *, init: Init):
+    pdt = jnp_dtype(cfg.param_dtype)
+    self.mixer_kind, self.ffn_kind = mixer, ffn
+    out_std_scale = (2 * cfg.num_layers) ** -0.5
+    self.mixer_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt, axis_name="embed")
+    self.ffn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt, axis_name="embed")
+    if mixer == "kda":
+      out = cfg.kda.num_heads * cfg.kda.head_dim
+      self.mixer = KDA(cfg, init=init, out_std=out ** -0.5 * out_std_scale)
+    else:
+      out = cfg.mla.num_heads * cfg.mla.v_head_dim
+      self.mixer = MLA(cfg, init=init, out_std=out ** -0.5 * out_std_scale)
+    if ffn == "dense":
+      self.ffn = GatedFFN(cfg, cfg.d_model, cfg.dense_intermediate, init=init,
+                          out_std=cfg.dense_intermediate ** -0.5 * out_std_scale)
+    else:
+      width = cfg.moe.latent_dim or cfg.d_model
+      self.ffn = MoE(cfg, init=init, out_std=width ** -0.5 * out_std_scale)
+
+  def init_cache(self, batch: int, max_len: int) -> dict:
+    if self.mixer_kind == "kda":
+      return self.mixer.init_cache(batch)
+    return self.mixer.init_cache(batch, max_len)
+
+  def __call__(self, x, segment_ids=None, cache=None, pos=0):
+    """x [B, T, D] -> (x, new cache or None, aux dict)."""
+    aux = {}
+    h = self.mixer_norm(x)
+    if self.mixer_kind == "kda":
+      y, cache = self.mixer(h, segment_ids, cache)
+    else:
+      y, cache, aux["max_logit"] = self.mixer(h, segment_ids, cache, pos)
+    x = constrain(x + y, ("batch", "seq", "embed"))
+    h = self.ffn_norm(x)
+    if self.ffn_kind == "moe":
+      y, moe_aux = self.ffn(h)
+      aux.update(moe_aux)
+    else:
+      y = self.ffn(h)
+    x = constrain(x + y, ("batch", "seq", "embed"))
+    return x, cache, aux
+
+
+class Unit(nnx.Module):
+  """`period` consecutive decoder layers: the body of the scan."""
+
+  def __init__(self, cfg: ModelConfig, kinds, *, init: Init):
+    self.layers = nnx.List([DecoderLayer(cfg, m, f, init=init) for m, f in kinds])
+
+  def __call__(self, x, segment_ids=None, caches=None, pos=0):
+    new_caches, auxes = [], []
+    for i, layer in enumerate(self.layers):
+      x, c, aux = layer(x, segment_ids, None if caches is None else caches[i], pos)
+      new_caches.append(c)
+      auxes.append(aux)
+    return x, (None if caches is None else new_caches), auxes
+
+
+def _stacked_units(cfg: ModelConfig, kinds, reps: int, init: Init) -> Unit:
+  """One Unit whose variables hold `reps` units' values stacked on a leading "layers" axis."""
+  graphdef, first = nnx.split(Unit(cfg, kinds, init=init))
+  states = [first] + [nnx.split(Unit(cfg, kinds, init=init))[1] for _ in range(reps - 1)]
+  stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+  units = nnx.merge(graphdef, stacked)
+  for _, node in nnx.iter_graph(units):
+    if isinstance(node, nnx.Variable) and "logical_axes" in node.get_metadata():
+      node.set_metadata(logical_axes=("layers",) + tuple(node.get_metadata()["logical_axes"]))
+  return units
+
+
+class K3Model(nnx.Module):
+  def __init__(self, cfg: ModelConfig, *, init: Init):
+    self.cfg = cfg
+    dt, pdt = jnp_dtype(cfg.dtype), jnp_dtype(cfg.param_dtype)
+    kinds = cfg.layer_kinds()
+    prefix, reps, period = cfg.stack_plan()
+    self.repeats = reps
+    self.embed = Embed(cfg.vocab_size, cfg.d_model, init=init, dtype=dt, param_dtype=pdt)
+    self.prefix = nnx.List([DecoderLayer(cfg, *kinds[i], init=init) for i in range(prefix)])
+    self.units = nnx.data(None)
+    if reps:
+      self.units = nnx.data(_stacked_units(cfg, kinds[prefix:prefix + period], reps, init))
+    self.suffix = nnx.List([DecoderLayer(cfg, *kinds[i], init=init)
+                            for i in range(prefix + reps * period, cfg.num_layers)])
+    self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt, axis_name="embed")
+    self.lm_head = LMHead(cfg.d_model, cfg.vocab_size, init=init, dtype=dt, param_dtype=pdt)
+
+  # ----- caches ---------------------------------------------------------------
+  def init_cache(self, batch: int, max_len: int) -> dict:
+    if max_len > self.cfg.max_seq_len:
+      raise ConfigError(f"cache length {max_len} exceeds max_seq_len={self.cfg.max_seq_len}")
+    cache: dict[str, Any] = {"pos": jnp.zeros((), jnp.int32),
+                             "prefix": [l.init_cache(batch, max_len) for l in self.prefix],
+                             "suffix": [l.init_cache(batch, max_len) for l in self.suffix]}
+    if self.units is not None:
+      g, state = nnx.split(self.units)
+      one = nnx.merge(g, jax.tree.map(lambda a: a[0], state))
+      unit_cache = [l.init_cache(batch, max_len) for l in one.layers]
+      cache["units"] = jax.tree.map(
+          lambda a: jnp.broadcast_to(a, (self.repeats,) + a.shape), unit_cache)
+    return cache
+
+  # ----- forward --------------------------------------------------------------
+  def _run_units(self, x, segment_ids, caches, pos, remat):
+    graphdef, state = nnx.split(self.units)
+
+    def body(x, xs):
+      st, c = xs
+      x, c, aux = nnx.merge(graphdef, st)(x, segment_ids, c, pos)
+      return x, (c, aux)
+
+    if remat == "block":
+      body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
+    elif remat == "dots":
+      body = jax.checkpoint(
+          body, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    x, (caches, aux) = jax.lax.scan(body, x, (state, caches))
+    return x, caches, aux
+
+  def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
+               cache: dict | None = None, remat: str = "none"):
+    """tokens [B, T] -> (logits [B, T, vocab] f32, new cache or None, aux).
+
+    aux: 'expert_load' [n_moe_layers, E] (tokens per expert), 'max_logit' [n_mla_layers, H].
+    """
+    b, t = tokens.shape
+    limit = self.cfg.max_seq_len
+    if t > limit:
+      raise ConfigError(f"sequence length {t} exceeds max_seq_len={limit}")
+    pos = cache["pos"] if cache is not None else 0
+    x = constrain(self.embed(tokens), ("batch", "seq", "embed"))
+    new_cache = None if cache is None else {"pos": pos + t}
+    auxes = []
+
+    def run_list(name, layers, x):
+      caches = []
+      for i, layer in enumerate(layers):
+        x, c, aux = layer(x, segment_ids, None if cache is None else cache[name][i], pos)
+        caches.append(c)
+        auxes.append(jax.tree.map(lambda a: a[None], aux))
+      if new_cache is not None:
+        new_cache[name] = caches
+      return x
+
+    x = run_list("prefix", self.prefix, x)
+    if self.units is not None:
+      x, unit_caches, unit_aux = self._run_units(
+          x, segment_ids, None if cache is None else cache["units"], pos, remat)
+      auxes.extend(unit_aux)    # one aux per layer of the unit, each with a leading [R] axis
+      if new_cache is not None:
+        new_cache["units"] = unit_caches
+    x = run_list("suffix", self.suffix, x)
+    logits = self.lm_head(self.final_norm(x))
+    aux = {k: jnp.concatenate([a[k] for a in auxes if k in a], axis=0)
+           for k in ("expert_load", "max_logit") if any(k in a for a in auxes)}
+    return logits, new_cache, aux
+
+
+# ----- construction and entry points --------------------------------------------
+
+def create_model(cfg: ModelConfig, seed: int = 0, mode: str = "numpy") -> K3Model:
+  """A freshly initialised model (values drawn on the host by default; see layers/init.py)."""
+  return K3Model(cfg, init=Init(seed, mode))
+
+
+def abstract_model(cfg: ModelConfig) -> K3Model:
+  """The model with ShapeDtypeStructs instead of arrays: no allocation, any size."""
+  return nnx.eval_shape(lambda: create_model(cfg, mode="abstract"))
+
+
+def check_tokens(tokens, cfg: ModelConfig) -> np.ndarray:
+  """Host-side input validation, before any compute: ids in [0, vocab), length <= max."""
+  arr = np.asarray(tokens)
+  if arr.ndim not in (1, 2):
+    raise ValueError(f"tokens must have shape [T] or [B, T], got {arr.shape}")
+  if not np.issubdtype(arr.dtype, np.integer):
+    raise ValueError(f"tokens must be integers, got dtype {arr.dtype}")
+  if arr.shape[-1] > cfg.max_seq_len:
+    raise ValueError(f"sequence of {arr.shape[-1]} tokens exceeds max_seq_len={cfg.max_seq_len}")
+  if arr.size and (arr.min() < 0 or arr.max() >= cfg.vocab_size):
+    bad = arr[(arr < 0) | (arr >= cfg.vocab_size)].ravel()[:5].tolist()
+    raise ValueError(f"token ids outside the vocabulary [0, {cfg.vocab_size}): {bad}")
+  return arr
+
+
+def forward(model: K3Model, tokens, segment_ids=None, remat: str = "none") -> jax.Array:
+  return model(tokens, segment_ids, remat=remat)[0]
+
+
+def prefill(model: K3Model, tokens: jax.Array, max_len: int) -> tuple[jax.Array, dict]:
+  """tokens [B, T] -> (logits [B, T, vocab], cache ready for decoding at position T)."""
+  cache = model.init_cache(tokens.shape[0], max_len)
+  logits, cache, _ = model(tokens, cache=cache)
+  return logits, cache
+
+
+def decode_step(model: K3Model, cache: dict, token: jax.Array) -> tuple[jax.Array, dict]:
+  """token [B] -> (logits [B, vocab], cache advanced by one)."""
+  logits, cache, _ = model(token[:, None], cache=cache)
+  return logits[:, 0], cache
+
+
+def _is_routed_expert(axes) -> bool:
+  return "experts" in axes and "expert_mlp" in axes
+
+
+def param_counts(cfg: ModelConfig) -> dict:
+  """Total and activated parameters, from the abstract model (the code that builds it)."""
+  model = abstract_model(cfg)
+  total = routed = lookup = 0
+  groups: dict[str, int] = {}
+  for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    n = math.prod(var.shape)
+    total += n
+    axes = tuple(var.get_metadata().get("logical_axes", ()))
+    if _is_routed_expert(axes):
+      routed += n
+    elif axes == ("vocab", "embed"):   # the input embedding is a row lookup, not compute
+      lookup += n
+    top = str(path[0])
+    groups[top] = groups.get(top, 0) + n
+  # Activated per token: every parameter a token's forward pass multiplies with: the
+  # routed experts in proportion top_k / num_experts, the input embedding table not at all
+  # (the convention behind K3's "104B activated").
+  active = total - lookup - routed + routed * cfg.moe.top_k / cfg.moe.num_experts
+  return {"total_params": int(total), "active_params": int(round(active)),
+          "routed_expert_params": int(routed), "by_module": groups}

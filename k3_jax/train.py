@@ -1,0 +1,281 @@
+"""Training: state, the jit-compiled train and eval steps, and the loop.
+
+The state is a plain pytree {'step', 'params', 'rest', 'opt_state'}: `params` are the nnx
+Params (what the optimizer updates), `rest` every other variable (e.g. the MoE balancing
+bias), both as nnx States that carry their logical axes. The steps are pure functions of
+(state, batch), jit-compiled once with explicit shardings and a donated state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from k3_jax.config import ModelConfig, TrainConfig, validate, validate_train
+from k3_jax.model import K3Model, create_model
+from sharding.rules import activation_rules, tree_shardings
+
+BATCH_KEYS = ("inputs", "targets", "segment_ids", "loss_mask")
+
+
+# ----- optimizer ------------------------------------------------------------------
+
+def lr_schedule(tc: TrainConfig) -> optax.Schedule:
+  """Cosine decay with linear warmup over `warmup_frac` of the steps (1% by default)."""
+  warmup = max(1, int(round(tc.warmup_frac * tc.steps)))
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=tc.learning_rate, warmup_steps=warmup,
+      decay_steps=max(tc.steps, warmup + 1), end_value=tc.learning_rate * tc.min_lr_ratio)
+
+
+def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
+  """Global-norm clipping, then AdamW; weight decay on matrices only (not norms, biases,
+  decay parameters)."""
+  decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+  return optax.chain(
+      optax.clip_by_global_norm(tc.grad_clip),
+      optax.adamw(lr_schedule(tc), b1=tc.b1, b2=tc.b2, weight_decay=tc.weight_decay,
+                  mask=decay_mask))
+
+
+# ----- state ----------------------------------------------------------------------
+
+def split_model(model: K3Model):
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  return graphdef, params, rest
+
+
+def init_state(cfg: ModelConfig, tc: TrainConfig, optimizer,
+               mode: str = "numpy") -> tuple[Any, dict]:
+  """(graphdef, state) for a freshly initialised model (see layers/init.py for `mode`)."""
+  graphdef, params, rest = split_model(create_model(cfg, seed=tc.seed, mode=mode))
+  state = {"step": jnp.zeros((), jnp.int32), "params": params, "rest": rest,
+           "opt_state": optimizer.init(params)}
+  return graphdef, state
+
+
+def abstract_state(cfg: ModelConfig, tc: TrainConfig, optimizer):
+  """(graphdef, state of ShapeDtypeStructs) without allocating anything."""
+  out = {}
+
+  def f():
+    g, s = init_state(cfg, tc, optimizer, mode="abstract")
+    out["graphdef"] = g
+    return s
+
+  shapes = jax.eval_shape(f)
+  return out["graphdef"], shapes
+
+
+# ----- loss and steps --------------------------------------------------------------
+
+def loss_terms(graphdef, params, rest, batch, remat: str = "none"):
+  """(sum of masked token cross-entropies, number of target tokens, aux)."""
+  model = nnx.merge(graphdef, params, rest)
+  logits, _, aux = model(batch["inputs"], batch["segment_ids"], remat=remat)
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+  mask = batch["loss_mask"].astype(jnp.float32)
+  return jnp.sum(ce * mask), jnp.sum(mask), aux
+
+
+def _microbatches(batch: dict, n: int) -> dict:
+  return jax.tree.map(lambda x: x.reshape((n, x.shape[0] // n) + x.shape[1:]), batch)
+
+
+def train_step(graphdef, optimizer, cfg: ModelConfig, tc: TrainConfig, state: dict,
+               batch: dict):
+  """One optimizer step over `batch` (split into tc.grad_accum micro-batches)."""
+
+  def loss_fn(params, mb):
+    loss_sum, n, aux = loss_terms(graphdef, params, state["rest"], mb, tc.remat)
+    return loss_sum, (n, aux)
+
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+  def micro(carry, mb):
+    g_acc, loss_acc, n_acc, load_acc = carry
+    (loss_sum, (n, aux)), g = grad_fn(state["params"], mb)
+    if "expert_load" in aux:
+      load_acc = load_acc + aux["expert_load"]
+    return (jax.tree.map(jnp.add, g_acc, g), loss_acc + loss_sum, n_acc + n, load_acc), None
+
+  n_moe = sum(f == "moe" for _, f in cfg.layer_kinds())
+  zeros = (jax.tree.map(jnp.zeros_like, state["params"]), jnp.zeros((), jnp.float32),
+           jnp.zeros((), jnp.float32), jnp.zeros((n_moe, cfg.moe.num_experts), jnp.int32))
+  # Sums over tokens, then one division: the gradient of the mean over all micro-batches.
+  (grads, loss_sum, count, load), _ = jax.lax.scan(micro, zeros,
+                                                   _microbatches(batch, tc.grad_accum))
+  denom = jnp.maximum(count, 1.0)
+  grads = jax.tree.map(lambda g: g / denom, grads)
+  updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+  params = optax.apply_updates(state["params"], updates)
+  new_state = {"step": state["step"] + 1, "params": params, "rest": state["rest"],
+               "opt_state": opt_state}
+  metrics = {"loss": loss_sum / denom, "grad_norm": optax.global_norm(grads),
+             "tokens": count, "lr": lr_schedule(tc)(state["step"])}
+  if n_moe:
+    per_layer = load.astype(jnp.float32)                           # [n_moe, E]
+    metrics["load_max_mean"] = (per_layer.max(-1) / jnp.maximum(per_layer.mean(-1), 1e-9)).max()
+  return new_state, metrics
+
+
+def eval_step(graphdef, state: dict, batch: dict):
+  loss_sum, n, _ = loss_terms(graphdef, state["params"], state["rest"], batch)
+  return loss_sum, n
+
+
+# ----- compiled steps with shardings ------------------------------------------------
+
+@dataclasses.dataclass
+class Steps:
+  """The jit-compiled steps for one (model, train config, mesh)."""
+  graphdef: Any
+  mesh: Mesh
+  state_shardings: Any
+  batch_sharding: NamedSharding
+  init: Callable
+  train: Callable
+  eval: Callable
+
+
+def build_steps(cfg: ModelConfig, tc: TrainConfig, mesh: Mesh) -> Steps:
+  optimizer = make_optimizer(tc)
+  graphdef, abstract = abstract_state(cfg, tc, optimizer)
+  state_sh = tree_shardings(abstract, mesh)
+  batch_sh = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+
+  def with_rules(fn):
+    @functools.wraps(fn)
+    def wrapped(*a):
+      with activation_rules(mesh):
+        return fn(*a)
+    return wrapped
+
+  def init():
+    _, params, rest = split_model(create_model(cfg, seed=tc.seed))
+    params = jax.device_put(params, state_sh["params"])
+    rest = jax.device_put(rest, state_sh["rest"])
+    opt_state = jax.jit(optimizer.init, out_shardings=state_sh["opt_state"])(params)
+    return {"step": jax.device_put(jnp.zeros((), jnp.int32), state_sh["step"]),
+            "params": params, "rest": rest, "opt_state": opt_state}
+
+  train = jax.jit(with_rules(functools.partial(train_step, graphdef, optimizer, cfg, tc)),
+                  in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None),
+                  donate_argnums=(0,))
+  evaluate = jax.jit(with_rules(functools.partial(eval_step, graphdef)),
+                     in_shardings=(state_sh, batch_sh))
+  return Steps(graphdef, mesh, state_sh, batch_sh, init, train, evaluate)
+
+
+def put_batch(batch: dict, sharding: NamedSharding) -> dict:
+  return {k: jax.device_put(np.asarray(batch[k]), sharding) for k in BATCH_KEYS}
+
+
+# ----- the loop -----------------------------------------------------------------------
+
+class MetricsWriter:
+  def __init__(self, path: str):
+    self.path = path
+
+  def write(self, record: dict) -> None:
+    with open(self.path, "a") as f:
+      f.write(json.dumps({k: _py(v) for k, v in record.items()}) + "\n")
+
+
+def _py(v):
+  if isinstance(v, (np.generic, jax.Array)):
+    return np.asarray(v).item()
+  return v
+
+
+def evaluate(steps: Steps, state, batches) -> float:
+  total, count = 0.0, 0.0
+  for b in batches:
+    s, n = steps.eval(state, put_batch(b, steps.batch_sharding))
+    total, count = total + float(s), count + float(n)
+  return total / max(count, 1.0)
+
+
+def run(cfg: ModelConfig, tc: TrainConfig, workdir: str, mesh: Mesh,
+        train_iter, eval_batches: list, ckpt=None, log: Callable[[str], None] = print) -> dict:
+  """Trains for tc.steps steps (resuming from `ckpt` if it holds a checkpoint).
+
+  train_iter: iterator of numpy batches with get_state()/set_state() (saved in checkpoints).
+  ckpt: a k3_jax.checkpoint.manager.CheckpointManager or None.
+  Returns the last logged metrics (with eval_loss).
+  """
+  validate(cfg)
+  validate_train(tc, cfg)
+  os.makedirs(workdir, exist_ok=True)
+  steps = build_steps(cfg, tc, mesh)
+  t0 = time.time()
+  state = None
+  if ckpt is not None and ckpt.latest_step() is not None:
+    state, data_state = ckpt.restore(abstract_state(cfg, tc, make_optimizer(tc))[1],
+                                     steps.state_shardings)
+    if data_state is not None:
+      train_iter.set_state(data_state)
+    log(f"resumed from step {int(state['step'])} in {workdir}")
+  if state is None:
+    state = steps.init()
+  start = int(state["step"])
+  writer = MetricsWriter(os.path.join(workdir, "metrics.jsonl"))
+  tokens_per_step = tc.batch_size * tc.seq_len
+  last: dict = {}
+  window_t, window_steps = time.time(), 0
+  log(f"training {cfg.name}: {tc.steps} steps, batch {tc.batch_size} x {tc.seq_len} tokens, "
+      f"mesh {dict(mesh.shape)}")
+  for step in range(start, tc.steps):
+    batch = put_batch(next(train_iter), steps.batch_sharding)
+    state, metrics = steps.train(state, batch)
+    window_steps += 1
+    done = step + 1
+    is_eval = done % tc.eval_every == 0 or done == tc.steps
+    if done % tc.log_every == 0 or is_eval or done == start + 1:
+      metrics = jax.device_get(metrics)
+      now = time.time()
+      step_time = (now - window_t) / window_steps
+      record = {"step": done, "loss": float(metrics["loss"]),
+                "grad_norm": float(metrics["grad_norm"]), "lr": float(metrics["lr"]),
+                "step_time": step_time, "tokens_per_sec": tokens_per_step / step_time}
+      if "load_max_mean" in metrics:
+        record["load_max_mean"] = float(metrics["load_max_mean"])
+      window_t, window_steps = now, 0
+      if is_eval and eval_batches:
+        record["eval_loss"] = evaluate(steps, state, eval_batches)
+      writer.write(record)
+      last = record
+      log(_progress_line(record, tc.steps, time.time() - t0))
+      if not np.isfinite(record["loss"]):
+        raise FloatingPointError(f"loss became {record['loss']} at step {done}; the last good "
+                                 f"checkpoint in {workdir} is kept")
+    if ckpt is not None and (done % tc.checkpoint_every == 0 or done == tc.steps):
+      ckpt.save(done, state, train_iter.get_state())
+  if ckpt is not None:
+    ckpt.wait()
+  last["wall_time"] = time.time() - t0
+  return last
+
+
+def _progress_line(r: dict, total: int, elapsed: float) -> str:
+  parts = [f"step {r['step']:>5}/{total}", f"loss {r['loss']:.4f}"]
+  if "eval_loss" in r:
+    parts.append(f"eval {r['eval_loss']:.4f}")
+  parts += [f"grad {r['grad_norm']:.3f}", f"lr {r['lr']:.2e}",
+            f"{r['tokens_per_sec']:,.0f} tok/s", f"{elapsed:,.0f}s"]
+  return " | ".join(parts)
+
+
+__all__ = ["make_optimizer", "lr_schedule", "init_state", "abstract_state", "train_step",
+           "eval_step", "build_steps", "run", "Steps"]

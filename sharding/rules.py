@@ -1,0 +1,88 @@
+"""The one table mapping logical axis names to mesh axes, and the resolver that applies it.
+
+Resolution of one array: each logical axis maps to zero or more mesh axes; a mesh axis
+already used by an earlier dimension is dropped (activations: "batch" takes data+fsdp, so
+"embed" stays whole there while parameters shard "embed" over fsdp), and mesh axes that do
+not divide the dimension are dropped (the dimension is replicated over them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from k3_jax import partitioning
+
+MESH_AXES = ("data", "fsdp", "expert", "sequence", "tensor")
+
+RULES: dict[str, tuple[str, ...]] = {
+    # activations
+    "batch": ("data", "fsdp"),
+    "seq": ("sequence",),
+    # parameters (and activations where they appear)
+    "embed": ("fsdp",),
+    "vocab": ("tensor",),
+    "heads": ("tensor",),
+    "mlp": ("tensor",),
+    "experts": ("expert",),
+    "expert_embed": ("fsdp",),
+    "expert_mlp": ("tensor",),
+    # never sharded
+    "head_dim": (), "conv": (), "rank": (), "q_lora": (), "kv_lora": (), "latent": (),
+    "norm": (), "layers": (),
+}
+
+
+def logical_to_spec(shape: tuple[int, ...], axes: tuple[str | None, ...], mesh: Mesh,
+                    rules: dict[str, tuple[str, ...]] = RULES) -> PartitionSpec:
+  if len(axes) != len(shape):
+    raise ValueError(f"{len(axes)} logical axes {axes} for shape {shape}")
+  used: set[str] = set()
+  spec = []
+  for dim, name in zip(shape, axes):
+    if name is not None and name not in rules:
+      raise KeyError(f"logical axis {name!r} has no sharding rule; known: {sorted(rules)}")
+    chosen = []
+    size = 1
+    for ax in rules.get(name, ()) if name else ():
+      n = mesh.shape[ax]
+      if ax in used or n == 1 or dim % (size * n):
+        continue
+      chosen.append(ax)
+      size *= n
+    used.update(chosen)
+    spec.append(None if not chosen else chosen[0] if len(chosen) == 1 else tuple(chosen))
+  return PartitionSpec(*spec)
+
+
+def named_sharding(mesh: Mesh, shape, axes) -> NamedSharding:
+  return NamedSharding(mesh, logical_to_spec(tuple(shape), tuple(axes), mesh))
+
+
+@contextlib.contextmanager
+def activation_rules(mesh: Mesh):
+  """Within this context, model code's `constrain` calls shard activations on `mesh`."""
+  with partitioning.use_resolver(lambda shape, axes: named_sharding(mesh, shape, axes)):
+    yield
+
+
+def _is_var(x) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def tree_shardings(tree, mesh: Mesh):
+  """Shardings for a pytree holding nnx Variables (params, optimizer state): each Variable
+  by its logical axes, everything else replicated. The result is a prefix tree of `tree`."""
+  replicated = NamedSharding(mesh, PartitionSpec())
+
+  def one(x):
+    if _is_var(x):
+      axes = x.get_metadata().get("logical_axes")
+      if axes is not None and len(axes) == len(x.shape):
+        return named_sharding(mesh, x.shape, axes)
+    return replicated
+
+  return jax.tree.map(one, tree, is_leaf=_is_var)

@@ -1,0 +1,95 @@
+"""Layers: step-by-step decode equals the full forward; MoE layer equals a dense reference."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import configs
+from k3_jax.config import apply_overrides
+from k3_jax.layers.init import Init
+from k3_jax.layers.kda import KDA
+from k3_jax.layers.mla import MLA
+from k3_jax.layers.moe import MoE
+from k3_jax.ops import moe as moe_ops
+
+CFG = configs.get("k3_tiny")
+KIMI_LIKE = apply_overrides(CFG, ["kda.decay=softplus", "kda.gate_rank=8", "kda.decay_rank=8",
+                                  "mla.q_lora_rank=0", "mla.output_gate=false"])
+
+
+def _x(t, seed=0, b=2):
+  return jax.random.normal(jax.random.key(seed), (b, t, CFG.d_model), jnp.float32)
+
+
+@pytest.mark.parametrize("cfg", [CFG, KIMI_LIKE], ids=["k3", "kimi_linear"])
+def test_kda_layer_decode_equals_forward(cfg):
+  layer = KDA(cfg, init=Init(0))
+  x = _x(19)
+  full, _ = layer(x)
+  # Prefill 7 tokens (chunked form with a cache), then one recurrent step per token.
+  y, cache = layer(x[:, :7], cache=layer.init_cache(2))
+  outs = [y]
+  for t in range(7, 19):
+    y, cache = layer(x[:, t:t + 1], cache=cache)
+    outs.append(y)
+  np.testing.assert_allclose(jnp.concatenate(outs, 1), full, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("cfg", [CFG, KIMI_LIKE], ids=["gated_qlora", "kimi_linear"])
+def test_mla_layer_absorbed_decode_equals_forward(cfg):
+  layer = MLA(cfg, init=Init(1))
+  x = _x(13, seed=1)
+  full, _, max_full = layer(x)
+  cache = layer.init_cache(2, 16)
+  y, cache, _ = layer(x[:, :5], cache=cache, pos=0)
+  outs = [y]
+  for t in range(5, 13):
+    y, cache, _ = layer(x[:, t:t + 1], cache=cache, pos=t)
+    outs.append(y)
+  # The absorbed form multiplies W_kvb into the query instead of the keys: same math,
+  # different summation order (f32): ~1e-6 relative.
+  np.testing.assert_allclose(jnp.concatenate(outs, 1), full, rtol=1e-4, atol=1e-5)
+  assert max_full.shape == (cfg.mla.num_heads,)
+
+
+def test_mla_cache_holds_only_latents():
+  layer = MLA(CFG, init=Init(1))
+  cache = layer.init_cache(1, 8)
+  per_token = sum(v.shape[-1] for v in cache.values())
+  assert per_token == CFG.mla.kv_lora_rank + CFG.mla.qk_rope_head_dim
+
+
+def test_moe_layer_equals_dense_reference():
+  layer = MoE(CFG, init=Init(2))
+  x = _x(9, seed=2)
+  y, aux = layer(x)
+  m = CFG.moe
+  xf = x.reshape(-1, CFG.d_model)
+  scores = moe_ops.router_scores(xf, layer.router[...])
+  w, ids = moe_ops.select_experts(scores, layer.bias[...], m.top_k, m.routed_scaling_factor)
+  z = layer.down(xf)
+  u = moe_ops.moe_dense_reference(z, w, ids, layer.w_gate[...], layer.w_up[...],
+                                  layer.w_down[...], activation="situ")
+  ref = layer.up(layer.norm(u)) + layer.shared(xf)
+  np.testing.assert_allclose(y.reshape(-1, CFG.d_model), ref, rtol=1e-4, atol=1e-5)
+  assert int(aux["expert_load"].sum()) == xf.shape[0] * m.top_k
+
+
+def test_moe_bias_changes_routing_not_weights():
+  layer = MoE(CFG, init=Init(3))
+  x = _x(5, seed=3)
+  y0, load0 = layer(x)
+  layer.bias[...] = jnp.zeros_like(layer.bias[...]).at[0].set(10.0)   # force expert 0
+  y1, load1 = layer(x)
+  assert int(load1["expert_load"][0]) == x.shape[0] * x.shape[1]
+  assert not np.allclose(y0, y1)
+
+
+def test_router_bias_is_not_a_param():
+  layer = MoE(CFG, init=Init(4))
+  params = nnx.state(layer, nnx.Param)
+  assert "bias" not in params
