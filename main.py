@@ -197,6 +197,8 @@ def cmd_generate() -> None:
 
 
 def main(argv) -> None:
+  from absl import logging
+  logging.set_verbosity(logging.WARNING)   # Orbax logs every save step at INFO
   if len(argv) < 2 or argv[1] not in COMMANDS:
     got = argv[1] if len(argv) > 1 else "nothing"
     raise app.UsageError(f"expected a command, one of {', '.join(COMMANDS)}; got {got}")

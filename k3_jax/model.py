@@ -32,10 +32,7 @@ from k3_jax.partitioning import constrain
 
 
 class DecoderLayer(nnx.Module):
-  """Pre-norm mixer (KDA or MLA) and FFN (dense or MoE) with residual adds.
-
-  Attention Residuals replace the two residual inputs (`_sublayer_input`) in a later step.
-  """
+  """Pre-norm mixer (KDA or MLA) and FFN (dense or MoE) with residual adds."""
 
   def __init__(self, cfg: ModelConfig, mixer: str, ffn: str, *, init: Init):
     pdt = jnp_dtype(cfg.param_dtype)
@@ -61,23 +58,32 @@ class DecoderLayer(nnx.Module):
       return self.mixer.init_cache(batch)
     return self.mixer.init_cache(batch, max_len)
 
-  def __call__(self, x, segment_ids=None, cache=None, pos=0):
-    """x [B, T, D] -> (x, new cache or None, aux dict)."""
-    aux = {}
+  # The two sublayers, each mapping its (residual-stream) input to the output that is
+  # added back. Attention Residuals will build each sublayer's input from several
+  # sources instead of the running sum; these are the hooks it plugs into.
+  def mixer_sublayer(self, x, segment_ids=None, cache=None, pos=0):
+    """-> (y, new cache or None, aux)."""
     h = self.mixer_norm(x)
     if self.mixer_kind == "kda":
       y, cache = self.mixer(h, segment_ids, cache)
-    else:
-      y, cache, aux["max_logit"] = self.mixer(h, segment_ids, cache, pos)
-    x = constrain(x + y, ("batch", "seq", "embed"))
+      return y, cache, {}
+    y, cache, max_logit = self.mixer(h, segment_ids, cache, pos)
+    return y, cache, {"max_logit": max_logit}
+
+  def ffn_sublayer(self, x):
+    """-> (y, aux)."""
     h = self.ffn_norm(x)
     if self.ffn_kind == "moe":
-      y, moe_aux = self.ffn(h)
-      aux.update(moe_aux)
-    else:
-      y = self.ffn(h)
+      return self.ffn(h)
+    return self.ffn(h), {}
+
+  def __call__(self, x, segment_ids=None, cache=None, pos=0):
+    """x [B, T, D] -> (x, new cache or None, aux dict). Plain pre-norm residual stream."""
+    y, cache, aux = self.mixer_sublayer(x, segment_ids, cache, pos)
     x = constrain(x + y, ("batch", "seq", "embed"))
-    return x, cache, aux
+    y, ffn_aux = self.ffn_sublayer(x)
+    x = constrain(x + y, ("batch", "seq", "embed"))
+    return x, cache, {**aux, **ffn_aux}
 
 
 class Unit(nnx.Module):

@@ -150,6 +150,18 @@ class Steps:
 
 
 def build_steps(cfg: ModelConfig, tc: TrainConfig, mesh: Mesh) -> Steps:
+  """The compiled steps; cached, so runs that differ only in logging, evaluation or
+  checkpoint cadence (or data source) reuse one compilation."""
+  return _build_steps(cfg, _step_relevant(tc), mesh)
+
+
+def _step_relevant(tc: TrainConfig) -> TrainConfig:
+  return dataclasses.replace(tc, eval_every=1, eval_batches=1, checkpoint_every=1,
+                             keep_checkpoints=1, log_every=1, dataset="", tokenizer="")
+
+
+@functools.lru_cache(maxsize=8)
+def _build_steps(cfg: ModelConfig, tc: TrainConfig, mesh: Mesh) -> Steps:
   optimizer = make_optimizer(tc)
   graphdef, abstract = abstract_state(cfg, tc, optimizer)
   state_sh = tree_shardings(abstract, mesh)
@@ -208,8 +220,12 @@ def evaluate(steps: Steps, state, batches) -> float:
 
 
 def run(cfg: ModelConfig, tc: TrainConfig, workdir: str, mesh: Mesh,
-        train_iter, eval_batches: list, ckpt=None, log: Callable[[str], None] = print) -> dict:
+        train_iter, eval_batches: list, ckpt=None, log: Callable[[str], None] = print,
+        stop_after: int | None = None) -> dict:
   """Trains for tc.steps steps (resuming from `ckpt` if it holds a checkpoint).
+
+  stop_after: leave the loop after this step (as an interruption would; the schedule is
+  still that of tc.steps), checkpointing there.
 
   train_iter: iterator of numpy batches with get_state()/set_state() (saved in checkpoints).
   ckpt: a k3_jax.checkpoint.manager.CheckpointManager or None.
@@ -236,7 +252,8 @@ def run(cfg: ModelConfig, tc: TrainConfig, workdir: str, mesh: Mesh,
   window_t, window_steps = time.time(), 0
   log(f"training {cfg.name}: {tc.steps} steps, batch {tc.batch_size} x {tc.seq_len} tokens, "
       f"mesh {dict(mesh.shape)}")
-  for step in range(start, tc.steps):
+  end = tc.steps if stop_after is None else min(stop_after, tc.steps)
+  for step in range(start, end):
     batch = put_batch(next(train_iter), steps.batch_sharding)
     state, metrics = steps.train(state, batch)
     window_steps += 1
@@ -260,7 +277,7 @@ def run(cfg: ModelConfig, tc: TrainConfig, workdir: str, mesh: Mesh,
       if not np.isfinite(record["loss"]):
         raise FloatingPointError(f"loss became {record['loss']} at step {done}; the last good "
                                  f"checkpoint in {workdir} is kept")
-    if ckpt is not None and (done % tc.checkpoint_every == 0 or done == tc.steps):
+    if ckpt is not None and (done % tc.checkpoint_every == 0 or done == end):
       ckpt.save(done, state, train_iter.get_state())
   if ckpt is not None:
     ckpt.wait()

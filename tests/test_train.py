@@ -75,16 +75,16 @@ def test_grad_accumulation_equals_one_big_batch():
 
 
 def test_resume_continues_exactly(tmp_path):
-  tc = dataclasses.replace(TC, steps=4, checkpoint_every=2, eval_every=100, log_every=1)
-  mesh = make_mesh(devices=jax.devices()[:1])
+  tc = dataclasses.replace(TC, checkpoint_every=3, eval_every=100, log_every=1)
+  mesh = _steps("single").mesh
   it = lambda: mqar.mqar_dataset(tc.batch_size, tc.seq_len, CFG.vocab_size, num_kv_pairs=4,
                                  seed=7)
   full_dir, part_dir = str(tmp_path / "full"), str(tmp_path / "part")
   train.run(CFG, tc, full_dir, mesh, it(), [], ckpt=CheckpointManager(full_dir, CFG),
             log=lambda s: None)
   # Interrupted run: 2 steps, then a fresh process resumes to 4.
-  train.run(CFG, dataclasses.replace(tc, steps=2), part_dir, mesh, it(), [],
-            ckpt=CheckpointManager(part_dir, CFG), log=lambda s: None)
+  train.run(CFG, tc, part_dir, mesh, it(), [], ckpt=CheckpointManager(part_dir, CFG),
+            log=lambda s: None, stop_after=2)
   train.run(CFG, tc, part_dir, mesh, it(), [], ckpt=CheckpointManager(part_dir, CFG),
             log=lambda s: None)
   read = lambda d: [json.loads(l) for l in open(os.path.join(d, "metrics.jsonl"))]

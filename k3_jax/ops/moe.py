@@ -34,6 +34,56 @@ def ragged_dot_gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> ja
   return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
 
 
+def _tile_rows(m: int, g: int) -> int:
+  """Rows per tile for `tiled_gmm`: about m / (4 g), a power of two in [8, 128], so the
+  padding (at most g * (tile - 1) rows) stays near a quarter of m at training sizes."""
+  t = 8
+  while t < 128 and 2 * t * 4 * g <= m:
+    t *= 2
+  return t
+
+
+def tiled_gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
+              tile: int | None = None) -> jax.Array:
+  """Grouped matmul as dense per-tile matmuls: each group's rows are padded to a multiple
+  of `tile`, every tile belongs to one group, and tile j computes lhs_tile . rhs[group_j].
+
+  Same signature and result as `ragged_dot_gmm`. FLOPs are those of the real rows plus at
+  most G * (tile - 1) padding rows; used where `ragged_dot` has no native lowering (XLA:CPU
+  lowers it to a masked matmul against every group, G times the work).
+  """
+  m, kdim = lhs.shape
+  g, _, n = rhs.shape
+  t = tile or _tile_rows(m, g)
+  num_tiles = -(-(m + g * (t - 1)) // t)                                 # static bound
+  ends = jnp.cumsum(group_sizes)                                         # [G]
+  starts = ends - group_sizes
+  padded = (group_sizes + t - 1) // t * t                                # [G]
+  padded_starts = jnp.cumsum(padded) - padded
+  row = jnp.arange(m)
+  group_of_row = jnp.minimum(jnp.searchsorted(ends, row, side="right"), g - 1)   # [M]
+  dest = padded_starts[group_of_row] + row - starts[group_of_row]        # [M]
+  lhs_pad = jnp.zeros((num_tiles * t, kdim), lhs.dtype).at[dest].set(lhs)
+  tile_group = jnp.searchsorted(jnp.cumsum(padded), jnp.arange(num_tiles) * t, side="right")
+  tile_group = jnp.minimum(tile_group, g - 1)                            # [num_tiles]
+  out = jnp.einsum("tmk,tkn->tmn", lhs_pad.reshape(num_tiles, t, kdim), rhs[tile_group],
+                   preferred_element_type=jnp.float32)                   # [tiles, t, N]
+  return out.reshape(num_tiles * t, n)[dest]
+
+
+def default_gmm(kind: str = "auto") -> GroupedMatmul:
+  """"ragged_dot" (native on TPU and GPU), "tiled" (plain JAX, for XLA:CPU), or "auto":
+  tiled on a CPU default backend, else ragged_dot."""
+  if kind == "auto":
+    kind = "tiled" if jax.default_backend() == "cpu" else "ragged_dot"
+  if kind not in GMM_KINDS:
+    raise ValueError(f"unknown grouped matmul {kind!r}; expected one of {GMM_KINDS}")
+  return tiled_gmm if kind == "tiled" else ragged_dot_gmm
+
+
+GMM_KINDS = ("auto", "ragged_dot", "tiled")
+
+
 def router_scores(x: jax.Array, w_router: jax.Array) -> jax.Array:
   """Sigmoid router scores in float32. x [N, D], w_router [D, E] -> [N, E]."""
   logits = jnp.dot(x.astype(jnp.float32), w_router.astype(jnp.float32))  # [N, E]
@@ -110,7 +160,7 @@ def moe_dispatch(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
   only sees its own rows.
   """
   if gmm is None:
-    gmm = ragged_dot_gmm
+    gmm = default_gmm()
   n, k = expert_ids.shape
   e = w_gate.shape[0]
 

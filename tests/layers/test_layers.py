@@ -28,13 +28,14 @@ def _x(t, seed=0, b=2):
 @pytest.mark.parametrize("cfg", [CFG, KIMI_LIKE], ids=["k3", "kimi_linear"])
 def test_kda_layer_decode_equals_forward(cfg):
   layer = KDA(cfg, init=Init(0))
+  run = nnx.jit(lambda l, x, c: l(x, cache=c))
   x = _x(19)
-  full, _ = layer(x)
+  full, _ = nnx.jit(lambda l, x: l(x))(layer, x)
   # Prefill 7 tokens (chunked form with a cache), then one recurrent step per token.
-  y, cache = layer(x[:, :7], cache=layer.init_cache(2))
+  y, cache = run(layer, x[:, :7], layer.init_cache(2))
   outs = [y]
   for t in range(7, 19):
-    y, cache = layer(x[:, t:t + 1], cache=cache)
+    y, cache = run(layer, x[:, t:t + 1], cache)
     outs.append(y)
   np.testing.assert_allclose(jnp.concatenate(outs, 1), full, rtol=1e-4, atol=1e-5)
 
@@ -42,13 +43,13 @@ def test_kda_layer_decode_equals_forward(cfg):
 @pytest.mark.parametrize("cfg", [CFG, KIMI_LIKE], ids=["gated_qlora", "kimi_linear"])
 def test_mla_layer_absorbed_decode_equals_forward(cfg):
   layer = MLA(cfg, init=Init(1))
+  run = nnx.jit(lambda l, x, c, p: l(x, cache=c, pos=p))
   x = _x(13, seed=1)
-  full, _, max_full = layer(x)
-  cache = layer.init_cache(2, 16)
-  y, cache, _ = layer(x[:, :5], cache=cache, pos=0)
+  full, _, max_full = nnx.jit(lambda l, x: l(x))(layer, x)
+  y, cache, _ = run(layer, x[:, :5], layer.init_cache(2, 16), 0)
   outs = [y]
   for t in range(5, 13):
-    y, cache, _ = layer(x[:, t:t + 1], cache=cache, pos=t)
+    y, cache, _ = run(layer, x[:, t:t + 1], cache, t)
     outs.append(y)
   # The absorbed form multiplies W_kvb into the query instead of the keys: same math,
   # different summation order (f32): ~1e-6 relative.

@@ -1,0 +1,62 @@
+"""The command line, end to end, in subprocesses: info, train (k3_tiny, a few steps),
+generate from its checkpoint, and the errors users meet first."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _main(*args, timeout=600):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)          # one CPU device, as a user would have
+  return subprocess.run([sys.executable, os.path.join(ROOT, "main.py"), *args], cwd=ROOT,
+                        env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_info_k3_json():
+  r = _main("info", "--config=k3", "--json")
+  assert r.returncode == 0, r.stderr
+  out = json.loads(r.stdout)
+  assert 2.75e12 < out["total_params"] < 2.83e12
+  assert 100e9 < out["active_params"] < 108e9
+  assert out["layers"] == 93 and len(out["mla_layers"]) == 24
+
+
+def test_unknown_config_is_a_clear_error():
+  r = _main("info", "--config=k9")
+  assert r.returncode == 2
+  assert "k3_small" in r.stderr and "k9" in r.stderr
+
+
+def test_unknown_override_field_is_named():
+  r = _main("info", "--config=k3_tiny", "--override=kda.heads=2")
+  assert r.returncode == 2 and "heads" in r.stderr
+
+
+def test_train_generate_and_refuse_other_config(tmp_path):
+  wd = str(tmp_path / "run")
+  r = _main("train", "--config=k3_tiny", "--steps=3", "--eval_every=3", f"--workdir={wd}")
+  assert r.returncode == 0, r.stderr[-3000:]
+  lines = [json.loads(l) for l in open(os.path.join(wd, "metrics.jsonl"))]
+  assert [l["step"] for l in lines] == [1, 3] and "eval_loss" in lines[-1]
+  assert "step     3/3" in r.stdout
+  assert os.path.isdir(os.path.join(wd, "checkpoints", "3"))
+
+  r = _main("generate", f"--workdir={wd}", "--prompt=def ", "--max_new_tokens=8")
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert r.stdout.startswith("def ")
+
+  r = _main("train", "--config=k3_tiny", "--override=d_model=48", "--steps=3",
+            f"--workdir={wd}")
+  assert r.returncode == 2 and "different model config" in r.stderr and "d_model" in r.stderr
+  assert os.path.isdir(os.path.join(wd, "checkpoints", "3"))       # nothing lost
+
+
+def test_generate_without_checkpoint_is_a_clear_error(tmp_path):
+  r = _main("generate", f"--workdir={tmp_path}", "--prompt=x")
+  assert r.returncode == 2 and "no checkpoints" in r.stderr
