@@ -192,12 +192,30 @@ def make_dataset(documents: Sequence[str], tokenizer: Tokenizer, seq_len: int,
 def eval_batches(documents: Sequence[str], tokenizer: Tokenizer, seq_len: int,
                  batch_size: int, num_batches: int, process_index: int = 0,
                  process_count: int = 1) -> list[Batch]:
-  """A fixed list of up to `num_batches` batches: no shuffle, one pass.
+  """A fixed list of up to `num_batches` batches, one window of seq_len + 1 tokens per row,
+  the windows spread evenly over ALL (this host's) documents.
 
-  Fewer batches come back if the documents run out (the last one padded with
-  empty rows); the same arguments always give the same batches.
+  A handful of batches read in document order would measure one or two files; spreading
+  them keeps a small evaluation representative of the whole split. Fewer batches come
+  back only if there are fewer windows than rows; the same arguments always give the
+  same batches.
   """
-  it = make_dataset(documents, tokenizer, seq_len, batch_size, seed=0,
-                    shuffle=False, num_epochs=1, process_index=process_index,
-                    process_count=process_count)
-  return [batch for _, batch in zip(range(num_batches), it)]
+  _check_args(documents, seq_len, batch_size, process_index, process_count)
+  tok = _Tokenize(tokenizer)
+  split = _SplitIntoWindows(seq_len)
+  windows = [w["tokens"] for doc in documents[process_index::process_count]
+             for w in split.flat_map(tok.map(doc))]
+  rows = min(num_batches * batch_size, len(windows))
+  picked = [windows[i] for i in np.linspace(0, len(windows) - 1, rows).round().astype(int)]
+  examples = []
+  for w in picked:
+    tokens = np.zeros(seq_len + 1, np.int32)
+    seg = np.zeros(seq_len + 1, np.int32)
+    tokens[:len(w)], seg[:len(w)] = w, 1
+    examples.append(_row_to_example({"tokens": tokens, "tokens_segment_ids": seg}))
+  batches = []
+  for start in range(0, len(examples), batch_size):
+    chunk = examples[start:start + batch_size]
+    batch = {k: np.stack([e[k] for e in chunk]) for k in BATCH_KEYS}
+    batches.append(_pad_batch(batch, batch_size))
+  return batches

@@ -196,3 +196,11 @@ def test_text_documents(tmp_path):
   (tmp_path / "bad.jsonl").write_text('{"txt": 1}\n')
   with pytest.raises(ValueError, match="bad.jsonl:1"):
     sources.text_documents(tmp_path / "bad.jsonl")
+
+
+def test_eval_batches_spread_over_all_documents():
+  docs = [f"{i:02d}" * (3 * SEQ) for i in range(20)]          # long, distinct documents
+  batches = pipeline.eval_batches(docs, TOK, SEQ, BATCH, num_batches=1)
+  firsts = {bytes(row[:2].astype(np.uint8)).decode() for row in batches[0]["inputs"]}
+  # One batch of BATCH rows drawn evenly over 20 documents: every row from another document.
+  assert len(firsts) == BATCH
