@@ -26,5 +26,5 @@ def get_config() -> ModelConfig:
                     qk_rope_head_dim=64, v_head_dim=128, output_gate=True),
       moe=MoEConfig(num_experts=896, top_k=16, num_shared_experts=2, expert_intermediate=3072,
                     latent_dim=3584, routed_scaling_factor=1.0),
-      attn_res=AttnResConfig(enabled=False, block_size=12),  # switched on with the AttnRes issue
+      attn_res=AttnResConfig(enabled=True, block_size=12),
   )

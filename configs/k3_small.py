@@ -27,7 +27,7 @@ def get_config() -> ModelConfig:
                     qk_rope_head_dim=32, v_head_dim=64, output_gate=True),
       moe=MoEConfig(num_experts=32, top_k=2, num_shared_experts=1, expert_intermediate=192,
                     latent_dim=96, routed_scaling_factor=1.0),
-      attn_res=AttnResConfig(enabled=False, block_size=3),  # switched on with the AttnRes issue
+      attn_res=AttnResConfig(enabled=True, block_size=3),
   )
 
 

@@ -23,7 +23,7 @@ def get_config() -> ModelConfig:
                     qk_rope_head_dim=4, v_head_dim=8, output_gate=True),
       moe=MoEConfig(num_experts=8, top_k=2, num_shared_experts=1, expert_intermediate=16,
                     latent_dim=16, routed_scaling_factor=1.0),
-      attn_res=AttnResConfig(enabled=False, block_size=4),  # switched on with the AttnRes issue
+      attn_res=AttnResConfig(enabled=True, block_size=4),
   )
 
 

@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from k3_jax.config import ConfigError, ModelConfig, jnp_dtype
+from k3_jax.layers import attn_res
 from k3_jax.layers.embed import Embed, LMHead
 from k3_jax.layers.ffn import GatedFFN
 from k3_jax.layers.init import Init
@@ -37,6 +38,11 @@ class DecoderLayer(nnx.Module):
   def __init__(self, cfg: ModelConfig, mixer: str, ffn: str, *, init: Init):
     pdt = jnp_dtype(cfg.param_dtype)
     self.mixer_kind, self.ffn_kind = mixer, ffn
+    self.eps = cfg.norm_eps
+    self.block_size = cfg.attn_res.block_size if cfg.attn_res.enabled else 0
+    if self.block_size:
+      self.mixer_query = attn_res.PseudoQuery(cfg.d_model)
+      self.ffn_query = attn_res.PseudoQuery(cfg.d_model)
     out_std_scale = (2 * cfg.num_layers) ** -0.5
     self.mixer_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt, axis_name="embed")
     self.ffn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt, axis_name="embed")
@@ -77,13 +83,25 @@ class DecoderLayer(nnx.Module):
       return self.ffn(h)
     return self.ffn(h), {}
 
-  def __call__(self, x, segment_ids=None, cache=None, pos=0):
-    """x [B, T, D] -> (x, new cache or None, aux dict). Plain pre-norm residual stream."""
+  def __call__(self, x, segment_ids=None, cache=None, pos=0, layer_idx=0):
+    """x: the residual stream [B, T, D], or with Attention Residuals the source bank
+    (layers/attn_res.py). -> (x, new cache or None, aux dict)."""
+    if self.block_size:
+      return self._attn_res_call(x, segment_ids, cache, pos, layer_idx)
     y, cache, aux = self.mixer_sublayer(x, segment_ids, cache, pos)
     x = constrain(x + y, ("batch", "seq", "embed"))
     y, ffn_aux = self.ffn_sublayer(x)
     x = constrain(x + y, ("batch", "seq", "embed"))
     return x, cache, {**aux, **ffn_aux}
+
+  def _attn_res_call(self, stream, segment_ids, cache, pos, layer_idx):
+    y, cache, aux = self.mixer_sublayer(self.mixer_query(stream, self.eps), segment_ids, cache,
+                                        pos)
+    stream = attn_res.add_output(stream, y)
+    y, ffn_aux = self.ffn_sublayer(self.ffn_query(stream, self.eps))
+    stream = attn_res.add_output(stream, y)
+    stream = attn_res.close_block(stream, (layer_idx + 1) % self.block_size == 0)
+    return stream, cache, {**aux, **ffn_aux}
 
 
 class Unit(nnx.Module):
@@ -92,10 +110,11 @@ class Unit(nnx.Module):
   def __init__(self, cfg: ModelConfig, kinds, *, init: Init):
     self.layers = nnx.List([DecoderLayer(cfg, m, f, init=init) for m, f in kinds])
 
-  def __call__(self, x, segment_ids=None, caches=None, pos=0):
+  def __call__(self, x, segment_ids=None, caches=None, pos=0, first_layer=0):
     new_caches, auxes = [], []
     for i, layer in enumerate(self.layers):
-      x, c, aux = layer(x, segment_ids, None if caches is None else caches[i], pos)
+      x, c, aux = layer(x, segment_ids, None if caches is None else caches[i], pos,
+                        first_layer + i)
       new_caches.append(c)
       auxes.append(aux)
     return x, (None if caches is None else new_caches), auxes
@@ -128,6 +147,8 @@ class K3Model(nnx.Module):
     self.suffix = nnx.List([DecoderLayer(cfg, *kinds[i], init=init)
                             for i in range(prefix + reps * period, cfg.num_layers)])
     self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt, axis_name="embed")
+    if cfg.attn_res.enabled:
+      self.final_query = attn_res.PseudoQuery(cfg.d_model)
     self.lm_head = LMHead(cfg.d_model, cfg.vocab_size, init=init, dtype=dt, param_dtype=pdt)
 
   # ----- caches ---------------------------------------------------------------
@@ -148,10 +169,12 @@ class K3Model(nnx.Module):
   # ----- forward --------------------------------------------------------------
   def _run_units(self, x, segment_ids, caches, pos, remat):
     graphdef, state = nnx.split(self.units)
+    prefix, reps, period = self.cfg.stack_plan()
+    first_layers = prefix + period * jnp.arange(reps)
 
     def body(x, xs):
-      st, c = xs
-      x, c, aux = nnx.merge(graphdef, st)(x, segment_ids, c, pos)
+      st, c, first = xs
+      x, c, aux = nnx.merge(graphdef, st)(x, segment_ids, c, pos, first)
       return x, (c, aux)
 
     if remat == "block":
@@ -159,7 +182,7 @@ class K3Model(nnx.Module):
     elif remat == "dots":
       body = jax.checkpoint(
           body, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
-    x, (caches, aux) = jax.lax.scan(body, x, (state, caches))
+    x, (caches, aux) = jax.lax.scan(body, x, (state, caches, first_layers))
     return x, caches, aux
 
   def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
@@ -174,27 +197,33 @@ class K3Model(nnx.Module):
       raise ConfigError(f"sequence length {t} exceeds max_seq_len={limit}")
     pos = cache["pos"] if cache is not None else 0
     x = constrain(self.embed(tokens), ("batch", "seq", "embed"))
+    if self.cfg.attn_res.enabled:
+      x = attn_res.init_stream(x, self.cfg.num_layers, self.cfg.attn_res.block_size)
     new_cache = None if cache is None else {"pos": pos + t}
     auxes = []
+    prefix, reps, period = self.cfg.stack_plan()
 
-    def run_list(name, layers, x):
+    def run_list(name, layers, x, first):
       caches = []
       for i, layer in enumerate(layers):
-        x, c, aux = layer(x, segment_ids, None if cache is None else cache[name][i], pos)
+        x, c, aux = layer(x, segment_ids, None if cache is None else cache[name][i], pos,
+                          first + i)
         caches.append(c)
         auxes.append(jax.tree.map(lambda a: a[None], aux))
       if new_cache is not None:
         new_cache[name] = caches
       return x
 
-    x = run_list("prefix", self.prefix, x)
+    x = run_list("prefix", self.prefix, x, 0)
     if self.units is not None:
       x, unit_caches, unit_aux = self._run_units(
           x, segment_ids, None if cache is None else cache["units"], pos, remat)
       auxes.extend(unit_aux)    # one aux per layer of the unit, each with a leading [R] axis
       if new_cache is not None:
         new_cache["units"] = unit_caches
-    x = run_list("suffix", self.suffix, x)
+    x = run_list("suffix", self.suffix, x, prefix + reps * period)
+    if self.cfg.attn_res.enabled:
+      x = self.final_query(x, self.cfg.norm_eps)
     logits = self.lm_head(self.final_norm(x))
     aux = {k: jnp.concatenate([a[k] for a in auxes if k in a], axis=0)
            for k in ("expert_load", "max_logit") if any(k in a for a in auxes)}

@@ -43,7 +43,7 @@ def test_train_generate_and_refuse_other_config(tmp_path):
   r = _main("train", "--config=k3_tiny", "--steps=3", "--eval_every=3", f"--workdir={wd}")
   assert r.returncode == 0, r.stderr[-3000:]
   lines = [json.loads(l) for l in open(os.path.join(wd, "metrics.jsonl"))]
-  assert [l["step"] for l in lines] == [1, 3] and "eval_loss" in lines[-1]
+  assert [l["step"] for l in lines] == [1, 2, 3] and "eval_loss" in lines[-1]
   assert "step     3/3" in r.stdout
   assert os.path.isdir(os.path.join(wd, "checkpoints", "3"))
 

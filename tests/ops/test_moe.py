@@ -280,8 +280,11 @@ def test_dispatch_uses_grouped_matmul_and_custom_gmm():
   experts = _expert_weights(5, e, d, f)
   weights, ids = select_experts(router_scores(x, w_r), bias, top_k=k)
 
-  jaxpr = str(jax.make_jaxpr(moe_dispatch)(x, weights, ids, *experts))
+  ragged = functools.partial(moe_dispatch, gmm=moe_ops.default_gmm("ragged_dot"))
+  jaxpr = str(jax.make_jaxpr(ragged)(x, weights, ids, *experts))
   assert jaxpr.count("ragged_dot") >= 3
+  # On a CPU backend the default is the tiled grouped matmul (no ragged_dot lowering there).
+  assert "ragged_dot" not in str(jax.make_jaxpr(moe_dispatch)(x, weights, ids, *experts))
 
   calls = []
 
