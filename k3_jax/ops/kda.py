@@ -31,6 +31,8 @@ relies on the cumulative log decay being non-increasing within a chunk).
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -183,6 +185,91 @@ def recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None,
 # Chunkwise-parallel form.
 # --------------------------------------------------------------------------
 
+# chunk_kda clamps the per-step log decay at this value: a channel decayed by
+# exp(-16) ~ 1.1e-7 in one step is (to float32 precision, eps = 6e-8) already
+# erased, so the clamp changes outputs and states by at most ~1e-7 of the
+# state's magnitude, and gradients w.r.t. g below the clamp (true size ~e^g)
+# become 0. It bounds the log decay over a _SUB_TILE of tokens by
+# 16 * _SUB_TILE = 64, so exp(+-64) stays far inside float32 range (also in
+# the backward pass), which lets every score block be a dense matmul with no
+# pairwise [C, C, K] exponent tensor.
+_G_CLAMP = -16.0
+_TILE = 16       # level-1 tiles: off-diagonal tile pairs of a chunk
+_SUB_TILE = 4    # level-2 sub-tiles: everything inside a tile
+
+
+def _tile_scores(q, k, G, Gprev, with_diag):
+  """Scores between the n tiles of t tokens of a block, by dense matmuls.
+
+  q, k, G, Gprev [..., n, t, K]; G the cumulative log decay (non-increasing),
+  Gprev = G of the previous token (G - g). Returns Aqk, Akk [..., n, t, n*t]:
+  row r in tile i against key s in tile j,
+    sum_c x_r[c] k_s[c] exp(G_r[c] - G_s[c]),
+  for j < i (with_diag: j <= i; the caller masks s > r), zero elsewhere.
+
+  With m_i = Gprev at tile i's first token (one reference per row tile):
+    exp(G_r - G_s) = exp(G_r - m_i) * exp(m_i - G_s).
+  The first factor is <= 1; the second is <= 1 for s in an earlier tile, at
+  most exp(16 t) (the _G_CLAMP bound; callers use t <= 4 here) for s in tile
+  i, and masked to 0 before exp for later tiles. Nothing overflows, and a
+  factor underflowing to 0 means the exact product is below float32 range.
+  Cost: n key matrices [K, n t] per block, one batched matmul.
+  """
+  *lead, n, t, K = G.shape
+  m = Gprev[..., :, 0, :]                                         # [..., n, K]
+  rowf = jnp.exp(G - m[..., :, None, :])                          # [..., n, t, K] <= 1
+  Gs = G.reshape(*lead, n * t, K)
+  ks = k.reshape(*lead, n * t, K)
+  tile_of = jnp.arange(n * t) // t
+  # One key matrix per row tile i, laid out [K, s] (contraction dim first: a
+  # plain batched matmul, ~3x faster on CPU than contracting the minor dims
+  # of both operands). Built per i (n is small) rather than by broadcasting,
+  # so that the backward pass sums n slices instead of running a
+  # broadcast-reduce, which XLA:CPU executes very slowly.
+  keys = []
+  for i in range(n):
+    mask = ((tile_of <= i) if with_diag else (tile_of < i))[:, None]
+    E = _masked_exp(mask, m[..., i:i + 1, :] - Gs)                # [..., n t, K]
+    keys.append(jnp.swapaxes(ks * E, -1, -2))                     # [..., K, n t]
+  keys = jnp.stack(keys, axis=-3)                                 # [..., n, K, n t]
+  lhs = jnp.concatenate([q * rowf, k * rowf], axis=-2)            # [..., n, 2t, K]
+  A = jnp.matmul(lhs, keys)                                       # [..., n, 2t, n t]
+  return A[..., :t, :], A[..., t:, :]
+
+
+def _intra_chunk_scores(q, k, G, Gprev):
+  """Decay-weighted scores inside each chunk, for s <= r (zero above):
+
+    Aqk[r, s] = sum_c q_r[c] k_s[c] exp(G_r[c] - G_s[c])
+    Akk[r, s] = sum_c k_r[c] k_s[c] exp(G_r[c] - G_s[c])
+
+  q, k, G, Gprev [..., C, K]. Returns (Aqk, Akk), each [..., C, C].
+  Two levels: the chunk in tiles of t1 = gcd(C, 16) tokens (pairs of
+  different tiles), each tile in sub-tiles of gcd(t1, 4) tokens (all pairs
+  inside a tile, incl. the diagonal); both by _tile_scores.
+  """
+  *lead, C, K = q.shape
+  t1 = math.gcd(C, _TILE)
+  t2 = math.gcd(t1, _SUB_TILE)
+  n1, n2 = C // t1, t1 // t2
+  # Level 2: inside each tile.
+  sub = lambda x: x.reshape(*lead, n1, n2, t2, K)
+  Aqk2, Akk2 = _tile_scores(sub(q), sub(k), sub(G), sub(Gprev), True)  # [..., n1, n2, t2, t1]
+  causal = jnp.tril(jnp.ones((t1, t1), jnp.bool_))
+  Aqk2 = jnp.where(causal, Aqk2.reshape(*lead, n1, t1, t1), 0.0)
+  Akk2 = jnp.where(causal, Akk2.reshape(*lead, n1, t1, t1), 0.0)
+  if n1 == 1:
+    return Aqk2.reshape(*lead, C, C), Akk2.reshape(*lead, C, C)
+  # Place the tile-diagonal blocks: [..., n1, t1, t1] -> [..., n1, t1, C].
+  eye = jnp.eye(n1, dtype=q.dtype)[:, None, :, None]              # [n1, 1, n1, 1]
+  place = lambda a: (a[..., :, :, None, :] * eye).reshape(*lead, n1, t1, C)
+  # Level 1: pairs of different tiles.
+  tile = lambda x: x.reshape(*lead, n1, t1, K)
+  Aqk1, Akk1 = _tile_scores(tile(q), tile(k), tile(G), tile(Gprev), False)  # [..., n1, t1, C]
+  Aqk = (Aqk1 + place(Aqk2)).reshape(*lead, C, C)
+  Akk = (Akk1 + place(Akk2)).reshape(*lead, C, C)
+  return Aqk, Akk
+
 
 def _masked_exp(mask, x):
   """exp(x) where mask else 0, with the exponent masked BEFORE exp so that
@@ -206,67 +293,6 @@ def _split_pow2(C):
   while base % 2 == 0:
     base //= 2
   return base
-
-
-def _intra_chunk_scores(q, k, G):
-  """Decay-weighted scores inside each chunk, for s <= r (zero above):
-
-    Aqk[r, s] = sum_c q_r[c] k_s[c] exp(G_r[c] - G_s[c])
-    Akk[r, s] = sum_c k_r[c] k_s[c] exp(G_r[c] - G_s[c])
-
-  q, k, G [..., C, K] (G = in-chunk cumulative log decay, non-increasing).
-  Returns (Aqk, Akk), each [..., C, C].
-
-  Hierarchical ("secondary chunking"), bottom-up. Write C = base * 2^m. Blocks
-  of `base` tokens (base = 1 for a power-of-two C) are done pairwise, with the
-  exponent masked to s <= r before exp. Then, repeatedly, two neighbouring
-  blocks of b tokens are merged into one of 2b; the only new entries are the
-  lower-left b x b block (r in the second half, s in the first), computed as a
-  dense matmul by splitting every exponent at the reference
-  Gref = G at the last token of the first half:
-    exp(G_r - G_s) = exp(G_r - Gref) * exp(Gref - G_s),
-  where both factors are <= 1 (G is non-increasing), so nothing overflows for
-  any decay (a factor that underflows to 0 means the exact product is below
-  float32 range anyway). No [C, C, K] tensor is ever formed.
-  """
-  *lead, C, K = q.shape
-  base = _split_pow2(C)
-  m = C // base
-  # Base blocks: pairwise [base, base, K] exponents (base = 1: the diagonal).
-  qb, kb, Gb = (x.reshape(*lead, m, base, K) for x in (q, k, G))
-  causal = jnp.tril(jnp.ones((base, base), jnp.bool_))[:, :, None]
-  E = _masked_exp(causal, Gb[..., :, None, :] - Gb[..., None, :, :])  # [..., m, base, base, K]
-  Aqk_b = jnp.sum(qb[..., :, None, :] * E * kb[..., None, :, :], -1)  # [..., m, base, base]
-  Akk_b = jnp.sum(kb[..., :, None, :] * E * kb[..., None, :, :], -1)
-  eye = jnp.eye(m, dtype=q.dtype)[:, None, :, None]               # [m, 1, m, 1]
-  Aqk = (Aqk_b[..., :, :, None, :] * eye).reshape(*lead, C, C)    # block diagonal
-  Akk = (Akk_b[..., :, :, None, :] * eye).reshape(*lead, C, C)
-
-  b = base
-  while b < C:
-    M = C // (2 * b)
-    qp, kp, Gp = (x.reshape(*lead, M, 2, b, K) for x in (q, k, G))
-    ref = Gp[..., 0, -1:, :]                                      # [..., M, 1, K]
-    row = jnp.exp(Gp[..., 1, :, :] - ref)                         # [..., M, b, K] <= 1
-    col = jnp.exp(ref - Gp[..., 0, :, :])                         # [..., M, b, K] <= 1
-    kc = kp[..., 0, :, :] * col                                   # first half, to Gref
-    off_qk = jnp.einsum("...rk,...sk->...rs", qp[..., 1, :, :] * row, kc)  # [..., M, b, b]
-    off_kk = jnp.einsum("...rk,...sk->...rs", kp[..., 1, :, :] * row, kc)
-    Aqk = Aqk + _place_lower_left(off_qk)
-    Akk = Akk + _place_lower_left(off_kk)
-    b *= 2
-  return Aqk, Akk
-
-
-def _place_lower_left(off):
-  """off [..., M, b, b] -> [..., C, C] (C = 2 M b), block m placed at rows
-  (2m+1)b.., cols 2mb.., i.e. the lower-left quarter of the m-th 2b x 2b
-  diagonal block; zeros elsewhere."""
-  *lead, M, b, _ = off.shape
-  eye = jnp.eye(M, dtype=off.dtype)[:, None, None, :, None, None]  # [M, 1, 1, M, 1, 1]
-  sel = jnp.array([[0., 0.], [1., 0.]], off.dtype)[None, :, None, None, :, None]  # [1, 2, 1, 1, 2, 1]
-  full = off[..., :, None, :, None, None, :] * eye * sel          # [..., M, 2, b, M, 2, b]
-  return full.reshape(*lead, 2 * M * b, 2 * M * b)
 
 
 def _unit_lower_inverse(L):
@@ -313,21 +339,24 @@ def _diag_blocks(x, b):
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None,
               output_final_state=False, chunk_size=64, segment_ids=None):
   """KDA in chunkwise-parallel (WY / UT transform) form; same results as
-  recurrent_kda up to float32 reassociation.
+  recurrent_kda up to float32 reassociation (and the decay clamp below).
 
   Shapes and semantics as recurrent_kda. Any T: the sequence is padded to a
   multiple of chunk_size with k = v = q = g = beta = 0 (state unchanged) and
-  the outputs are sliced back.
+  the outputs are sliced back. g is clamped at _G_CLAMP = -16 per step (a
+  decay of 1e-7, i.e. a full erase in float32; see _G_CLAMP).
 
   Per chunk, with G the in-chunk cumulative log decay [C, K] and the state S
   at the chunk start (q already scaled):
-    L     = strict_lower(beta * Akk)          A = (I + L)^-1  (triangular solve)
+    L     = strict_lower(beta * Akk)          A = (I + L)^-1
     W     = A (beta * exp(G) * K)             U = A (beta * V)
     Vnew  = U - W S                           (the delta-rule writes u_s)
     O     = (q * exp(G)) S + Aqk Vnew
     S'    = Diag(exp(G_C)) S + (exp(G_C - G) * K)^T Vnew
-  Everything but the last three lines is computed for all chunks in parallel;
-  a lax.scan over chunks carries S.
+  Everything but Vnew and S' is computed for all chunks in parallel, laid out
+  [N, B, H, C, X] (chunk axis first, so the scan needs no transposes); a
+  lax.scan over chunks carries S and emits S and Vnew; O is then one more
+  parallel step.
 
   Segments: with doc(t) the document of token t and doc_prev the document of
   the token before the chunk (document 0 for the first chunk, where
@@ -346,48 +375,51 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None,
   pad = n * C - T
   f32 = lambda x: x.astype(jnp.float32)
 
-  # [B, T, H, X] -> [B, H, N, C, X]
+  # [B, T, H, X] -> [N, B, H, C, X]
   def to_chunks(x):
     x = _pad_time(f32(x), pad)
-    x = jnp.swapaxes(x, 1, 2)
-    return x.reshape((B, H, n, C) + x.shape[3:])
-  q = to_chunks(q) * scale                                        # [B, H, N, C, K]
-  k, v, g, beta = (to_chunks(x) for x in (k, v, g, beta))         # beta [B, H, N, C]
+    x = x.reshape((B, n, C, H) + x.shape[3:])
+    return jnp.moveaxis(x, (1, 2), (0, 3))
+  q = to_chunks(q) * scale                                        # [N, B, H, C, K]
+  k, v = to_chunks(k), to_chunks(v)
+  g = to_chunks(jnp.maximum(f32(g), _G_CLAMP))
+  beta = to_chunks(beta)                                          # [N, B, H, C]
 
   hi = jax.lax.Precision.HIGHEST
   # In-chunk cumulative sum as a matmul with a lower-triangular ones matrix
   # (faster than cumsum on CPU; HIGHEST keeps it exact-ish on TPU too).
   tri = jnp.tril(jnp.ones((C, C), jnp.float32))
-  G = jnp.einsum("rs,...sk->...rk", tri, g, precision=hi)        # [B, H, N, C, K]
-  G_last = G[..., -1:, :]                                         # [B, H, N, 1, K]
-  Aqk, Akk = _intra_chunk_scores(q, k, G)                   # [B, H, N, C, C]
+  G = jnp.einsum("rs,...sk->...rk", tri, g, precision=hi)        # [N, B, H, C, K]
+  G_last = G[..., -1:, :]                                         # [N, B, H, 1, K]
+  Aqk, Akk = _intra_chunk_scores(q, k, G, G - g)                  # [N, B, H, C, C]
   L = beta[..., :, None] * jnp.tril(Akk, -1)                      # strictly lower
 
-  w_in = k * jnp.exp(G)                                           # decayed from chunk start
-  q_in = q * jnp.exp(G)
+  eG = jnp.exp(G)
+  w_in = k * eG                                                   # decayed from chunk start
+  q_in = q * eG
   k_out = k * jnp.exp(G_last - G)                                 # decayed to chunk end, <= 1
-  decay_last = jnp.exp(G_last[..., 0, :])                         # [B, H, N, K]
+  decay_last = jnp.exp(G_last[..., 0, :])                         # [N, B, H, K]
 
   if segment_ids is not None:
     doc = _pad_time(_doc_index(segment_ids), pad, mode="edge")    # [B, Tp]
-    doc = doc.reshape(B, 1, n, C)                                 # [B, 1, N, C]
+    doc = jnp.moveaxis(doc.reshape(B, n, C), 1, 0)[:, :, None]    # [N, B, 1, C]
     doc_prev = jnp.concatenate(
-        [jnp.zeros_like(doc[:, :, :1, -1]), doc[:, :, :-1, -1]], axis=-1)  # [B, 1, N]
-    same = (doc[..., :, None] == doc[..., None, :]).astype(jnp.float32)   # [B, 1, N, C, C]
+        [jnp.zeros_like(doc[:1, ..., -1]), doc[:-1, ..., -1]], axis=0)  # [N, B, 1]
+    same = (doc[..., :, None] == doc[..., None, :]).astype(jnp.float32)   # [N, B, 1, C, C]
     Aqk = Aqk * same
     L = L * same
-    from_prev = (doc == doc_prev[..., None]).astype(jnp.float32)[..., None]  # [B, 1, N, C, 1]
+    from_prev = (doc == doc_prev[..., None]).astype(jnp.float32)[..., None]  # [N, B, 1, C, 1]
     w_in = w_in * from_prev
     q_in = q_in * from_prev
-    to_last = (doc == doc[..., -1:]).astype(jnp.float32)[..., None]   # [B, 1, N, C, 1]
+    to_last = (doc == doc[..., -1:]).astype(jnp.float32)[..., None]   # [N, B, 1, C, 1]
     k_out = k_out * to_last
-    keep = (doc[..., -1] == doc_prev).astype(jnp.float32)[..., None]  # [B, 1, N, 1]
+    keep = (doc[..., -1] == doc_prev).astype(jnp.float32)[..., None]  # [N, B, 1, 1]
     decay_last = decay_last * keep
 
-  # WY / UT transform: one unit-lower-triangular solve for both W and U.
+  # WY / UT transform: one (I + L)^-1 for both W and U.
   rhs = jnp.concatenate([beta[..., None] * w_in, beta[..., None] * v], -1)  # [.., C, K+V]
   A = _unit_lower_inverse(L)                                      # [..., C, C]
-  wu = jnp.einsum("...rs,...sx->...rx", A, rhs, precision=hi)
+  wu = jnp.matmul(A, rhs, precision=hi)
   W, U = wu[..., :K], wu[..., K:]                                 # [.., C, K], [.., C, V]
 
   if initial_state is None:
@@ -396,15 +428,15 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None,
     state0 = f32(initial_state)
 
   def chunk_step(S, inp):                                         # S [B, H, K, V]
-    W_c, U_c, q_c, Aqk_c, k_c, d_c = inp
-    v_new = U_c - jnp.einsum("bhck,bhkv->bhcv", W_c, S)           # [B, H, C, V]
-    o = (jnp.einsum("bhck,bhkv->bhcv", q_c, S)
-         + jnp.einsum("bhcs,bhsv->bhcv", Aqk_c, v_new))
-    S = d_c[..., None] * S + jnp.einsum("bhck,bhcv->bhkv", k_c, v_new)
-    return S, o
+    W_c, U_c, k_c, d_c = inp
+    v_new = U_c - jnp.matmul(W_c, S, precision=hi)                # [B, H, C, V]
+    S_next = d_c[..., None] * S + jnp.einsum(
+        "bhck,bhcv->bhkv", k_c, v_new, precision=hi)
+    return S_next, (S, v_new)
 
-  xs = tuple(jnp.moveaxis(x, 2, 0)
-             for x in (W, U, q_in, Aqk, k_out, decay_last))       # chunk axis first
-  final_state, o = jax.lax.scan(chunk_step, state0, xs)           # o [N, B, H, C, V]
-  o = jnp.transpose(o, (1, 0, 3, 2, 4)).reshape(B, n * C, H, V)[:, :T]
+  final_state, (S_all, v_new) = jax.lax.scan(
+      chunk_step, state0, (W, U, k_out, decay_last))              # [N, B, H, K|C, V]
+  o = (jnp.matmul(q_in, S_all, precision=hi)
+       + jnp.matmul(Aqk, v_new, precision=hi))                    # [N, B, H, C, V]
+  o = jnp.moveaxis(o, (0, 3), (1, 2)).reshape(B, n * C, H, V)[:, :T]
   return o.astype(out_dtype), (final_state if output_final_state else None)

@@ -27,26 +27,40 @@ def _close(actual, ref, rel=1e-4):
   ref = np.asarray(ref, np.float64)
   actual = np.asarray(actual, np.float64)
   assert np.all(np.isfinite(actual)), "non-finite values"
-  scale = max(np.max(np.abs(ref)), 1e-6)
+  # Floor: an exactly-zero reference (e.g. d/dg when the state is still zero)
+  # gets float32 round-off from the factored exponentials, ~1e-8 absolute.
+  scale = max(np.max(np.abs(ref)), 1e-3)
   np.testing.assert_allclose(actual, ref, rtol=rel, atol=rel * scale)
 
 
 def _inputs(T, seed=0, gate="lower_bound", g_range=None, with_state=False):
   """Random inputs as the model makes them: L2-normalized q, k; sigmoid beta;
-  g from one of the gate functions (or uniform in g_range)."""
+  g from one of the gate functions (or uniform in g_range). gate="mixed":
+  batch row 0 uses the K3 lower-bound gate, row 1 the Kimi-Linear softplus
+  gate, and head 1 of row 1 a strong decay, g uniform in [-20, 0] (in-chunk
+  cumulative decay down to ~-1280: the chunk form must not overflow in values
+  or gradients). with_state="mixed": row 0 random, row 1 zero."""
   ks = jax.random.split(jax.random.PRNGKey(seed), 7)
   q = kda.l2_normalize(jax.random.normal(ks[0], (B, T, H, K)))
   k = kda.l2_normalize(jax.random.normal(ks[1], (B, T, H, K)))
   v = jax.random.normal(ks[2], (B, T, H, V))
   z = jax.random.normal(ks[3], (B, T, H, K)) * 2.0
+  lb = kda.kda_gate_lower_bound(z, jax.random.normal(ks[4], (H,)))
+  sp = kda.kda_gate_softplus(z, jnp.log(jax.random.uniform(ks[4], (H,), minval=1, maxval=16)))
+  strong = jax.random.uniform(ks[3], (B, T, H, K), minval=-20.0, maxval=0.0)
   if g_range is not None:
     g = jax.random.uniform(ks[3], (B, T, H, K), minval=g_range[0], maxval=g_range[1])
   elif gate == "lower_bound":
-    g = kda.kda_gate_lower_bound(z, jax.random.normal(ks[4], (H,)))
-  else:  # Kimi-Linear: A initialized to log U(1, 16)
-    g = kda.kda_gate_softplus(z, jnp.log(jax.random.uniform(ks[4], (H,), minval=1, maxval=16)))
+    g = lb
+  elif gate == "softplus":  # Kimi-Linear: A initialized to log U(1, 16)
+    g = sp
+  else:
+    g = jnp.concatenate([lb[:1], sp[1:]], 0)
+    g = g.at[1, :, 1].set(strong[1, :, 1])
   beta = jax.nn.sigmoid(jax.random.normal(ks[5], (B, T, H)))
   s0 = jax.random.normal(ks[6], (B, H, K, V)) if with_state else None
+  if with_state == "mixed":
+    s0 = s0.at[1].set(0.0)
   return q, k, v, g, beta, s0
 
 
@@ -108,45 +122,33 @@ def _check_chunk_vs_recurrent(args, C, seg=None):
   return o_c, s_c
 
 
-# (T, chunk_size, gate, initial state): covers T < C, T = C, T not a multiple
-# of C, several chunks; both gates; with and without initial state.
-CASES = [
-    (1, 16, "lower_bound", False),
-    (17, 16, "softplus", True),
-    (64, 64, "lower_bound", True),
-    (100, 16, "softplus", False),
-    (130, 64, "lower_bound", True),
-]
+# (T, chunk_size): T not a multiple of C, a partial chunk after full ones;
+# the default C = 64 and a small C with more chunks (the same T, so the
+# recurrent reference compiles once). Every case mixes both gates, a
+# strong-decay head and with/without initial state (see _inputs).
+CASES = [(100, 16), (100, 64)]
 
 
-@pytest.mark.parametrize("T,C,gate,with_state", CASES)
-def test_chunk_matches_recurrent(T, C, gate, with_state):
-  args = _inputs(T, seed=T + C, gate=gate, with_state=with_state)
+@pytest.mark.parametrize("T,C", CASES)
+def test_chunk_matches_recurrent(T, C):
+  args = _inputs(T, seed=T + C, gate="mixed", with_state="mixed")
   o_c, s_c = _check_chunk_vs_recurrent(args, C)
   assert o_c.shape == (B, T, H, V) and s_c.shape == (B, H, K, V)
   assert o_c.dtype == jnp.float32 and s_c.dtype == jnp.float32
-  if T <= 17:  # both against the float64 definition (short: numpy loop)
-    o_n, s_n = _np_kda(*args)
-    _close(o_c, o_n)
-    _close(s_c, s_n)
+  o_n, s_n = _np_kda(*args)   # and against the float64 definition
+  _close(o_c, o_n)
+  _close(s_c, s_n)
 
 
 def test_initial_state_none():
-  """initial_state=None means zeros; output_final_state=False gives None."""
-  q, k, v, g, beta, _ = _inputs(17, seed=2)
+  """initial_state=None means zeros; output_final_state=False gives None.
+  T < C (a single padded chunk)."""
+  q, k, v, g, beta, _ = _inputs(40, seed=2, gate="mixed")
   o_n, _ = _np_kda(q, k, v, g, beta)
-  for fn in (functools.partial(kda.chunk_kda, chunk_size=16), kda.recurrent_kda):
+  for fn in (functools.partial(kda.chunk_kda, chunk_size=64), kda.recurrent_kda):
     o, s = _jit(fn)(q, k, v, g, beta)
     assert s is None
     _close(o, o_n)
-
-
-def test_strongly_negative_decay():
-  """g uniform in [-20, 0]: in-chunk cumulative decay reaches ~-1280; the
-  chunk form must not overflow (values and gradients finite) and must match.
-  Same shapes as the (130, 64) case above, so it reuses that compilation."""
-  args = _inputs(130, seed=11, g_range=(-20.0, 0.0), with_state=True)
-  _check_chunk_vs_recurrent(args, 64)
 
 
 def _segments(T, boundaries):
@@ -181,34 +183,42 @@ def _per_document(args, seg):
 
 # Row 0's documents: boundaries mid-chunk, several documents inside one chunk
 # (incl. a 1-token document), documents spanning chunks, boundaries exactly on
-# chunk edges (16, 64).
-@pytest.mark.parametrize("C", [16, 64])
-def test_segment_isolation(C):
-  T = 130
-  args = _inputs(T, seed=21, gate="softplus", with_state=True)
-  seg = _segments(T, [5, 6, 16, 30, 64, 100])
+# chunk edges (16, 32, 64 for C = 16; 64 for C = 64). Gradients are checked
+# against the recurrent form for C = 16; C = 64 checks the forward only
+# (compile time).
+@pytest.mark.parametrize("T,C", CASES)
+def test_segment_isolation(T, C):
+  args = _inputs(T, seed=21, gate="mixed", with_state=True)
+  seg = _segments(T, [t for t in (5, 6, 16, 30, 32, 64) if t < T])
   o_ref, s_ref = _per_document(args, seg)
-  o_c, s_c = _check_chunk_vs_recurrent(args, C, seg)   # also gradients
+  if C == 16:
+    o_c, s_c = _check_chunk_vs_recurrent(args, C, seg)   # also gradients
+  else:
+    q, k, v, g, beta, s0 = args
+    o_c, s_c = _jit(functools.partial(kda.chunk_kda, chunk_size=C, output_final_state=True))(
+        q, k, v, g, beta, initial_state=s0, segment_ids=seg)
   _close(o_c, o_ref)
   _close(s_c, s_ref)
 
 
 def test_decode_steps_equal_recurrent():
-  T = 21
-  q, k, v, g, beta, s0 = _inputs(T, seed=7, gate="softplus", with_state=True)
+  T = 104
+  q, k, v, g, beta, s0 = _inputs(T, seed=7, gate="mixed", with_state="mixed")
   o_n, s_n = _np_kda(q, k, v, g, beta, s0)
   step = _jit(kda.kda_decode_step)
-  S = s0
+  # Step by step from the initial state (same arithmetic as the definition).
+  S, n_steps = s0, 12
+  o8, s8 = _np_kda(*(x[:, :n_steps] for x in (q, k, v, g, beta)), s0)
   outs = []
-  for t in range(T):
+  for t in range(n_steps):
     o, S = step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], S)
     outs.append(o)
-  _close(jnp.stack(outs, 1), o_n, rel=1e-5)   # same arithmetic, step by step
-  _close(S, s_n, rel=1e-5)
-  # Prefill 17 tokens with chunk_kda (shapes of an earlier case), then decode.
-  _, S, _ = _run("chunk", (q[:, :17], k[:, :17], v[:, :17], g[:, :17], beta[:, :17], s0),
+  _close(jnp.stack(outs, 1), o8, rel=1e-5)
+  _close(S, s8, rel=1e-5)
+  # Prefill 100 tokens with chunk_kda (shapes of an earlier case), then decode.
+  _, S, _ = _run("chunk", (q[:, :100], k[:, :100], v[:, :100], g[:, :100], beta[:, :100], s0),
                  chunk_size=16)
-  for t in range(17, T):
+  for t in range(100, T):
     o, S = step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], S)
   _close(o, o_n[:, -1])
   _close(S, s_n)
@@ -218,7 +228,7 @@ def test_bf16_inputs():
   """bf16 inputs: internal math is f32, outputs come back in bf16. Compared
   with the f32 recurrence on the same (bf16-rounded) inputs; the only extra
   error is the final bf16 rounding (2^-8 relative), so 1e-2 of the max."""
-  args = _inputs(100, seed=9, with_state=True)
+  args = _inputs(40, seed=9, with_state=True)
   q, k, v, g, beta, s0 = args
   lo = [x.astype(jnp.bfloat16) for x in (q, k, v, g, beta)]
   o_ref, s_ref = _np_kda(*[x.astype(jnp.float32) for x in lo], s0)
