@@ -14,10 +14,10 @@ exp, masks and reshapes not counted):
 
   recurrent (per token): decay K*V + read k^T S 2*K*V + write 2*K*V
                          + output S^T q 2*K*V                   = 7*K*V
-  chunk (per token, C = chunk, t = sub-tile = 16):
-    intra-chunk scores, q and k, off-diagonal as dense
-      [t, K] x [K, C] per sub-tile                             = 4*C*K
-    diagonal sub-tiles, pairwise, 2 products x 3 ops           = 6*t*K
+  chunk (per token, C = chunk, t = tile = 16, sub-tile 4):
+    intra-chunk scores, q and k, between tiles as dense
+      [2t, K] x [K, C] per tile                                = 4*C*K
+    inside tiles, [8, K] x [K, t] per 4-token sub-tile         = 4*t*K
     triangular solve, C x C against K+V right-hand sides       = C*(K+V)
     scan: W S, q S, k^T Vnew (2*K*V each) + Aqk Vnew (2*C*V)    = 6*K*V + 2*C*V
   forward+backward is counted as 3x the forward (the usual 1 fwd + 2 bwd).
@@ -53,7 +53,7 @@ def flops_recurrent(T):
 
 
 def flops_chunk(T, C=CHUNK, t=SUB_TILE):
-  per_token = 4 * C * K + 6 * t * K + C * (K + V) + 6 * K * V + 2 * C * V
+  per_token = 4 * C * K + 4 * t * K + C * (K + V) + 6 * K * V + 2 * C * V
   return per_token * B * H * T
 
 
