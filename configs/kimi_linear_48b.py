@@ -26,6 +26,6 @@ def get_config() -> ModelConfig:
       mla=MLAConfig(num_heads=32, q_lora_rank=0, kv_lora_rank=512, qk_nope_head_dim=128,
                     qk_rope_head_dim=64, v_head_dim=128, output_gate=False),
       moe=MoEConfig(num_experts=256, top_k=8, num_shared_experts=1, expert_intermediate=1024,
-                    latent_dim=0, routed_scaling_factor=2.446),
+                    latent_dim=0, routed_scaling_factor=2.446, balance="sign"),
       attn_res=AttnResConfig(enabled=False),
   )

@@ -51,6 +51,10 @@ class MoEConfig:
   routed_scaling_factor: float = 1.0
   n_group: int = 1                  # group-limited routing (DeepSeek-V3); 1 = off
   topk_group: int = 1
+  balance: str = "qb"               # router bias update in training: "qb" (Quantile
+                                    # Balancing), "sign" (DeepSeek-V3 fixed step), "none"
+  balance_rate: float = 1e-3        # step of the "sign" update
+  qb_bins: int = 0                  # 0: exact quantiles; > 0: pooled histogram of this many bins
 
 
 @dataclass(frozen=True)
@@ -197,6 +201,11 @@ def validate(cfg: ModelConfig) -> ModelConfig:
            f"must divide moe.num_experts={e.num_experts}")
   _require(1 <= e.topk_group <= e.n_group, "moe.topk_group", e.topk_group,
            f"must lie in [1, moe.n_group={e.n_group}]")
+  _require(e.balance in ("qb", "sign", "none"), "moe.balance", e.balance,
+           "must be 'qb', 'sign' or 'none'")
+  _require(e.balance != "qb" or e.top_k < e.num_experts, "moe.top_k", e.top_k,
+           "Quantile Balancing needs top_k < num_experts (its cutoff is the (k+1)-th expert)")
+  _require(e.qb_bins >= 0, "moe.qb_bins", e.qb_bins, "must be >= 0 (0 = exact)")
   _require(cfg.attn_res.block_size > 0, "attn_res.block_size", cfg.attn_res.block_size,
            "must be positive")
   return cfg

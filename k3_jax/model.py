@@ -76,29 +76,29 @@ class DecoderLayer(nnx.Module):
     y, cache, max_logit = self.mixer(h, segment_ids, cache, pos)
     return y, cache, {"max_logit": max_logit}
 
-  def ffn_sublayer(self, x):
+  def ffn_sublayer(self, x, train=False):
     """-> (y, aux)."""
     h = self.ffn_norm(x)
     if self.ffn_kind == "moe":
-      return self.ffn(h)
+      return self.ffn(h, train)
     return self.ffn(h), {}
 
-  def __call__(self, x, segment_ids=None, cache=None, pos=0, layer_idx=0):
+  def __call__(self, x, segment_ids=None, cache=None, pos=0, layer_idx=0, train=False):
     """x: the residual stream [B, T, D], or with Attention Residuals the source bank
     (layers/attn_res.py). -> (x, new cache or None, aux dict)."""
     if self.block_size:
-      return self._attn_res_call(x, segment_ids, cache, pos, layer_idx)
+      return self._attn_res_call(x, segment_ids, cache, pos, layer_idx, train)
     y, cache, aux = self.mixer_sublayer(x, segment_ids, cache, pos)
     x = constrain(x + y, ("batch", "seq", "embed"))
-    y, ffn_aux = self.ffn_sublayer(x)
+    y, ffn_aux = self.ffn_sublayer(x, train)
     x = constrain(x + y, ("batch", "seq", "embed"))
     return x, cache, {**aux, **ffn_aux}
 
-  def _attn_res_call(self, stream, segment_ids, cache, pos, layer_idx):
+  def _attn_res_call(self, stream, segment_ids, cache, pos, layer_idx, train):
     y, cache, aux = self.mixer_sublayer(self.mixer_query(stream, self.eps), segment_ids, cache,
                                         pos)
     stream = attn_res.add_output(stream, y)
-    y, ffn_aux = self.ffn_sublayer(self.ffn_query(stream, self.eps))
+    y, ffn_aux = self.ffn_sublayer(self.ffn_query(stream, self.eps), train)
     stream = attn_res.add_output(stream, y)
     stream = attn_res.close_block(stream, (layer_idx + 1) % self.block_size == 0)
     return stream, cache, {**aux, **ffn_aux}
@@ -110,11 +110,11 @@ class Unit(nnx.Module):
   def __init__(self, cfg: ModelConfig, kinds, *, init: Init):
     self.layers = nnx.List([DecoderLayer(cfg, m, f, init=init) for m, f in kinds])
 
-  def __call__(self, x, segment_ids=None, caches=None, pos=0, first_layer=0):
+  def __call__(self, x, segment_ids=None, caches=None, pos=0, first_layer=0, train=False):
     new_caches, auxes = [], []
     for i, layer in enumerate(self.layers):
       x, c, aux = layer(x, segment_ids, None if caches is None else caches[i], pos,
-                        first_layer + i)
+                        first_layer + i, train)
       new_caches.append(c)
       auxes.append(aux)
     return x, (None if caches is None else new_caches), auxes
@@ -167,14 +167,14 @@ class K3Model(nnx.Module):
     return cache
 
   # ----- forward --------------------------------------------------------------
-  def _run_units(self, x, segment_ids, caches, pos, remat):
+  def _run_units(self, x, segment_ids, caches, pos, remat, train):
     graphdef, state = nnx.split(self.units)
     prefix, reps, period = self.cfg.stack_plan()
     first_layers = prefix + period * jnp.arange(reps)
 
     def body(x, xs):
       st, c, first = xs
-      x, c, aux = nnx.merge(graphdef, st)(x, segment_ids, c, pos, first)
+      x, c, aux = nnx.merge(graphdef, st)(x, segment_ids, c, pos, first, train)
       return x, (c, aux)
 
     if remat == "block":
@@ -186,10 +186,12 @@ class K3Model(nnx.Module):
     return x, caches, aux
 
   def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
-               cache: dict | None = None, remat: str = "none"):
+               cache: dict | None = None, remat: str = "none", train: bool = False):
     """tokens [B, T] -> (logits [B, T, vocab] f32, new cache or None, aux).
 
-    aux: 'expert_load' [n_moe_layers, E] (tokens per expert), 'max_logit' [n_mla_layers, H].
+    aux: 'expert_load' [n_moe_layers, E] (tokens per expert), 'max_logit' [n_mla_layers, H],
+    and with train=True 'new_bias' [n_moe_layers, E] (for `set_router_biases`). MoE layers
+    are listed in `moe_layers()` order.
     """
     b, t = tokens.shape
     limit = self.cfg.max_seq_len
@@ -207,7 +209,7 @@ class K3Model(nnx.Module):
       caches = []
       for i, layer in enumerate(layers):
         x, c, aux = layer(x, segment_ids, None if cache is None else cache[name][i], pos,
-                          first + i)
+                          first + i, train)
         caches.append(c)
         auxes.append(jax.tree.map(lambda a: a[None], aux))
       if new_cache is not None:
@@ -217,7 +219,7 @@ class K3Model(nnx.Module):
     x = run_list("prefix", self.prefix, x, 0)
     if self.units is not None:
       x, unit_caches, unit_aux = self._run_units(
-          x, segment_ids, None if cache is None else cache["units"], pos, remat)
+          x, segment_ids, None if cache is None else cache["units"], pos, remat, train)
       auxes.extend(unit_aux)    # one aux per layer of the unit, each with a leading [R] axis
       if new_cache is not None:
         new_cache["units"] = unit_caches
@@ -226,8 +228,25 @@ class K3Model(nnx.Module):
       x = self.final_query(x, self.cfg.norm_eps)
     logits = self.lm_head(self.final_norm(x))
     aux = {k: jnp.concatenate([a[k] for a in auxes if k in a], axis=0)
-           for k in ("expert_load", "max_logit") if any(k in a for a in auxes)}
+           for k in ("expert_load", "max_logit", "new_bias") if any(k in a for a in auxes)}
     return logits, new_cache, aux
+
+  # ----- router biases ------------------------------------------------------------
+  def moe_layers(self) -> list[tuple[MoE, int]]:
+    """(MoE module, rows) in aux order: prefix layers, then each MoE layer of the scanned
+    unit (its bias stacked over `repeats` rows), then suffix layers."""
+    out = [(l.ffn, 1) for l in self.prefix if l.ffn_kind == "moe"]
+    if self.units is not None:
+      out += [(l.ffn, self.repeats) for l in self.units.layers if l.ffn_kind == "moe"]
+    return out + [(l.ffn, 1) for l in self.suffix if l.ffn_kind == "moe"]
+
+  def set_router_biases(self, new_bias: jax.Array) -> None:
+    """Writes aux['new_bias'] [n_moe_layers, E] back into the layers' bias state."""
+    row = 0
+    for moe, rows in self.moe_layers():
+      value = new_bias[row:row + rows]
+      moe.bias[...] = value if moe.bias[...].ndim == 2 else value[0]
+      row += rows
 
 
 # ----- construction and entry points --------------------------------------------

@@ -24,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from k3_jax.config import ModelConfig, TrainConfig, validate, validate_train
 from k3_jax.model import K3Model, create_model
+from k3_jax.ops.balance import load_stats
 from sharding.rules import activation_rules, tree_shardings
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "loss_mask")
@@ -80,10 +81,10 @@ def abstract_state(cfg: ModelConfig, tc: TrainConfig, optimizer):
 
 # ----- loss and steps --------------------------------------------------------------
 
-def loss_terms(graphdef, params, rest, batch, remat: str = "none"):
+def loss_terms(graphdef, params, rest, batch, remat: str = "none", train: bool = False):
   """(sum of masked token cross-entropies, number of target tokens, aux)."""
   model = nnx.merge(graphdef, params, rest)
-  logits, _, aux = model(batch["inputs"], batch["segment_ids"], remat=remat)
+  logits, _, aux = model(batch["inputs"], batch["segment_ids"], remat=remat, train=train)
   ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
   mask = batch["loss_mask"].astype(jnp.float32)
   return jnp.sum(ce * mask), jnp.sum(mask), aux
@@ -95,38 +96,58 @@ def _microbatches(batch: dict, n: int) -> dict:
 
 def train_step(graphdef, optimizer, cfg: ModelConfig, tc: TrainConfig, state: dict,
                batch: dict):
-  """One optimizer step over `batch` (split into tc.grad_accum micro-batches)."""
+  """One optimizer step over `batch` (split into tc.grad_accum micro-batches).
+
+  The MoE balancing biases are updated from this step's router outputs (averaged over
+  micro-batches) and take effect from the next step; the optimizer never sees them.
+  """
 
   def loss_fn(params, mb):
-    loss_sum, n, aux = loss_terms(graphdef, params, state["rest"], mb, tc.remat)
+    loss_sum, n, aux = loss_terms(graphdef, params, state["rest"], mb, tc.remat, train=True)
     return loss_sum, (n, aux)
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  n_moe = sum(f == "moe" for _, f in cfg.layer_kinds())
+  e = cfg.moe.num_experts
 
   def micro(carry, mb):
-    g_acc, loss_acc, n_acc, load_acc = carry
+    g_acc, loss_acc, n_acc, load_acc, bias_acc = carry
     (loss_sum, (n, aux)), g = grad_fn(state["params"], mb)
-    if "expert_load" in aux:
+    if n_moe:
       load_acc = load_acc + aux["expert_load"]
-    return (jax.tree.map(jnp.add, g_acc, g), loss_acc + loss_sum, n_acc + n, load_acc), None
+      bias_acc = bias_acc + aux["new_bias"]
+    return (jax.tree.map(jnp.add, g_acc, g), loss_acc + loss_sum, n_acc + n, load_acc,
+            bias_acc), None
 
-  n_moe = sum(f == "moe" for _, f in cfg.layer_kinds())
   zeros = (jax.tree.map(jnp.zeros_like, state["params"]), jnp.zeros((), jnp.float32),
-           jnp.zeros((), jnp.float32), jnp.zeros((n_moe, cfg.moe.num_experts), jnp.int32))
+           jnp.zeros((), jnp.float32), jnp.zeros((n_moe, e), jnp.int32),
+           jnp.zeros((n_moe, e), jnp.float32))
+  mbs = _microbatches(batch, tc.grad_accum)
+  if tc.grad_accum == 1:      # no loop: a simpler program, faster to compile
+    carry, _ = micro(zeros, jax.tree.map(lambda x: x[0], mbs))
+  else:
+    carry, _ = jax.lax.scan(micro, zeros, mbs)
+  grads, loss_sum, count, load, bias_sum = carry
   # Sums over tokens, then one division: the gradient of the mean over all micro-batches.
-  (grads, loss_sum, count, load), _ = jax.lax.scan(micro, zeros,
-                                                   _microbatches(batch, tc.grad_accum))
   denom = jnp.maximum(count, 1.0)
   grads = jax.tree.map(lambda g: g / denom, grads)
   updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
   params = optax.apply_updates(state["params"], updates)
-  new_state = {"step": state["step"] + 1, "params": params, "rest": state["rest"],
+  rest = state["rest"]
+  if n_moe:
+    model = nnx.merge(graphdef, params, rest)
+    model.set_router_biases(bias_sum / tc.grad_accum)
+    rest = nnx.split(model, nnx.Param, ...)[2]
+  new_state = {"step": state["step"] + 1, "params": params, "rest": rest,
                "opt_state": opt_state}
   metrics = {"loss": loss_sum / denom, "grad_norm": optax.global_norm(grads),
              "tokens": count, "lr": lr_schedule(tc)(state["step"])}
   if n_moe:
-    per_layer = load.astype(jnp.float32)                           # [n_moe, E]
-    metrics["load_max_mean"] = (per_layer.max(-1) / jnp.maximum(per_layer.mean(-1), 1e-9)).max()
+    stats = load_stats(load)                                       # per MoE layer
+    metrics.update({"load_max_mean": stats["max_over_mean"].max(),
+                    "load_max_mean_avg": stats["max_over_mean"].mean(),
+                    "zero_load_experts": stats["num_zero"].max(),
+                    "zero_load_experts_avg": stats["num_zero"].astype(jnp.float32).mean()})
   return new_state, metrics
 
 
@@ -266,8 +287,10 @@ def run(cfg: ModelConfig, tc: TrainConfig, workdir: str, mesh: Mesh,
       record = {"step": done, "loss": float(metrics["loss"]),
                 "grad_norm": float(metrics["grad_norm"]), "lr": float(metrics["lr"]),
                 "step_time": step_time, "tokens_per_sec": tokens_per_step / step_time}
-      if "load_max_mean" in metrics:
-        record["load_max_mean"] = float(metrics["load_max_mean"])
+      for key in ("load_max_mean", "load_max_mean_avg", "zero_load_experts",
+                  "zero_load_experts_avg"):
+        if key in metrics:
+          record[key] = float(metrics[key])
       window_t, window_steps = now, 0
       if is_eval and eval_batches:
         record["eval_loss"] = evaluate(steps, state, eval_batches)
@@ -291,6 +314,8 @@ def _progress_line(r: dict, total: int, elapsed: float) -> str:
     parts.append(f"eval {r['eval_loss']:.4f}")
   parts += [f"grad {r['grad_norm']:.3f}", f"lr {r['lr']:.2e}",
             f"{r['tokens_per_sec']:,.0f} tok/s", f"{elapsed:,.0f}s"]
+  if "load_max_mean" in r:
+    parts.insert(-2, f"load {r['load_max_mean']:.2f}")
   return " | ".join(parts)
 
 

@@ -20,6 +20,7 @@ from k3_jax.layers.ffn import GatedFFN
 from k3_jax.layers.init import Init
 from k3_jax.layers.linear import Linear
 from k3_jax.layers.norm import RMSNorm
+from k3_jax.ops import balance as balance_ops
 from k3_jax.ops import moe as moe_ops
 
 
@@ -55,8 +56,20 @@ class MoE(nnx.Module):
     if m.num_shared_experts:
       self.shared = GatedFFN(cfg, d, m.num_shared_experts * f, init=init, out_std=out_std)
 
-  def __call__(self, x: jax.Array) -> tuple[jax.Array, dict]:
-    """x [B, T, D] -> (y [B, T, D], aux) with aux['expert_load'] [E] tokens per expert."""
+  def new_bias(self, scores: jax.Array, load: jax.Array) -> jax.Array:
+    """The balancing bias for the NEXT step from this step's router outputs (training)."""
+    m, bias = self.cfg, self.bias[...]
+    if m.balance == "qb" and m.qb_bins:
+      return balance_ops.quantile_balancing_histogram(scores, bias, m.top_k, m.qb_bins)
+    if m.balance == "qb":
+      return balance_ops.quantile_balancing(scores, bias, m.top_k)
+    if m.balance == "sign":
+      return balance_ops.sign_balancing(bias, load, m.balance_rate)
+    return bias
+
+  def __call__(self, x: jax.Array, train: bool = False) -> tuple[jax.Array, dict]:
+    """x [B, T, D] -> (y [B, T, D], aux): aux['expert_load'] [E] tokens per expert and, when
+    training, aux['new_bias'] [E] (the bias itself is only changed by the train step)."""
     m = self.cfg
     b, t, d = x.shape
     xf = x.reshape(b * t, d)                                           # [N, D]
@@ -73,6 +86,8 @@ class MoE(nnx.Module):
     if m.num_shared_experts:
       y = y + self.shared(xf)
     aux = {"expert_load": moe_ops.expert_load(ids, m.num_experts)}
+    if train:
+      aux["new_bias"] = self.new_bias(scores, aux["expert_load"])
     return y.reshape(b, t, d).astype(self.dtype), aux
 
 

@@ -22,7 +22,7 @@ def tiny():
   # Non-zero AttnRes pseudo-queries (they start at zero = uniform mixing), so the tests
   # below see real depth-wise attention.
   state = jax.tree_util.tree_map_with_path(
-      lambda path, x: (0.5 * jax.random.normal(jax.random.key(len(path)), x.shape)
+      lambda path, x: (0.1 * jax.random.normal(jax.random.key(len(path)), x.shape)
                        if any(getattr(p, "key", None) in ("mixer_query", "ffn_query", "final_query")
                               for p in path) else x), state)
   fwd = jax.jit(lambda s, t, seg: forward(nnx.merge(graphdef, s), t, seg))
