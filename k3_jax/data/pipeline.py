@@ -5,6 +5,7 @@
       -> shuffle by `seed`, reshuffled each epoch; repeat `num_epochs` times
       -> tokenize lazily, one document at a time ([BOS] + ids + [EOS])
       -> split long documents into windows of at most seq_len + 1 tokens
+      -> shuffle windows within a buffer (`shuffle_window`), mixing documents
       -> first-fit pack windows into rows of seq_len + 1 tokens (grain)
       -> inputs = row[:-1], targets = row[1:], segment ids, loss mask
       -> batch (a finite last batch is padded with empty rows)
@@ -137,7 +138,7 @@ def _check_args(documents: Sequence[str], seq_len: int, batch_size: int,
 def _packed_rows(documents: Sequence[str], tokenizer: Tokenizer, seq_len: int,
                  *, seed: int, shuffle: bool, num_epochs: int | None,
                  process_index: int, process_count: int,
-                 num_packing_bins: int) -> grain.IterDataset:
+                 num_packing_bins: int, shuffle_window: int) -> grain.IterDataset:
   """Unbatched examples (see `_row_to_example`) of this host's shard."""
   docs = grain.MapDataset.source(documents)[process_index::process_count]
   if shuffle:
@@ -146,6 +147,11 @@ def _packed_rows(documents: Sequence[str], tokenizer: Tokenizer, seq_len: int,
   windows = grain.experimental.FlatMapIterDataset(
       docs.to_iter_dataset(grain.ReadOptions(num_threads=4, prefetch_buffer_size=64)),
       _SplitIntoWindows(seq_len))
+  if shuffle and shuffle_window > 1:
+    # A long document yields many consecutive windows; without mixing them a batch holds
+    # one or two files and training chases whichever file it is reading.
+    windows = grain.experimental.WindowShuffleIterDataset(windows, window_size=shuffle_window,
+                                                          seed=seed)
   rows = grain.experimental.FirstFitPackIterDataset(
       windows, length_struct={"tokens": seq_len + 1},
       num_packing_bins=num_packing_bins, seed=seed, shuffle_bins=shuffle)
@@ -156,7 +162,8 @@ def make_dataset(documents: Sequence[str], tokenizer: Tokenizer, seq_len: int,
                  batch_size: int, seed: int, shuffle: bool = True,
                  num_epochs: int | None = None, process_index: int = 0,
                  process_count: int = 1,
-                 num_packing_bins: int | None = None) -> DataIterator:
+                 num_packing_bins: int | None = None,
+                 shuffle_window: int = 1024) -> DataIterator:
   """Iterator of packed training batches (format in the module docstring).
 
   Args:
@@ -171,12 +178,15 @@ def make_dataset(documents: Sequence[str], tokenizer: Tokenizer, seq_len: int,
     process_index, process_count: this host's disjoint shard of documents.
     num_packing_bins: rows packed at once by first-fit (more bins, less
       padding); default 4 * batch_size.
+    shuffle_window: with shuffle, windows (pieces of seq_len + 1 tokens) are
+      shuffled within a buffer of this many, so a batch mixes many documents.
   """
   _check_args(documents, seq_len, batch_size, process_index, process_count)
   bins = num_packing_bins or 4 * batch_size
   rows = _packed_rows(documents, tokenizer, seq_len, seed=seed, shuffle=shuffle,
                       num_epochs=num_epochs, process_index=process_index,
-                      process_count=process_count, num_packing_bins=bins)
+                      process_count=process_count, num_packing_bins=bins,
+                      shuffle_window=shuffle_window)
   batches = rows.batch(batch_size, drop_remainder=False).map(
       lambda b: _pad_batch(b, batch_size))
   fingerprint = {
@@ -184,7 +194,7 @@ def make_dataset(documents: Sequence[str], tokenizer: Tokenizer, seq_len: int,
       "seq_len": seq_len, "batch_size": batch_size, "seed": seed,
       "shuffle": shuffle, "num_epochs": num_epochs,
       "process_index": process_index, "process_count": process_count,
-      "num_packing_bins": bins,
+      "num_packing_bins": bins, "shuffle_window": shuffle_window,
   }
   return DataIterator(batches, fingerprint)
 
