@@ -31,9 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -41,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from benchmarks.timing import time_fn  # noqa: E402
 from k3_jax.ops import kda  # noqa: E402
 
 B, H, K, V = 1, 4, 128, 128
@@ -55,16 +54,6 @@ def flops_recurrent(T):
 def flops_chunk(T, C=CHUNK, t=SUB_TILE):
   per_token = 4 * C * K + 4 * t * K + C * (K + V) + 6 * K * V + 2 * C * V
   return per_token * B * H * T
-
-
-def time_fn(fn, args, runs):
-  jax.block_until_ready(fn(*args))                    # compile + warm-up
-  times = []
-  for _ in range(runs):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
 
 
 def make_inputs(T, key):

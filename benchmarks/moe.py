@@ -33,9 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
@@ -45,6 +43,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks.timing import time_fn  # noqa: E402
 from k3_jax.ops.moe import (moe_dense_reference, moe_dispatch, ragged_dot_gmm,  # noqa: E402
                             select_experts, tiled_gmm)
 
@@ -70,19 +69,6 @@ def compiled_cost(jitted, args):
   mem = compiled.memory_analysis()
   temp = float(getattr(mem, "temp_size_in_bytes", 0) or 0)
   return flops, temp
-
-
-def time_fn(fn, args, runs):
-  t0 = time.perf_counter()
-  jax.block_until_ready(fn(*args))                                        # warm-up (+compile)
-  if time.perf_counter() - t0 > SLOW_WARMUP_S:
-    runs = 1
-  times = []
-  for _ in range(runs):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
 
 
 def make_inputs(n, e, k, seed=0):
@@ -133,7 +119,7 @@ def main():
              "compiled_flops": flops, "analytic_flops": analytic_flops(n, k),
              "temp_bytes": temp}
       if flops <= args.max_gflop * 1e9 and temp <= args.max_temp_gib * 2**30:
-        sec = time_fn(jitted, inputs, args.runs)
+        sec = time_fn(jitted, inputs, args.runs, slow_warmup_s=SLOW_WARMUP_S)
         row.update(ms=sec * 1e3, tokens_per_s=n / sec)
         timing = f"{sec * 1e3:.1f} | {n / sec:,.0f}"
       else:
