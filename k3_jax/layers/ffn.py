@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from k3_jax.config import ModelConfig, jnp_dtype

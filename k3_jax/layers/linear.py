@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from k3_jax.layers.init import Init
+
 
 class Linear(nnx.Module):
   """y = x . W with W [*in_shape, *out_shape]; no bias (K3 uses none)."""

@@ -90,9 +90,3 @@ class MoE(nnx.Module):
       aux["new_bias"] = self.new_bias(scores, aux["expert_load"])
     return y.reshape(b, t, d).astype(self.dtype), aux
 
-
-def active_fraction(cfg: ModelConfig) -> float:
-  return cfg.moe.top_k / cfg.moe.num_experts
-
-
-__all__ = ["MoE", "RouterBias", "active_fraction"]

@@ -1,6 +1,5 @@
 """Layers: step-by-step decode equals the full forward; MoE layer equals a dense reference."""
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp

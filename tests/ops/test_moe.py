@@ -9,7 +9,7 @@ import pytest
 
 from k3_jax.ops import moe as moe_ops
 from k3_jax.ops.moe import (expert_load, moe_dense_reference, moe_dispatch,
-                            ragged_dot_gmm, router_scores, select_experts)
+                            router_scores, select_experts)
 
 
 def _np_sigmoid(x):
