@@ -298,10 +298,6 @@ def jnp_dtype(name: str):
   return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
 
 
-def ceil_div(a: int, b: int) -> int:
-  return -(-a // b)
-
-
 __all__ = ["ConfigError", "KDAConfig", "MLAConfig", "MoEConfig", "AttnResConfig", "ModelConfig",
            "TrainConfig", "MeshConfig", "validate", "validate_train", "apply_overrides",
            "to_dict", "from_dict", "jnp_dtype"]
