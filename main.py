@@ -178,8 +178,7 @@ def cmd_generate() -> None:
     raise FileNotFoundError(f"{FLAGS.workdir} has a config but no completed checkpoint")
   mesh = make_mesh(devices=jax.devices()[:1])
   steps = train.build_steps(cfg, tc, mesh)
-  state, _ = ckpt.restore(train.abstract_state(cfg, tc, train.make_optimizer(tc))[1],
-                          steps.state_shardings)
+  state, _ = ckpt.restore(steps.abstract_state, steps.state_shardings)
   tok = tokenizers.get_tokenizer(FLAGS.tokenizer or "byte")
   engine = Engine(cfg, steps.graphdef, state["params"], state["rest"])
   ids = tok.encode(FLAGS.prompt)

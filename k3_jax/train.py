@@ -163,6 +163,7 @@ class Steps:
   """The jit-compiled steps for one (model, train config, mesh)."""
   graphdef: Any
   mesh: Mesh
+  abstract_state: Any          # ShapeDtypeStructs of the train state (e.g. to restore into)
   state_shardings: Any
   batch_sharding: NamedSharding
   init: Callable
@@ -208,7 +209,7 @@ def _build_steps(cfg: ModelConfig, tc: TrainConfig, mesh: Mesh) -> Steps:
                   donate_argnums=(0,))
   evaluate = jax.jit(with_rules(functools.partial(eval_step, graphdef)),
                      in_shardings=(state_sh, batch_sh))
-  return Steps(graphdef, mesh, state_sh, batch_sh, init, train, evaluate)
+  return Steps(graphdef, mesh, abstract, state_sh, batch_sh, init, train, evaluate)
 
 
 def put_batch(batch: dict, sharding: NamedSharding) -> dict:
@@ -259,8 +260,7 @@ def run(cfg: ModelConfig, tc: TrainConfig, workdir: str, mesh: Mesh,
   t0 = time.time()
   state = None
   if ckpt is not None and ckpt.latest_step() is not None:
-    state, data_state = ckpt.restore(abstract_state(cfg, tc, make_optimizer(tc))[1],
-                                     steps.state_shardings)
+    state, data_state = ckpt.restore(steps.abstract_state, steps.state_shardings)
     if data_state is not None:
       train_iter.set_state(data_state)
     log(f"resumed from step {int(state['step'])} in {workdir}")
