@@ -27,7 +27,9 @@ class KDAConfig:
   gate_rank: int = 0            # output gate: 0 = full rank (K3); r > 0 = low rank d -> r -> H*V
   decay_rank: int = 0           # rank of the decay logit projection; 0 = head_dim
   chunk_size: int = 64
-  backend: str = "reference"    # "reference" (k3_jax.ops) | "pallas" (pallas_kernels)
+  backend: str = "auto"         # "reference" (k3_jax.ops) | "pallas" (pallas_kernels) | "auto":
+                                # pallas when compiling for TPU, else reference (chosen when
+                                # the layer is traced; see KDA._backend)
 
 
 @dataclass(frozen=True)
@@ -181,8 +183,8 @@ def validate(cfg: ModelConfig) -> ModelConfig:
   _require(k.g_min < 0, "kda.g_min", k.g_min, "must be negative (log of the smallest decay)")
   _require(k.gate_rank >= 0 and k.decay_rank >= 0, "kda.gate_rank/decay_rank",
            (k.gate_rank, k.decay_rank), "must be >= 0")
-  _require(k.backend in ("reference", "pallas"), "kda.backend", k.backend,
-           "must be 'reference' or 'pallas'")
+  _require(k.backend in ("auto", "reference", "pallas"), "kda.backend", k.backend,
+           "must be 'auto', 'reference' or 'pallas'")
   m = cfg.mla
   for f in ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
     _require(getattr(m, f) > 0, f"mla.{f}", getattr(m, f), "must be positive")

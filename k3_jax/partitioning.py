@@ -3,6 +3,13 @@
 Model code names logical axes only ("batch", "seq", "embed", "heads", ...). The mapping to
 mesh axes lives in `sharding/`, which installs it here with `use_rules(mesh, rules)`.
 Without installed rules, `constrain` is the identity, so single-device code is untouched.
+
+Kernels (Pallas / Mosaic calls) cannot be partitioned by the compiler: on a mesh they must run
+per shard inside `shard_map`. `shard_kernel` gives model code that by logical names too; the
+wrapping itself is installed by `sharding/` along with the rules (`use_kernel_sharding`).
+`target_platform` tells model code what the traced program is compiled for (the platform of
+the installed mesh's devices, which may be compile-only TPU devices on a CPU host), so it can
+choose kernels for the target rather than for the host.
 """
 
 from __future__ import annotations
@@ -16,6 +23,13 @@ import jax
 # A function mapping (shape, logical axes) -> jax.sharding.Sharding, or None.
 _RESOLVER: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("k3_resolver",
                                                                           default=None)
+
+
+# (fn, in_axes, out_axes) -> fn run per shard on the installed mesh; and that mesh's platform.
+_KERNEL_SHARDER: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
+    "k3_kernel_sharder", default=None)
+_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar("k3_platform",
+                                                                      default=None)
 
 
 @contextlib.contextmanager
@@ -35,3 +49,30 @@ def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
   if len(axes) != x.ndim:
     raise ValueError(f"constrain: {len(axes)} logical axes {axes} for an array of rank {x.ndim}")
   return jax.lax.with_sharding_constraint(x, resolver(x.shape, axes))
+
+
+@contextlib.contextmanager
+def use_kernel_sharding(sharder: Callable, platform: str):
+  """Install how kernels run per shard (see `shard_kernel`) and the target platform."""
+  t1, t2 = _KERNEL_SHARDER.set(sharder), _PLATFORM.set(platform)
+  try:
+    yield
+  finally:
+    _PLATFORM.reset(t2)
+    _KERNEL_SHARDER.reset(t1)
+
+
+def target_platform() -> str:
+  """"tpu", "cpu", "gpu": the platform of the installed mesh, else JAX's default backend."""
+  return _PLATFORM.get() or jax.default_backend()
+
+
+def shard_kernel(fn: Callable, in_axes, out_axes) -> Callable:
+  """`fn` (arrays -> arrays, written for one shard) as a function of the global arrays.
+
+  in_axes: one tuple of logical axis names (or None = whole) per positional array; out_axes:
+  the same for fn's outputs (a tuple of tuples for several outputs). Dimensions named alike
+  are split alike. Without installed kernel sharding this is `fn` itself.
+  """
+  sharder = _KERNEL_SHARDER.get()
+  return fn if sharder is None else sharder(fn, in_axes, out_axes)

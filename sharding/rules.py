@@ -64,8 +64,13 @@ def named_sharding(mesh: Mesh, shape, axes) -> NamedSharding:
 
 @contextlib.contextmanager
 def activation_rules(mesh: Mesh):
-  """Within this context, model code's `constrain` calls shard activations on `mesh`."""
-  with partitioning.use_resolver(lambda shape, axes: named_sharding(mesh, shape, axes)):
+  """Within this context, model code's `constrain` calls shard activations on `mesh`, and its
+  kernels run per shard of `mesh` (sharding/kernels.py)."""
+  from sharding import kernels  # imports this module
+  with partitioning.use_resolver(lambda shape, axes: named_sharding(mesh, shape, axes)), \
+       partitioning.use_kernel_sharding(
+           lambda fn, i, o: kernels.shard_map_kernel(mesh, fn, i, o),
+           kernels.mesh_platform(mesh)):
     yield
 
 

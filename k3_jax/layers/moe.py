@@ -22,6 +22,7 @@ from k3_jax.layers.linear import Linear
 from k3_jax.layers.norm import RMSNorm
 from k3_jax.ops import balance as balance_ops
 from k3_jax.ops import moe as moe_ops
+from k3_jax.partitioning import target_platform
 
 
 class RouterBias(nnx.Variable):
@@ -81,7 +82,8 @@ class MoE(nnx.Module):
                              self.w_gate[...].astype(self.dtype),
                              self.w_up[...].astype(self.dtype),
                              self.w_down[...].astype(self.dtype),
-                             activation=self.kind, beta1=self.beta1, beta2=self.beta2)
+                             activation=self.kind, beta1=self.beta1, beta2=self.beta2,
+                             gmm=moe_ops.default_gmm(platform=target_platform()))
     y = self.up(self.norm(u)) if m.latent_dim else u                   # [N, D]
     if m.num_shared_experts:
       y = y + self.shared(xf)

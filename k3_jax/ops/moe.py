@@ -71,11 +71,12 @@ def tiled_gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
   return out.reshape(num_tiles * t, n)[dest]
 
 
-def default_gmm(kind: str = "auto") -> GroupedMatmul:
+def default_gmm(kind: str = "auto", platform: str | None = None) -> GroupedMatmul:
   """"ragged_dot" (native on TPU and GPU), "tiled" (plain JAX, for XLA:CPU), or "auto":
-  tiled on a CPU default backend, else ragged_dot."""
+  tiled when compiling for CPU, else ragged_dot. `platform` is the compile target (e.g.
+  "tpu" for an ahead-of-time TPU compile from a CPU host); None = JAX's default backend."""
   if kind == "auto":
-    kind = "tiled" if jax.default_backend() == "cpu" else "ragged_dot"
+    kind = "tiled" if (platform or jax.default_backend()) == "cpu" else "ragged_dot"
   if kind not in GMM_KINDS:
     raise ValueError(f"unknown grouped matmul {kind!r}; expected one of {GMM_KINDS}")
   return tiled_gmm if kind == "tiled" else ragged_dot_gmm
