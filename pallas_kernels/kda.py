@@ -136,6 +136,17 @@ def _col_to_row(x):
   return jnp.sum(jnp.where(eye, x, 0.0), axis=0, keepdims=True)
 
 
+def _div(x, d):
+  """x // d for int32 x >= 0 and d a power of two (a shift: Mosaic lowers it
+  on every TPU generation, unlike floor division)."""
+  return jax.lax.shift_right_logical(x, jnp.int32(d.bit_length() - 1))
+
+
+def _mod(x, d):
+  """x % d for int32 x >= 0 and d a power of two."""
+  return jax.lax.bitwise_and(x, jnp.int32(d - 1))
+
+
 def _masked_exp(mask, x):
   return jnp.where(mask, jnp.exp(jnp.where(mask, x, 0.0)), 0.0)
 
@@ -162,8 +173,8 @@ class _Factors:
     n1, n2 = C // t1, t1 // t2
     rid = _iota((C, K), 0)
     rcol = _iota((C, 1), 0)
-    tile_k = rid // t1                      # [C, K] tile of each row
-    sub_k = (rid % t1) // t2                # [C, K] sub-tile inside its tile
+    tile_k = _div(rid, t1)                  # [C, K] tile of each row
+    sub_k = _div(_mod(rid, t1), t2)         # [C, K] sub-tile inside its tile
     self.groups = []
     # Level 1: row tile I (>= 1) against keys of tiles < I.
     if n1 > 1:
@@ -174,10 +185,10 @@ class _Factors:
       rowf1 = jnp.exp(G - R1)                                  # <= 1
       for I in range(1, n1):
         keyf = _masked_exp(tile_k < I, refs[I] - G)            # <= 1
-        self.groups.append(((rcol // t1) == I, rowf1, keyf, None))
+        self.groups.append((_div(rcol, t1) == I, rowf1, keyf, None))
     # Level 2: row sub-tile j against keys of sub-tiles <= j, same tile.
     ri, si = _iota((C, C), 0), _iota((C, C), 1)
-    same_tile = (ri // t1) == (si // t1)
+    same_tile = _div(ri, t1) == _div(si, t1)
     ref2 = []                                # [C, K]: G at sub-tile j of the row's tile
     for j in range(n2):
       R = _row(G, j * t2)
@@ -190,7 +201,8 @@ class _Factors:
     rowf2 = jnp.exp(G - R2)                                    # <= 1
     for j in range(n2):
       keyf = _masked_exp(sub_k <= j, ref2[j] - G)              # <= exp(16 (t2-1))
-      self.groups.append((((rcol % t1) // t2) == j, rowf2, keyf, same_tile))
+      self.groups.append((_div(_mod(rcol, t1), t2) == j, rowf2, keyf,
+                          same_tile))
 
   def scores(self, x, y):
     """P[r, s] = sum_c x_r[c] y_s[c] exp(G_r[c] - G_s[c]) for s in an earlier
@@ -226,7 +238,7 @@ def _unit_lower_inverse(L):
   n1 = C // t1
   ri, si = _iota((C, C), 0), _iota((C, C), 1)
   eye = jnp.where(ri == si, 1.0, 0.0).astype(_F32)
-  same_tile = (ri // t1) == (si // t1)
+  same_tile = _div(ri, t1) == _div(si, t1)
   Ld = jnp.where(same_tile, L, 0.0)
   X = eye
   for _ in range(t1 - 1):
@@ -600,3 +612,51 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None,
   o, sf = core(qk, kk, vk, G, bk, s0, segc, segr)
   o = jnp.swapaxes(o, 1, 2)[:, :T]                            # [B, T, H, V]
   return o, (sf if output_final_state else None)
+
+
+# --------------------------------------------------------------------------
+# VMEM budget (for benchmarks and reports).
+# --------------------------------------------------------------------------
+
+
+def _tile_bytes(shape, dtype):
+  """VMEM bytes of one block buffer: the last two dims padded to the TPU
+  tile (8 * packing sublanes, 128 lanes)."""
+  itemsize = jnp.dtype(dtype).itemsize
+  sub = 8 * max(1, 4 // itemsize)
+  *lead, r, c = shape
+  r = -(-r // sub) * sub
+  c = -(-c // 128) * 128
+  return math.prod(lead) * r * c * itemsize
+
+
+def vmem_bytes(kernel, K=128, V=128, chunk_size=64, dtype=jnp.bfloat16,
+               segments=False, store_states=False):
+  """VMEM the kernel's pipeline asks for: every block double-buffered (the
+  Pallas TPU pipeline's default) plus the FP32 [K, V] scratch. kernel:
+  "fwd" (the forward; store_states adds the per-chunk state output),
+  "fwd_states" (the backward's state recomputation: no o) or "bwd".
+  Mosaic's own temporaries for the kernel body (intermediate [C, K] and
+  [C, C] FP32 values) come on top; they fit the default scoped VMEM limit
+  on v5e / v5p / v6e (the kernels compile without raising it).
+  Returns {"blocks": bytes, "scratch": bytes, "total": bytes}."""
+  C = chunk_size
+  tok = lambda X, dt=dtype: _tile_bytes((C, X), dt)
+  kv = _tile_bytes((K, V), _F32)
+  ins = [tok(K), tok(K), tok(V), tok(K, _F32), tok(1)]
+  if kernel in ("fwd", "fwd_states"):
+    ins.append(kv)                                  # initial state
+    outs = [kv]                                     # final state
+    if kernel == "fwd":
+      outs.append(tok(V))
+    if kernel == "fwd_states" or store_states:
+      outs.append(kv)
+  elif kernel == "bwd":
+    ins += [kv, tok(V), kv]                         # state, dO, d final state
+    outs = [tok(K), tok(K), tok(V), tok(K, _F32), tok(1), kv]
+  else:
+    raise ValueError(f"kernel must be 'fwd', 'fwd_states' or 'bwd', got {kernel!r}")
+  if segments:
+    ins += [_tile_bytes((C, 3), _F32), _tile_bytes((1, C), _F32)]
+  blocks = 2 * (sum(ins) + sum(outs))
+  return {"blocks": blocks, "scratch": kv, "total": blocks + kv}
