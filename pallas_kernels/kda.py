@@ -39,10 +39,11 @@ overflows): two levels of tiles, every factor bounded.
     first token: the row factor is <= 1 and the key factor <= exp(3 * 16) (at
     most 3 steps, each clamped at -16), far inside float32 range.
   A factor underflowing to 0 means the exact product is below float32 range.
-  Each level is a few [C, K] x [K, C] matmuls with row masks: the MXU work is
-  small next to the state matmuls, and every array is 2-D (Mosaic-friendly).
-  For K3's lower-bounded decay (g >= -5) the level-2 correction is exact as
-  well; it is what makes Kimi-Linear's unbounded softplus decay safe.
+  Each level is a few [C, K] x [K, C] matmuls with row masks (C/16 - 1 groups
+  for level 1, 4 for level 2), every array 2-D (Mosaic-friendly). One level
+  of 16-token tiles would suffice for K3's lower-bounded decay (|G| <= 80 over
+  a tile); the second level is what keeps Kimi-Linear's unbounded softplus
+  decay (clamped at -16 per step, i.e. up to -256 over a tile) finite.
 
 (I + L)^-1 blockwise: the 16 x 16 diagonal blocks D by 15 Jacobi sweeps
 X <- I - L_diag X (row r is final after r sweeps and then equals forward
@@ -63,12 +64,14 @@ needs every chunk's incoming state S_n [K, V] in FP32. Storing them from the
 forward costs B * H * (T / C) * K * V * 4 bytes, held from the forward to the
 backward: at K3 shapes (K = V = 128, C = 64, T = 65536, 16 heads per chip,
 B = 1) that is 1024 chunks * 16 heads * 64 KiB = 1 GiB per KDA layer per chip
-(0.5 GiB at 8 heads, 1.5 GiB at 24), 4x the layer's BF16 q, k, v inputs
-together... times dozens of KDA layers it does not fit. Recomputing them costs
+(0.5 GiB at 8 heads, 1.5 GiB at 24): 4x the layer's BF16 q (1.3x q, k and v
+together), and across dozens of KDA layers it does not fit in HBM. Recomputing them costs
 one extra run of the forward kernel (state path only, no o written) inside the
 backward, and the states then exist only transiently for one layer. Default:
-recompute (store_states=False). store_states=True is the faster choice when
-the layer is rematerialized anyway or T is short.
+recompute (store_states=False). store_states=True is the better choice when
+the calling layer runs under jax.checkpoint (its forward, including this
+kernel, is re-run inside the backward anyway, so stored states are transient
+too and the extra state pass is saved) or when T is short.
 """
 
 from __future__ import annotations
