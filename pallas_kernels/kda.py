@@ -580,6 +580,16 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None,
                      f"expected {(B, T)}")
   scale = float(_default_scale(scale, K))
   N = -(-T // C)
+  if not interpret and N > 1:
+    # A (C, X) block must span whole (sublane, 128) tiles: 8 rows for 4-byte,
+    # 16 for 2-byte inputs (one chunk covering all of T is always allowed).
+    sub = max(8 * max(1, 4 // jnp.dtype(x.dtype).itemsize)
+              for x in (q, k, v, beta))
+    if C % sub:
+      raise ValueError(
+          f"chunk_size={C} must be a multiple of {sub} for the TPU kernel "
+          f"with inputs of dtype {q.dtype}/{v.dtype} (block tiling), or at "
+          f"least T={T}")
   Tp = N * C
   pad = Tp - T
 

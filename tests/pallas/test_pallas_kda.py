@@ -199,6 +199,9 @@ def test_bad_shapes_raise():
     pk.chunk_kda(q, k, v, g, beta, initial_state=s0[:, :, :8], interpret=True)
   with pytest.raises(ValueError, match="chunk_size must be positive"):
     pk.chunk_kda(q, k, v, g, beta, chunk_size=0, interpret=True)
+  with pytest.raises(ValueError, match="multiple of 16"):   # BF16 tiling
+    pk.chunk_kda(*(x.astype(jnp.bfloat16) for x in (q, k, v, g, beta)),
+                 chunk_size=8)
 
 
 def _tpu_compile(topology, dtype, T=256, segments=True):
