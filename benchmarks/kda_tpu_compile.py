@@ -10,7 +10,8 @@ BF16, g, beta and the state in FP32 (what the KDA layer feeds the kernels: the d
 FP32 because its cumulative sums over a chunk need the precision).
 
   fwd       pallas_kernels.kda.chunk_kda, outputs only (training forward)
-  fwd+bwd   jax.vjp of it w.r.t. q, k, v, g, beta: forward, residuals, backward kernels
+  fwd+bwd   jax.vjp of it w.r.t. q, k, v, g, beta: o and the input gradients (forward,
+            the backward's state recomputation and the backward kernels)
   decode    pallas_kernels.kda_decode.kda_decode_step, state donated (updated in place)
 
 Shapes (B, T, heads per chip): B x T = 64K tokens per chip as one 65536-token sequence or
@@ -151,7 +152,7 @@ def _programs(mesh, b, t, h):
 
   def fwd_bwd(q, k, v, g, beta, do):
     o, pullback = jax.vjp(fwd, q, k, v, g, beta)
-    return pullback(do)
+    return o, pullback(do)          # o too: a train step uses it (else XLA drops the kernel)
 
   vec = lambda d, dtype: sds((b, hg, d), dtype, PartitionSpec(None, "tensor", None))
   state = sds((b, hg, K, V), jnp.float32, PartitionSpec(None, "tensor", None, None))
