@@ -80,9 +80,11 @@ def _sds(shape, dtype, mesh):
   return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P(AXIS)))
 
 
-def compile_gmm(gen: str, kind: str, rows: int = 4096, e: int = E, l: int = L, f: int = F):
+def compile_gmm(gen: str, kind: str, rows: int = 4096, e: int = E, l: int = L, f: int = F,
+                tiling=None):
   """Compiled executable of one grouped matmul `kind` ("mxfp4", "mxfp4+fp8", "bf16") for
-  the generation's 4-chip slice; every chip: rows x l lhs, e local experts of l x f."""
+  the generation's 4-chip slice; every chip: rows x l lhs, e local experts of l x f.
+  tiling: the kernel's Tiling (None: its default)."""
   mesh = _mesh(gen)
   n = mesh.devices.size
   gs = _sds((n * e,), jnp.int32, mesh)
@@ -94,12 +96,13 @@ def compile_gmm(gen: str, kind: str, rows: int = 4096, e: int = E, l: int = L, f
             gs)
   elif kind == "mxfp4":
     def local(x, wc, ws, g):
-      return mxfp4_gmm(x, MXArray(wc, ws, "mxfp4", -2), g)
+      return mxfp4_gmm(x, MXArray(wc, ws, "mxfp4", -2), g, tiling=tiling)
     args = (_sds((n * rows, l), jnp.bfloat16, mesh), _sds((n * e, l // 2, f), jnp.uint8, mesh),
             _sds((n * e, l // 32, f), jnp.uint8, mesh), gs)
   elif kind == "mxfp4+fp8":
     def local(xc, xs, wc, ws, g):
-      return mxfp4_gmm(MXArray(xc, xs, "mxfp8_e4m3", -1), MXArray(wc, ws, "mxfp4", -2), g)
+      return mxfp4_gmm(MXArray(xc, xs, "mxfp8_e4m3", -1), MXArray(wc, ws, "mxfp4", -2), g,
+                       tiling=tiling)
     args = (_sds((n * rows, l), jnp.uint8, mesh), _sds((n * rows, l // 32), jnp.uint8, mesh),
             _sds((n * e, l // 2, f), jnp.uint8, mesh), _sds((n * e, l // 32, f), jnp.uint8, mesh),
             gs)

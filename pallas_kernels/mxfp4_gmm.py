@@ -73,6 +73,9 @@ LANES = 128
 # MXFP8 element formats: (exponent bias, mantissa bits).
 _FP8 = {"mxfp8_e4m3": (7, 3), "mxfp8_e5m2": (15, 2)}
 LHS_FORMATS = tuple(_FP8)
+# One BF16 MXU pass, whatever jax_default_matmul_precision says (its "highest" would ask
+# Mosaic for an fp32-precision contraction of BF16 operands, which it rejects).
+_MXU = (jax.lax.Precision.DEFAULT, jax.lax.Precision.DEFAULT)
 
 
 class Tiling(NamedTuple):
@@ -97,6 +100,7 @@ def _round_up(x: int, k: int) -> int:
   return -(-x // k) * k
 
 
+@functools.partial(jax.jit, static_argnames=("m", "tm"))
 def group_metadata(group_sizes: jax.Array, m: int, tm: int) -> GroupMetadata:
   """The visit schedule for `m` rows (a multiple of tm) in row tiles of tm.
 
@@ -214,7 +218,8 @@ def _kernel(offsets_ref, group_ref, tile_ref, lhs_tile_ref, flags_ref, *refs,
     rows = jax.lax.broadcasted_iota(jnp.int32, (tc // BLOCK, tc), 0)
     cols = jax.lax.broadcasted_iota(jnp.int32, (tc // BLOCK, tc), 1)
     spread = (cols // BLOCK == rows).astype(jnp.bfloat16)             # [tc/32, tc]
-    sfield = jnp.dot(sb, spread, preferred_element_type=jnp.float32).astype(jnp.int32)
+    sfield = jnp.dot(sb, spread, precision=_MXU,
+                     preferred_element_type=jnp.float32).astype(jnp.int32)
     vals = _fp8_f32(x.astype(jnp.int32), lhs_fmt) * _scale_f32(sfield)  # [tm, tc]
     return vals.astype(jnp.bfloat16)
 
@@ -242,7 +247,8 @@ def _kernel(offsets_ref, group_ref, tile_ref, lhs_tile_ref, flags_ref, *refs,
     wscale_ref[...] = _scale_f32(ws_ref[...].astype(jnp.int32))       # [tk/32, tn]
 
     def body(c, carry):
-      acc_ref[...] += jnp.dot(lhs_chunk(c), rhs_chunk(c), preferred_element_type=jnp.float32)
+      acc_ref[...] += jnp.dot(lhs_chunk(c), rhs_chunk(c), precision=_MXU,
+                              preferred_element_type=jnp.float32)
       return carry
 
     jax.lax.fori_loop(0, tk // tc, body, 0)
