@@ -93,7 +93,8 @@ class GroupMetadata(NamedTuple):
   group: jax.Array      # [V] rhs group the visit reads
   tile: jax.Array       # [V] output row tile the visit writes
   lhs_tile: jax.Array   # [V] lhs row tile the visit reads
-  flags: jax.Array      # [V] bit 0: computes a group's rows; bit 1: first visit of its tile
+  flags: jax.Array      # [V] bit 0: computes a group's rows; bit 1: first visit of its
+                        # tile; bit 2: its group differs from the previous visit's
 
 
 def _round_up(x: int, k: int) -> int:
@@ -132,7 +133,9 @@ def group_metadata(group_sizes: jax.Array, m: int, tm: int) -> GroupMetadata:
   group = jnp.where(is_group, g, last_g)
   lhs_tile = jnp.where(is_group, tile_g, jnp.maximum(covered - 1, 0))
   prev = jnp.concatenate([jnp.full((1,), -1, jnp.int32), tile[:-1]])
-  flags = is_group.astype(jnp.int32) | ((tile != prev).astype(jnp.int32) << 1)
+  prev_group = jnp.concatenate([jnp.full((1,), -1, jnp.int32), group[:-1]])
+  flags = (is_group.astype(jnp.int32) | ((tile != prev).astype(jnp.int32) << 1)
+           | ((group != prev_group).astype(jnp.int32) << 2))
   i32 = lambda a: a.astype(jnp.int32)
   return GroupMetadata(i32(offsets), i32(group), i32(tile), i32(lhs_tile), i32(flags))
 
@@ -193,16 +196,20 @@ def _kernel(offsets_ref, group_ref, tile_ref, lhs_tile_ref, flags_ref, *refs,
             lhs_fmt: str | None, tiling: Tiling, tiles_k: int):
   del lhs_tile_ref
   if lhs_fmt is None:
-    x_ref, wc_ref, ws_ref, o_ref, acc_ref, wscale_ref, w_ref = refs
+    x_ref, wc_ref, ws_ref, o_ref, acc_ref, wscale_ref, w_ref, wtile_ref = refs
     xs_ref = None
   else:
-    x_ref, xs_ref, wc_ref, ws_ref, o_ref, acc_ref, wscale_ref, w_ref = refs
+    x_ref, xs_ref, wc_ref, ws_ref, o_ref, acc_ref, wscale_ref, w_ref, wtile_ref = refs
   tm, tn, tk, tc = tiling
   v = pl.program_id(1)
   k = pl.program_id(2)
   flags = flags_ref[v]
   active = (flags & 1) == 1
   first = (flags & 2) == 2
+  # The unpacked [tk, tn] weight tile stays in VMEM across the consecutive visits of one
+  # group (one L tile: its rhs block does not change), so the VPU unpack runs once per
+  # (expert, F tile), not once per row tile; with several L tiles every step unpacks.
+  unpack = active & (((flags & 4) == 4) if tiles_k == 1 else True)
 
   @pl.when(active & (k == 0))
   def _zero_acc():
@@ -242,12 +249,21 @@ def _kernel(offsets_ref, group_ref, tile_ref, lhs_tile_ref, flags_ref, *refs,
     w = slabs[0] if len(slabs) == 1 else jnp.concatenate(slabs, axis=1)
     return w.astype(jnp.bfloat16)
 
-  @pl.when(active)
-  def _accumulate():
+  @pl.when(unpack)
+  def _unpack():
     wscale_ref[...] = _scale_f32(ws_ref[...].astype(jnp.int32))       # [tk/32, tn]
 
     def body(c, carry):
-      acc_ref[...] += jnp.dot(lhs_chunk(c), rhs_chunk(c), precision=_MXU,
+      wtile_ref[pl.ds(pl.multiple_of(c * tc, tc), tc), :] = rhs_chunk(c)
+      return carry
+
+    jax.lax.fori_loop(0, tk // tc, body, 0)
+
+  @pl.when(active)
+  def _accumulate():
+    def body(c, carry):
+      w = wtile_ref[pl.ds(pl.multiple_of(c * tc, tc), tc), :]         # [tc, tn] bf16
+      acc_ref[...] += jnp.dot(lhs_chunk(c), w, precision=_MXU,
                               preferred_element_type=jnp.float32)
       return carry
 
@@ -353,7 +369,7 @@ def vmem_bytes(tiling: Tiling, lhs_itemsize: int, out_itemsize: int, mx_lhs: boo
                 + tm * tn * out_itemsize)
   if mx_lhs:
     blocks += 2 * (tk // tc) * tm * LANES                # [tk/tc, tm, tc/32] lane-padded
-  scratch = tm * tn * 4 + _round_up(tk // BLOCK, 8) * tn * 4 + tc * tn * 4
+  scratch = tm * tn * 4 + _round_up(tk // BLOCK, 8) * tn * 4 + tc * tn * 4 + tk * tn * 2
   temps = 6 * (tc // 2) * tn * 4 + 4 * tm * tc * 4       # codes, values, scale, interleaved
   return blocks + scratch + temps
 
@@ -416,7 +432,8 @@ def _mxfp4_gmm(x, xs, wc, ws, group_sizes, *, lhs_fmt, out_dtype, tiling, interp
           out_specs=pl.BlockSpec((tm, tn), out_map),
           scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32),                 # accumulator
                           pltpu.VMEM((tk // BLOCK, tn), jnp.float32),        # rhs scales
-                          pltpu.VMEM((tn // LANES, tc, LANES), jnp.float32)]),  # rhs chunk
+                          pltpu.VMEM((tn // LANES, tc, LANES), jnp.float32),  # rhs chunk
+                          pltpu.VMEM((tk, tn), jnp.bfloat16)]),              # rhs tile
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "arbitrary", "arbitrary"),
           vmem_limit_bytes=int(min(max(2 * need, 32 << 20), 64 << 20))),

@@ -109,7 +109,11 @@ def _replay(meta, m, tm, sizes):
   group, tile, lhs_tile = (np.asarray(a) for a in (meta.group, meta.tile, meta.lhs_tile))
   flags = np.asarray(meta.flags)
   owner = np.full(m, -2)                       # -2 never written, -1 zeroed, g stored
+  unpacked = -1                                # group whose weight tile is in VMEM
   for v in range(group.shape[0]):
+    if flags[v] & 4:
+      assert v == 0 or group[v] != group[v - 1]
+      unpacked = group[v] if flags[v] & 1 else unpacked
     active, first = flags[v] & 1, flags[v] & 2
     if v > 0:                                  # output tiles only revisited consecutively
       assert tile[v] >= tile[v - 1]
@@ -120,6 +124,7 @@ def _replay(meta, m, tm, sizes):
     if active:
       assert lhs_tile[v] == tile[v]
       g = group[v]
+      assert unpacked == g, "a computing visit must find its group's weights unpacked"
       mine = (rows >= offsets[g]) & (rows < offsets[g + 1])
       assert mine.any(), "a computing visit must hold rows of its group"
       owner[rows[mine]] = g
