@@ -1,12 +1,14 @@
 """MXFP4 grouped matmul vs a BF16 grouped matmul, compiled for TPU v5e, v5p and v6e.
 
-  python benchmarks/mxfp4_gmm.py [--gens v5e,v5p,v6e] [--rows 4096] [--json out.json]
+  python benchmarks/mxfp4_gmm.py [--gens v5e,v5p,v6e] [--rows 4096] [--proj up,down]
+                                 [--kinds mxfp4,mxfp4+fp8,bf16] [--json out.json]
 
 Ahead-of-time compilation from this CPU machine (libtpu compile-only devices, no TPU
 needed): per generation a 4-chip slice (v5e:2x2, v5p:2x2x1, v6e:2x2) with one mesh axis
 over all chips, every chip holding E=14 local experts (K3 routed-expert shapes: latent
 L=3584, intermediate F=3072) and --rows routed rows (4096) grouped by its local experts.
-The gate/up projection [rows, L] x [E, L, F] is compiled inside jax.shard_map as
+The gate (= up) projection [rows, L] x [E, L, F] (packed along L) and the down projection
+[rows, F] x [E, F, L] (packed along F) are compiled inside jax.shard_map as
 
   mxfp4        pallas_kernels.mxfp4_gmm (weights packed MXFP4, BF16 lhs)
   mxfp4+fp8    the same kernel with an MXFP8 (E4M3) lhs
@@ -61,12 +63,14 @@ def ragged_sizes(rows: int, e: int, seed: int = 0) -> np.ndarray:
   return sizes.astype(np.int32)
 
 
-def weight_bytes_mxfp4(rows: int, sizes: np.ndarray, lhs_align: int = 16) -> tuple[int, int]:
-  """(bytes, copies): rhs bytes the kernel reads per call under its default tiling."""
-  t = default_tiling(rows, L, F, lhs_align)
+def weight_bytes_mxfp4(rows: int, sizes: np.ndarray, k: int, n: int,
+                       lhs_align: int = 16) -> tuple[int, int]:
+  """(bytes, copies): rhs bytes the kernel reads per call under its default tiling, for
+  a [rows, k] x [E, k, n] grouped matmul."""
+  t = default_tiling(rows, k, n, lhs_align)
   m_pad = -(-rows // t.tm) * t.tm
   meta = group_metadata(jnp.asarray(sizes), m_pad, t.tm)
-  copies = int(rhs_fetches(meta, F // t.tn, L // t.tk))
+  copies = int(rhs_fetches(meta, n // t.tn, k // t.tk))
   block = (t.tk // 2 + t.tk // 32) * t.tn                       # codes + scales bytes
   return copies * block, copies
 
@@ -121,15 +125,19 @@ def _bytes_accessed(compiled) -> float | None:
   return None if val is None else float(val)
 
 
-def measure(gen: str, kind: str, rows: int) -> dict:
-  compiled = compile_gmm(gen, kind, rows)
+PROJECTIONS = {"up": (L, F), "down": (F, L)}      # (contraction, output width)
+
+
+def measure(gen: str, kind: str, rows: int, proj: str = "up") -> dict:
+  k, n = PROJECTIONS[proj]
+  compiled = compile_gmm(gen, kind, rows, l=k, f=n)
   mem = compiled.memory_analysis()
   sizes = ragged_sizes(rows, E)
   if kind == "bf16":
-    wbytes, copies = int(np.count_nonzero(sizes)) * L * F * 2, None
+    wbytes, copies = int(np.count_nonzero(sizes)) * k * n * 2, None
   else:
-    wbytes, copies = weight_bytes_mxfp4(rows, sizes, 32 if kind == "mxfp4+fp8" else 16)
-  return dict(gen=gen, kind=kind, rows=rows, experts=E, latent=L, intermediate=F,
+    wbytes, copies = weight_bytes_mxfp4(rows, sizes, k, n, 32 if kind == "mxfp4+fp8" else 16)
+  return dict(gen=gen, kind=kind, proj=proj, rows=rows, experts=E, contraction=k, width=n,
               argument_bytes=int(mem.argument_size_in_bytes),
               output_bytes=int(mem.output_size_in_bytes),
               temp_bytes=int(mem.temp_size_in_bytes),
@@ -143,27 +151,31 @@ def main(argv=None) -> int:
   p.add_argument("--gens", default="v5e,v5p,v6e", help="TPU generations, comma-separated")
   p.add_argument("--rows", type=int, default=4096, help="routed rows per chip")
   p.add_argument("--kinds", default="mxfp4,mxfp4+fp8,bf16", help="what to compile")
+  p.add_argument("--proj", default="up,down",
+                 help="up: [rows, L] x [E, L, F] (gate and up); down: [rows, F] x [E, F, L]")
   p.add_argument("--json", default=None, help="write the results to this JSON file")
   a = p.parse_args(argv)
   results = []
-  hdr = (f"{'gen':4} {'kind':10} {'args MiB':>9} {'out MiB':>8} {'temp MiB':>9} "
+  hdr = (f"{'gen':4} {'proj':4} {'kind':10} {'args MiB':>9} {'out MiB':>8} {'temp MiB':>9} "
          f"{'weights read MiB':>17} {'vs bf16':>8} {'xla bytes MiB':>14}")
-  print(f"per chip: {a.rows} routed rows, {E} local experts, L={L}, F={F} "
-        f"(gate/up projection); weights read per call")
+  print(f"per chip: {a.rows} routed rows, {E} local experts, L={L}, F={F}; "
+        f"group sizes {ragged_sizes(a.rows, E).tolist()}")
   print(hdr)
   for gen in a.gens.split(","):
-    row = {}
-    for kind in a.kinds.split(","):
-      r = measure(gen, kind, a.rows)
-      results.append(r)
-      row[kind] = r
-    base = row.get("bf16", {}).get("weight_bytes_read")
-    for kind, r in row.items():
-      ratio = f"{base / r['weight_bytes_read']:.2f}x" if base else "-"
-      xla = r["xla_bytes_accessed"]
-      print(f"{gen:4} {kind:10} {r['argument_bytes'] / MIB:9.1f} {r['output_bytes'] / MIB:8.1f} "
-            f"{r['temp_bytes'] / MIB:9.1f} {r['weight_bytes_read'] / MIB:17.1f} {ratio:>8} "
-            f"{(xla or 0) / MIB:14.1f}")
+    for proj in a.proj.split(","):
+      row = {}
+      for kind in a.kinds.split(","):
+        r = measure(gen, kind, a.rows, proj)
+        results.append(r)
+        row[kind] = r
+      base = row.get("bf16", {}).get("weight_bytes_read")
+      for kind, r in row.items():
+        ratio = f"{base / r['weight_bytes_read']:.2f}x" if base else "-"
+        xla = r["xla_bytes_accessed"]
+        print(f"{gen:4} {proj:4} {kind:10} {r['argument_bytes'] / MIB:9.1f} "
+              f"{r['output_bytes'] / MIB:8.1f} "
+              f"{r['temp_bytes'] / MIB:9.1f} {r['weight_bytes_read'] / MIB:17.1f} {ratio:>8} "
+              f"{(xla or 0) / MIB:14.1f}")
   if a.json:
     with open(a.json, "w") as fh:
       json.dump(results, fh, indent=1)
