@@ -36,13 +36,17 @@ weights are read from HBM exactly once per call (per F tile, and F tiles partiti
 weights); visits that do not compute (zero tails, padding) keep the previous block indices
 and so trigger no copies. `rhs_fetches` replays this to count the copies.
 
-Inside a step the L tile is processed in chunks of `tc` rows: codes -> int32, nibbles ->
-E2M1 values by building float32 bits (no table), times the block scale 2^(s-127) (a
-float32 built from the scale byte), then the low/high nibble rows are interleaved with
-two stride-2 sublane stores into a VMEM scratch (128-lane slabs: what Mosaic's strided
-store supports), cast to BF16 and multiplied on the MXU. For an MXFP8 lhs the per-block
-scale bytes are spread over their 32 columns by a small 0/1 matmul (exact: integers <= 255
-and single terms) and the codes are decoded the same way.
+Unpacking (VPU) runs when a visit starts a new group (flag bit 2) and fills a BF16
+[tk, tn] weight tile in VMEM that the following visits of the same group reuse, so it
+costs once per (expert, F tile), not once per row tile. It goes in chunks of `tc` rows:
+codes -> int32, nibbles -> E2M1 values by building float32 bits (no table), times the
+block scale 2^(s-127) (a float32 built from the scale byte), then the low/high nibble
+rows are interleaved with two stride-2 sublane stores into a float32 scratch (128-lane
+slabs: what Mosaic's strided store supports) and cast to BF16. Every computing visit then
+multiplies its lhs tile by the cached weight tile on the MXU, chunk by chunk, into a
+float32 accumulator. For an MXFP8 lhs the per-block scale bytes are spread over their 32
+columns by a small 0/1 matmul (exact: integers <= 255 and single terms) and the codes are
+decoded by building float32 bits the same way.
 
 Numerics: dequantized MXFP4 weights (2 significant bits) and MXFP8 activations (<= 4) times
 a power of two are exact in BF16, so the kernel and the reference multiply the same numbers
