@@ -312,12 +312,12 @@ def _check(cond: bool, msg: str) -> None:
 
 def mxfp4_gmm(lhs, rhs, group_sizes: jax.Array, *, preferred_element_type=None,
               tiling: Tiling | tuple[int, int, int, int] | None = None,
-              interpret: bool = False) -> jax.Array:
+              interpret: bool | pltpu.InterpretParams = False) -> jax.Array:
   """Grouped matmul lhs [M, L] x MXFP4 rhs [E, L, F] -> [M, F] (see the module docstring).
 
   preferred_element_type: output dtype; default the lhs dtype (BF16 for an MXFP8 lhs).
   tiling: Tiling(tm, tn, tk, tc) or None for `default_tiling`. interpret: run the kernel
-  in Pallas interpret mode (CPU tests).
+  in Pallas interpret mode on CPU (True, or pltpu.InterpretParams for the TPU one).
   """
   _check(_is_mx(rhs), f"rhs must be an MXFP4 MX array (codes, scales, fmt, axis), got "
                       f"{type(rhs).__name__}")

@@ -25,6 +25,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 
 from k3_jax.ops import mx  # noqa: E402
 from k3_jax.ops.mx_gmm import mxfp4_gmm as reference  # noqa: E402
@@ -81,9 +82,15 @@ def data():
 @pytest.mark.parametrize("kind", ["bf16_to_f32", "bf16_to_bf16", "f32_to_f32", "mxfp8_to_bf16"])
 def test_kernel_matches_reference(data, kind):
   """All PATTERNS per lhs/output kind. bf16_to_bf16 uses M = 56 rows with tm = 16, so the
-  wrapper pads the rows to 64 (padding lies past sum(group_sizes)) and slices it off."""
+  wrapper pads the rows to 64 (padding lies past sum(group_sizes)) and slices it off.
+  bf16_to_f32 runs in the TPU interpret mode with VMEM/HBM buffers initialised to NaN, so
+  reading anything the kernel did not write (output rows, the cached weight tile) shows."""
   x, w = data
   m = M
+  interpret, patterns = True, PATTERNS
+  if kind == "bf16_to_f32":                          # slower mode: the three hardest patterns
+    interpret = pltpu.InterpretParams(uninitialized_memory="nan")
+    patterns = [PATTERNS[0], PATTERNS[1], PATTERNS[4]]
   if kind == "mxfp8_to_bf16":
     lhs, out_dtype, tiling = mx.quantize(x, "mxfp8_e4m3", axis=-1), None, Tiling(32, 128, L, 256)
   elif kind == "f32_to_f32":
@@ -92,11 +99,11 @@ def test_kernel_matches_reference(data, kind):
     out_dtype = jnp.float32 if kind.endswith("f32") else None
     m = M if kind.endswith("f32") else 56
     lhs, tiling = x[:m].astype(jnp.bfloat16), Tiling(16, 128, L, 256)
-  for pattern in PATTERNS:
+  for pattern in patterns:
     # Clip the pattern's cumulative ends to m so that sum(group_sizes) <= m.
     sizes = jnp.asarray(np.diff(np.minimum(np.cumsum([0] + pattern), m)), jnp.int32)
     out = mxfp4_gmm(lhs, w, sizes, preferred_element_type=out_dtype, tiling=tiling,
-                    interpret=True)
+                    interpret=interpret)
     ref = reference(lhs, w, sizes, preferred_element_type=out_dtype)
     assert out.shape == ref.shape == (m, F) and out.dtype == ref.dtype, (out.dtype, ref.dtype)
     _assert_close(out, ref, _abs_bound(lhs, w, sizes), sizes, L,
