@@ -120,3 +120,5 @@ def test_serving_weight_bytes_abstract():
   m = cfg.moe
   n_moe = cfg.num_layers - len(cfg.dense_layers)
   assert out["routed_expert_params"] == n_moe * m.num_experts * 3 * 32 * 32
+  with pytest.raises(ValueError, match="multiple of 32"):      # k3_tiny's latent width 16
+    quant.serving_weight_bytes(configs.get("k3_tiny"))
