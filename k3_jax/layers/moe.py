@@ -6,6 +6,10 @@
     z = W_down x                      (d -> l; skipped when latent_dim = 0)
     u = sum_j p_j E_j(z)              (dropless grouped matmul)
     y = Shared(x) + W_up RMSNorm(u)   (RMSNorm and W_up only with a latent)
+
+Routed experts may run quantized (k3_jax/quant.py): fake-quantized MXFP4 weights and MXFP8
+inputs with quant.qat = "mxfp4_mxfp8", or from packed MXFP4 weights after
+`quant.pack_routed_experts` (serving).
 """
 
 from __future__ import annotations
