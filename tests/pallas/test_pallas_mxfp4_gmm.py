@@ -28,7 +28,9 @@ import pytest  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 
 from k3_jax.ops import mx  # noqa: E402
+from k3_jax.ops.moe import ragged_dot_gmm  # noqa: E402
 from k3_jax.ops.mx_gmm import mxfp4_gmm as reference  # noqa: E402
+from k3_jax.quant import packed_gmm  # noqa: E402
 from pallas_kernels.mxfp4_gmm import (Tiling, group_metadata, mxfp4_gmm,  # noqa: E402
                                       rhs_fetches)
 
@@ -79,7 +81,7 @@ def data():
   return _data(0)
 
 
-@pytest.mark.parametrize("kind", ["bf16_to_f32", "bf16_to_bf16", "f32_to_f32", "mxfp8_to_bf16"])
+@pytest.mark.parametrize("kind", ["bf16_to_f32", "bf16_to_bf16", "f32_to_f32", "mxfp8_to_f32"])
 def test_kernel_matches_reference(data, kind):
   """All PATTERNS per lhs/output kind. bf16_to_bf16 uses M = 56 rows with tm = 16, so the
   wrapper pads the rows to 64 (padding lies past sum(group_sizes)) and slices it off.
@@ -91,8 +93,9 @@ def test_kernel_matches_reference(data, kind):
   if kind == "bf16_to_f32":                          # slower mode: the three hardest patterns
     interpret = pltpu.InterpretParams(uninitialized_memory="nan")
     patterns = [PATTERNS[0], PATTERNS[1], PATTERNS[4]]
-  if kind == "mxfp8_to_bf16":
-    lhs, out_dtype, tiling = mx.quantize(x, "mxfp8_e4m3", axis=-1), None, Tiling(32, 128, L, 256)
+  if kind == "mxfp8_to_f32":
+    lhs, out_dtype = mx.quantize(x, "mxfp8_e4m3", axis=-1), jnp.float32
+    tiling = Tiling(32, 128, L, 256)
   elif kind == "f32_to_f32":
     lhs, out_dtype, tiling = x, None, Tiling(8, 128, L, 256)
   else:
@@ -108,6 +111,11 @@ def test_kernel_matches_reference(data, kind):
     assert out.shape == ref.shape == (m, F) and out.dtype == ref.dtype, (out.dtype, ref.dtype)
     _assert_close(out, ref, _abs_bound(lhs, w, sizes), sizes, L,
                   bf16_out=out.dtype == jnp.bfloat16)
+    if kind == "mxfp8_to_f32":
+      # Drop-in for the serving path: k3_jax.quant.packed_gmm (MXFP8 fake-quantized float32
+      # activations, dequantized weights, ragged_dot) computes the same numbers.
+      serving = packed_gmm(ragged_dot_gmm)(x, w, sizes)
+      _assert_close(out, serving, _abs_bound(lhs, w, sizes), sizes, L, bf16_out=False)
 
 
 def _replay(meta, m, tm, sizes):
