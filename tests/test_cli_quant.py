@@ -10,7 +10,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _main(*args, timeout=900):
+def _main(*args, timeout=1800):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)
   return subprocess.run([sys.executable, os.path.join(ROOT, "main.py"), *args], cwd=ROOT,
