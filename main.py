@@ -2,7 +2,7 @@
 
   python main.py train     [--config=k3_small] [--steps=N] [--workdir=runs/default] ...
   python main.py generate  --workdir=runs/default --prompt="def " [--temperature=0.8 --top_p=0.95]
-  python main.py info      --config=k3 [--json]
+  python main.py info      --config=k3 [--json] [--quant=mxfp4]
 
 `python main.py <command> --help` lists every flag.
 """
@@ -48,6 +48,10 @@ flags.DEFINE_string("dataset", None, "stdlib (default) | mqar | path to .txt/.js
 flags.DEFINE_string("tokenizer", None, "byte (default) | path to a tiktoken BPE file")
 flags.DEFINE_string("mesh", "", "mesh axes, e.g. data:2,fsdp:4 (default: fsdp over all devices)")
 flags.DEFINE_boolean("json", False, "info: print one JSON object")
+flags.DEFINE_enum("quant", "none", ["none", "mxfp4"],
+                  "info: also report serving weight bytes with routed experts packed MXFP4 "
+                  "(the rest BF16); generate: run the routed experts from packed MXFP4 weights "
+                  "(converted from the checkpoint at load; activations MXFP8 as in QAT)")
 flags.DEFINE_string("prompt", "", "generate: the prompt text")
 flags.DEFINE_integer("max_new_tokens", 200, "generate: tokens to sample")
 flags.DEFINE_float("temperature", 0.0, "generate: 0 = greedy")
@@ -87,6 +91,9 @@ def cmd_info() -> None:
          "scan": {"unscanned_prefix": prefix, "repeats": reps, "period": period,
                   "unscanned_suffix": cfg.num_layers - prefix - reps * period},
          **counts}
+  if FLAGS.quant == "mxfp4":
+    from k3_jax.quant import serving_weight_bytes
+    out["serving_mxfp4"] = serving_weight_bytes(cfg)
   if FLAGS.json:
     print(json.dumps(out))
     return
@@ -101,6 +108,13 @@ def cmd_info() -> None:
   print(f"routed expert params {_human(counts['routed_expert_params'])}")
   for k, v in counts["by_module"].items():
     print(f"  {k:<12} {_human(v)}")
+  if "serving_mxfp4" in out:
+    sb = out["serving_mxfp4"]
+    print(f"serving bytes {_bytes(sb['total_bytes'])} ({sb['total_bytes']:,}): routed experts "
+          f"MXFP4 ({sb['bits_per_routed_weight']:.2f} bits/weight), the rest BF16; all-BF16 "
+          f"{_bytes(sb['bf16_total_bytes'])}")
+    for k, v in sb["by_part"].items():
+      print(f"  {k:<14} {_bytes(v)}")
 
 
 def _human(n: float) -> str:
@@ -108,6 +122,13 @@ def _human(n: float) -> str:
     if n >= div:
       return f"{n / div:.2f}{unit}"
   return str(int(n))
+
+
+def _bytes(n: float) -> str:
+  for unit, div in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+    if n >= div:
+      return f"{n / div:.2f} {unit}"
+  return f"{int(n)} B"
 
 
 def cmd_train() -> None:
@@ -180,7 +201,11 @@ def cmd_generate() -> None:
   steps = train.build_steps(cfg, tc, mesh)
   state, _ = ckpt.restore(steps.abstract_state, steps.state_shardings)
   tok = tokenizers.get_tokenizer(FLAGS.tokenizer or "byte")
-  engine = Engine(cfg, steps.graphdef, state["params"], state["rest"])
+  graphdef, params, rest = steps.graphdef, state["params"], state["rest"]
+  if FLAGS.quant == "mxfp4":
+    from k3_jax.quant import pack_state
+    graphdef, params, rest = pack_state(graphdef, params, rest)
+  engine = Engine(cfg, graphdef, params, rest)
   ids = tok.encode(FLAGS.prompt)
   stream = tok.stream_decoder()
   sys.stdout.write(FLAGS.prompt)

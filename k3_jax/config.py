@@ -66,6 +66,15 @@ class AttnResConfig:
 
 
 @dataclass(frozen=True)
+class QuantConfig:
+  qat: str = "none"             # "none" | "mxfp4_mxfp8": routed-expert weights fake-quantized
+                                # to MXFP4 and their input activations to MXFP8 E4M3 (spec s7)
+
+
+QAT_MODES = ("none", "mxfp4_mxfp8")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
   name: str = "custom"
   vocab_size: int = 256
@@ -90,6 +99,7 @@ class ModelConfig:
   mla: MLAConfig = field(default_factory=MLAConfig)
   moe: MoEConfig = field(default_factory=MoEConfig)
   attn_res: AttnResConfig = field(default_factory=AttnResConfig)
+  quant: QuantConfig = field(default_factory=QuantConfig)
 
   # ----- derived structure -------------------------------------------------
   def layer_kinds(self) -> tuple[tuple[str, str], ...]:
@@ -208,6 +218,14 @@ def validate(cfg: ModelConfig) -> ModelConfig:
   _require(e.balance != "qb" or e.top_k < e.num_experts, "moe.top_k", e.top_k,
            "Quantile Balancing needs top_k < num_experts (its cutoff is the (k+1)-th expert)")
   _require(e.qb_bins >= 0, "moe.qb_bins", e.qb_bins, "must be >= 0 (0 = exact)")
+  _require(cfg.quant.qat in QAT_MODES, "quant.qat", cfg.quant.qat,
+           f"must be one of {', '.join(map(repr, QAT_MODES))}")
+  if cfg.quant.qat != "none":
+    width = e.latent_dim or cfg.d_model
+    for name, n in (("moe.latent_dim" if e.latent_dim else "d_model", width),
+                    ("moe.expert_intermediate", e.expert_intermediate)):
+      _require(n % 32 == 0, name, n, "must be a multiple of 32 with quant.qat on (MX blocks of "
+               "32 along each routed-expert contraction axis)")
   _require(cfg.attn_res.block_size > 0, "attn_res.block_size", cfg.attn_res.block_size,
            "must be positive")
   return cfg
@@ -283,7 +301,8 @@ def to_dict(obj: Any) -> dict:
 
 
 def from_dict(d: dict) -> ModelConfig:
-  sub = {"kda": KDAConfig, "mla": MLAConfig, "moe": MoEConfig, "attn_res": AttnResConfig}
+  sub = {"kda": KDAConfig, "mla": MLAConfig, "moe": MoEConfig, "attn_res": AttnResConfig,
+         "quant": QuantConfig}
   kw = {}
   for k, v in d.items():
     if k in sub:
@@ -300,6 +319,7 @@ def jnp_dtype(name: str):
   return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
 
 
-__all__ = ["ConfigError", "KDAConfig", "MLAConfig", "MoEConfig", "AttnResConfig", "ModelConfig",
+__all__ = ["ConfigError", "KDAConfig", "MLAConfig", "MoEConfig", "AttnResConfig", "QuantConfig",
+           "QAT_MODES", "ModelConfig",
            "TrainConfig", "MeshConfig", "validate", "validate_train", "apply_overrides",
            "to_dict", "from_dict", "jnp_dtype"]

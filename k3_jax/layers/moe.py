@@ -6,6 +6,10 @@
     z = W_down x                      (d -> l; skipped when latent_dim = 0)
     u = sum_j p_j E_j(z)              (dropless grouped matmul)
     y = Shared(x) + W_up RMSNorm(u)   (RMSNorm and W_up only with a latent)
+
+Routed experts may run quantized (k3_jax/quant.py): fake-quantized MXFP4 weights and MXFP8
+inputs with quant.qat = "mxfp4_mxfp8", or from packed MXFP4 weights after
+`quant.pack_routed_experts` (serving).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from k3_jax import quant
 from k3_jax.config import ModelConfig, jnp_dtype
 from k3_jax.layers.ffn import GatedFFN
 from k3_jax.layers.init import Init
@@ -36,6 +41,7 @@ class MoE(nnx.Module):
     self.cfg = m
     self.kind, self.beta1, self.beta2 = cfg.activation, cfg.situ_beta1, cfg.situ_beta2
     self.dtype = dt
+    self.qat = cfg.quant.qat != "none"
     self.router = nnx.Param(init.normal((d, m.num_experts), d ** -0.5, jnp.float32),
                             logical_axes=("embed", "experts"))
     self.bias = RouterBias(jnp.zeros((m.num_experts,), jnp.float32), logical_axes=("experts",))
@@ -68,6 +74,25 @@ class MoE(nnx.Module):
       return balance_ops.sign_balancing(bias, load, m.balance_rate)
     return bias
 
+  def _packed(self) -> bool:
+    """Serving from packed MXFP4 weights (k3_jax.quant.pack_routed_experts)?"""
+    return isinstance(self.w_gate.get_value(), quant.MXArray)
+
+  def _expert_weights(self):
+    """(w_gate, w_up, w_down): packed MXArrays, MXFP4 fake-quantized (QAT), or plain."""
+    ws = [getattr(self, n).get_value() for n in quant.EXPERT_WEIGHTS]
+    if self._packed():
+      return ws
+    if self.qat:
+      return [quant.qat_weight(w, self.dtype) for w in ws]
+    return [w.astype(self.dtype) for w in ws]
+
+  def _gmm(self):
+    base = moe_ops.default_gmm(platform=target_platform())
+    if self._packed():
+      return quant.packed_gmm(base)
+    return quant.qat_gmm(base) if self.qat else base
+
   def __call__(self, x: jax.Array, train: bool = False) -> tuple[jax.Array, dict]:
     """x [B, T, D] -> (y [B, T, D], aux): aux['expert_load'] [E] tokens per expert and, when
     training, aux['new_bias'] [E] (the bias itself is only changed by the train step)."""
@@ -78,12 +103,9 @@ class MoE(nnx.Module):
     weights, ids = moe_ops.select_experts(scores, self.bias[...], m.top_k,
                                           m.routed_scaling_factor, m.n_group, m.topk_group)
     z = self.down(xf) if m.latent_dim else xf                          # [N, L]
-    u = moe_ops.moe_dispatch(z.astype(self.dtype), weights, ids,
-                             self.w_gate[...].astype(self.dtype),
-                             self.w_up[...].astype(self.dtype),
-                             self.w_down[...].astype(self.dtype),
+    u = moe_ops.moe_dispatch(z.astype(self.dtype), weights, ids, *self._expert_weights(),
                              activation=self.kind, beta1=self.beta1, beta2=self.beta2,
-                             gmm=moe_ops.default_gmm(platform=target_platform()))
+                             gmm=self._gmm())
     y = self.up(self.norm(u)) if m.latent_dim else u                   # [N, D]
     if m.num_shared_experts:
       y = y + self.shared(xf)

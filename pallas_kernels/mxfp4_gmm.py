@@ -1,0 +1,452 @@
+"""Grouped matmul with packed MXFP4 expert weights: a Pallas TPU kernel for a dropless MoE.
+
+    out[r] = lhs[r] @ W[g]    for every row r of group g,   W = dequantize(rhs)  [E, L, F]
+    out[r] = 0                for rows r >= sum(group_sizes)
+
+Same signature and semantics as the reference `k3_jax.ops.mx_gmm.mxfp4_gmm` (dequantize,
+then `jax.lax.ragged_dot`). The point is the weight traffic: the rhs stays packed in HBM
+(E2M1 codes two per byte along L plus one E8M0 scale byte per 32 weights: 4.25 bits per
+weight instead of 16 for BF16), each tile is unpacked and scaled in VMEM and fed to the MXU
+in BF16 with FP32 accumulation. MoE decode is bound by reading expert weights, so this is
+about 3.8x less of the bound.
+
+Inputs
+  lhs          [M, L] float (rounded to BF16 for the MXU), or an MXFP8 MX array
+               (fmt "mxfp8_e4m3"/"mxfp8_e5m2", blocks along L: codes [M, L] uint8,
+               scales [M, L/32] uint8), dequantized in the kernel.
+  rhs          MXFP4 MX array (fmt "mxfp4") blocked along L (axis 1 / -2):
+               codes [E, L/2, F] uint8 (low nibble = even L index), scales [E, L/32, F].
+  group_sizes  [E] int32; rows of lhs are grouped contiguously by expert; sum <= M.
+Any object with `codes`, `scales`, `fmt`, `axis` works as an MX array (k3_jax.ops.mx.MXArray).
+
+Grid and group metadata. The grid is (F tiles, visits, L tiles), F outermost. A "visit"
+is one (row tile, group) pair: a row tile of `tm` rows that straddles a group boundary is
+visited once per group it holds (the megablox scheme), and each visit stores only the rows
+of its group (a row mask from the group offsets), so a straddling tile is completed by
+consecutive visits. Visits are listed group by group (so row tiles come in order and an
+output tile is only revisited consecutively, which the pipeline needs), then one visit per
+row tile past sum(group_sizes) that writes zeros, then padding up to the static bound
+tiles_m + E - 1, which repeats the last visit and does nothing. The metadata lives in SMEM
+(scalar prefetch) and drives the block index maps.
+
+Weight traffic. The TPU pipeline copies a block only when its block index changes between
+consecutive grid steps. With the whole contraction in one tile (tk = L, the default) the
+rhs index (group, 0, f) stays put across all visits of one group, so every expert's packed
+weights are read from HBM exactly once per call (per F tile, and F tiles partition the
+weights); visits that do not compute (zero tails, padding) keep the previous block indices
+and so trigger no copies. `rhs_fetches` replays this to count the copies.
+
+Unpacking (VPU) runs when a visit starts a new group (flag bit 2) and fills a BF16
+[tk, tn] weight tile in VMEM that the following visits of the same group reuse, so it
+costs once per (expert, F tile), not once per row tile. It goes in chunks of `tc` rows:
+codes -> int32, nibbles -> E2M1 values by building float32 bits (no table), times the
+block scale 2^(s-127) (a float32 built from the scale byte), then the low/high nibble
+rows are interleaved with two stride-2 sublane stores into a float32 scratch (128-lane
+slabs: what Mosaic's strided store supports) and cast to BF16. Every computing visit then
+multiplies its lhs tile by the cached weight tile on the MXU, chunk by chunk, into a
+float32 accumulator. For an MXFP8 lhs the per-block scale bytes are spread over their 32
+columns by a small 0/1 matmul (exact: integers <= 255 and single terms) and the codes are
+decoded by building float32 bits the same way.
+
+Numerics: dequantized MXFP4 weights (2 significant bits) and MXFP8 activations (<= 4) times
+a power of two are exact in BF16, so the kernel and the reference multiply the same numbers
+and differ only in float32 accumulation order. Scale byte 0 (2^-127, subnormal) decodes to
+0 here (TPUs flush float32 subnormals); NaN/Inf codes and scale byte 0xFF are not
+supported (quantizing finite inputs never produces them).
+
+TPU tiling rules met by the defaults (and checked): row tile tm a multiple of 8 / 16 / 32
+for 32- / 16- / 8-bit lhs and output; tn a multiple of 128; tc a multiple of 256 (so the
+packed chunk is >= 128 rows and its lhs columns 128-aligned); tk = L, or a multiple of 1024
+(its [tk/32, tn] uint8 scale block needs 32-row multiples).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+BLOCK = 32         # MX block: elements sharing one scale
+LANES = 128
+
+# MXFP8 element formats: (exponent bias, mantissa bits).
+_FP8 = {"mxfp8_e4m3": (7, 3), "mxfp8_e5m2": (15, 2)}
+LHS_FORMATS = tuple(_FP8)
+# One BF16 MXU pass, whatever jax_default_matmul_precision says (its "highest" would ask
+# Mosaic for an fp32-precision contraction of BF16 operands, which it rejects).
+_MXU = (jax.lax.Precision.DEFAULT, jax.lax.Precision.DEFAULT)
+
+
+class Tiling(NamedTuple):
+  """tm rows x tn output columns per output tile; tk contraction per grid step (L or a
+  multiple of 1024); tc contraction per in-kernel chunk (multiple of 256 dividing tk)."""
+  tm: int
+  tn: int
+  tk: int
+  tc: int
+
+
+class GroupMetadata(NamedTuple):
+  """Per-visit schedule (all int32, in SMEM). V = tiles_m + E - 1 visits."""
+  offsets: jax.Array    # [E + 1] first row of each group (clamped to M); offsets[E] = end
+  group: jax.Array      # [V] rhs group the visit reads
+  tile: jax.Array       # [V] output row tile the visit writes
+  lhs_tile: jax.Array   # [V] lhs row tile the visit reads
+  flags: jax.Array      # [V] bit 0: computes a group's rows; bit 1: first visit of its
+                        # tile; bit 2: its group differs from the previous visit's
+
+
+def _round_up(x: int, k: int) -> int:
+  return -(-x // k) * k
+
+
+@functools.partial(jax.jit, static_argnames=("m", "tm"))
+def group_metadata(group_sizes: jax.Array, m: int, tm: int) -> GroupMetadata:
+  """The visit schedule for `m` rows (a multiple of tm) in row tiles of tm.
+
+  Group g owns rows [offsets[g], offsets[g+1]) and is visited on row tiles
+  offsets[g] // tm .. ceil(offsets[g+1] / tm) - 1 (none when empty). Visits that do not
+  compute keep the previous visit's group and lhs tile, so they cause no copies.
+  """
+  e = group_sizes.shape[0]
+  tiles_m = m // tm
+  nv = tiles_m + e - 1
+  ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), m)         # [E]
+  starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])        # [E]
+  offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])            # [E + 1]
+  first_tile = starts // tm
+  n_tiles = jnp.where(ends > starts, (ends + tm - 1) // tm - first_tile, 0)  # [E]
+  cum = jnp.cumsum(n_tiles)
+  n_group_visits = cum[-1]
+  covered = (ends[-1] + tm - 1) // tm            # row tiles touched by some group
+  i = jnp.arange(nv, dtype=jnp.int32)
+  g = jnp.minimum(jnp.searchsorted(cum, i, side="right"), e - 1).astype(jnp.int32)
+  tile_g = first_tile[g] + i - (cum[g] - n_tiles[g])
+  is_group = i < n_group_visits
+  is_tail = ~is_group & (i < n_group_visits + tiles_m - covered)
+  # Padding repeats the last real visit, whose tile is always tiles_m - 1.
+  tile = jnp.where(is_group, tile_g,
+                   jnp.where(is_tail, covered + i - n_group_visits, tiles_m - 1))
+  last_g = jnp.minimum(jnp.searchsorted(cum, jnp.maximum(n_group_visits - 1, 0),
+                                        side="right"), e - 1)
+  group = jnp.where(is_group, g, last_g)
+  lhs_tile = jnp.where(is_group, tile_g, jnp.maximum(covered - 1, 0))
+  prev = jnp.concatenate([jnp.full((1,), -1, jnp.int32), tile[:-1]])
+  prev_group = jnp.concatenate([jnp.full((1,), -1, jnp.int32), group[:-1]])
+  flags = (is_group.astype(jnp.int32) | ((tile != prev).astype(jnp.int32) << 1)
+           | ((group != prev_group).astype(jnp.int32) << 2))
+  i32 = lambda a: a.astype(jnp.int32)
+  return GroupMetadata(i32(offsets), i32(group), i32(tile), i32(lhs_tile), i32(flags))
+
+
+def rhs_fetches(meta: GroupMetadata, tiles_n: int, tiles_k: int) -> np.ndarray:
+  """Number of rhs block copies the pipeline issues: steps in grid order (f, visit, k)
+  whose rhs block index (group, k, f) differs from the previous step's. Host-side."""
+  group = np.asarray(meta.group)
+  active = (np.asarray(meta.flags) & 1) == 1
+  count, prev = 0, None
+  for f in range(tiles_n):
+    for v in range(group.shape[0]):
+      for k in range(tiles_k):
+        idx = (group[v], k if active[v] else tiles_k - 1, f)
+        count += idx != prev
+        prev = idx
+  return np.int64(count)
+
+
+# ----------------------------------------------------------------------------- decoding
+
+
+def _bits_to_f32(bits: jax.Array) -> jax.Array:
+  return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _scale_f32(byte: jax.Array) -> jax.Array:
+  """E8M0 byte (int32) -> 2^(byte - 127) as float32 (byte 0 -> 0: subnormal flushed)."""
+  return _bits_to_f32(byte << 23)
+
+
+def _e2m1_f32(q: jax.Array) -> jax.Array:
+  """E2M1 code (int32 in [0, 16)) -> float32: magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6.
+
+  Normal codes (exponent field e >= 1): 2^(e-1) (1 + m/2), i.e. float32 exponent field
+  e + 126 and mantissa top bit m: bits = (em << 22) + (126 << 23) with em = code & 7.
+  Subnormal: em 0 -> 0, em 1 -> 0.5 = 126 << 23.
+  """
+  em = q & 7
+  bits = jnp.where(em < 2, em * (126 << 23), (em << 22) + (126 << 23))
+  return _bits_to_f32(bits | ((q & 8) << 28))
+
+
+def _fp8_f32(c: jax.Array, fmt: str) -> jax.Array:
+  """E4M3 / E5M2 code (int32 in [0, 256)) -> float32 (finite codes)."""
+  bias, mbits = _FP8[fmt]
+  mag = c & 0x7F
+  normal = _bits_to_f32((mag << (23 - mbits)) + ((127 - bias) << 23))
+  sub = (mag & ((1 << mbits) - 1)).astype(jnp.float32) * np.float32(2.0 ** (1 - bias - mbits))
+  val = jnp.where(mag >= (1 << mbits), normal, sub)
+  return jnp.where(c >= 128, -val, val)
+
+
+# ----------------------------------------------------------------------------- kernel
+
+
+def _kernel(offsets_ref, group_ref, tile_ref, lhs_tile_ref, flags_ref, *refs,
+            lhs_fmt: str | None, tiling: Tiling, tiles_k: int):
+  del lhs_tile_ref
+  if lhs_fmt is None:
+    x_ref, wc_ref, ws_ref, o_ref, acc_ref, wscale_ref, w_ref, wtile_ref = refs
+    xs_ref = None
+  else:
+    x_ref, xs_ref, wc_ref, ws_ref, o_ref, acc_ref, wscale_ref, w_ref, wtile_ref = refs
+  tm, tn, tk, tc = tiling
+  v = pl.program_id(1)
+  k = pl.program_id(2)
+  flags = flags_ref[v]
+  active = (flags & 1) == 1
+  first = (flags & 2) == 2
+  # The unpacked [tk, tn] weight tile stays in VMEM across the consecutive visits of one
+  # group (one L tile: its rhs block does not change), so the VPU unpack runs once per
+  # (expert, F tile), not once per row tile; with several L tiles every step unpacks.
+  unpack = active & (((flags & 4) == 4) if tiles_k == 1 else True)
+
+  @pl.when(active & (k == 0))
+  def _zero_acc():
+    acc_ref[...] = jnp.zeros_like(acc_ref)
+
+  def lhs_chunk(c):                                                  # -> [tm, tc] bf16
+    l0 = pl.multiple_of(c * tc, tc)
+    x = x_ref[:, pl.ds(l0, tc)]
+    if lhs_fmt is None:
+      return x.astype(jnp.bfloat16)
+    # Spread each block's scale byte over its 32 columns with a 0/1 matmul (exact).
+    sb = xs_ref[c].astype(jnp.int32).astype(jnp.float32).astype(jnp.bfloat16)  # [tm, tc/32]
+    rows = jax.lax.broadcasted_iota(jnp.int32, (tc // BLOCK, tc), 0)
+    cols = jax.lax.broadcasted_iota(jnp.int32, (tc // BLOCK, tc), 1)
+    spread = (cols // BLOCK == rows).astype(jnp.bfloat16)             # [tc/32, tc]
+    sfield = jnp.dot(sb, spread, precision=_MXU,
+                     preferred_element_type=jnp.float32).astype(jnp.int32)
+    vals = _fp8_f32(x.astype(jnp.int32), lhs_fmt) * _scale_f32(sfield)  # [tm, tc]
+    return vals.astype(jnp.bfloat16)
+
+  def rhs_chunk(c):                                                  # -> [tc, tn] bf16
+    r0 = pl.multiple_of(c * (tc // 2), tc // 2)
+    codes = wc_ref[pl.ds(r0, tc // 2), :].astype(jnp.int32)           # [tc/2, tn]
+    s0 = pl.multiple_of(c * (tc // BLOCK), tc // BLOCK)
+    scale = wscale_ref[pl.ds(s0, tc // BLOCK), :]                     # [tc/32, tn]
+    # Packed row j holds L rows 2j (low nibble) and 2j+1 (high): block j // 16.
+    scale = jnp.broadcast_to(scale[:, None, :], (tc // BLOCK, BLOCK // 2, tn))
+    scale = scale.reshape(tc // 2, tn)                                # [tc/2, tn]
+    even = _e2m1_f32(codes & 15) * scale
+    odd = _e2m1_f32(codes >> 4) * scale
+    for j in range(tn // LANES):                  # interleave rows: even -> 2j, odd -> 2j+1
+      cols = slice(j * LANES, (j + 1) * LANES)
+      slab = w_ref.at[j]                                              # [tc, 128]
+      slab[pl.ds(0, tc // 2, stride=2), :] = even[:, cols]
+      slab[pl.ds(1, tc // 2, stride=2), :] = odd[:, cols]
+    slabs = [w_ref[j] for j in range(tn // LANES)]                    # tn/128 x [tc, 128]
+    w = slabs[0] if len(slabs) == 1 else jnp.concatenate(slabs, axis=1)
+    return w.astype(jnp.bfloat16)
+
+  @pl.when(unpack)
+  def _unpack():
+    wscale_ref[...] = _scale_f32(ws_ref[...].astype(jnp.int32))       # [tk/32, tn]
+
+    def body(c, carry):
+      wtile_ref[pl.ds(pl.multiple_of(c * tc, tc), tc), :] = rhs_chunk(c)
+      return carry
+
+    jax.lax.fori_loop(0, tk // tc, body, 0)
+
+  @pl.when(active)
+  def _accumulate():
+    def body(c, carry):
+      w = wtile_ref[pl.ds(pl.multiple_of(c * tc, tc), tc), :]         # [tc, tn] bf16
+      acc_ref[...] += jnp.dot(lhs_chunk(c), w, precision=_MXU,
+                              preferred_element_type=jnp.float32)
+      return carry
+
+    jax.lax.fori_loop(0, tk // tc, body, 0)
+
+  @pl.when(k == tiles_k - 1)
+  def _store():
+    g = group_ref[v]
+    start, end = offsets_ref[g], offsets_ref[g + 1]
+    rows = tile_ref[v] * tm + jax.lax.broadcasted_iota(jnp.int32, (tm, tn), 0)
+    mine = (rows >= start) & (rows < end) & active
+    prev = jnp.where(first, 0.0, o_ref[...].astype(jnp.float32))
+    o_ref[...] = jnp.where(mine, acc_ref[...], prev).astype(o_ref.dtype)
+
+
+# ----------------------------------------------------------------------------- wrapper
+
+
+def _is_mx(a: Any) -> bool:
+  return all(hasattr(a, name) for name in ("codes", "scales", "fmt", "axis"))
+
+
+def _row_align(*dtypes) -> int:
+  """Sublane multiple a row tile needs for these dtypes: 8 (32-bit), 16 (16-bit), 32 (8-bit)."""
+  return max(32 // jnp.dtype(d).itemsize for d in dtypes)
+
+
+def default_tiling(m: int, l: int, f: int, row_align: int = 16) -> Tiling:
+  """tm 128 (fewer for small m), tn 512 (or the largest of 256/128 dividing f), tk = L,
+  tc 512 (256 when 512 does not divide L). Fits the default scoped VMEM of every TPU
+  generation at K3 expert shapes (L 3584, F 3072)."""
+  tm = min(128, _round_up(max(m, 1), row_align))
+  tn = next((t for t in (512, 256, 128) if f % t == 0), f)
+  tc = 512 if l % 512 == 0 else 256
+  return Tiling(tm, tn, l, tc)
+
+
+def _check(cond: bool, msg: str) -> None:
+  if not cond:
+    raise ValueError(msg)
+
+
+def mxfp4_gmm(lhs, rhs, group_sizes: jax.Array, *, preferred_element_type=None,
+              tiling: Tiling | tuple[int, int, int, int] | None = None,
+              interpret: bool | pltpu.InterpretParams = False) -> jax.Array:
+  """Grouped matmul lhs [M, L] x MXFP4 rhs [E, L, F] -> [M, F] (see the module docstring).
+
+  preferred_element_type: output dtype; default the lhs dtype (BF16 for an MXFP8 lhs).
+  tiling: Tiling(tm, tn, tk, tc) or None for `default_tiling`. interpret: run the kernel
+  in Pallas interpret mode on CPU (True, or pltpu.InterpretParams for the TPU one).
+  """
+  _check(_is_mx(rhs), f"rhs must be an MXFP4 MX array (codes, scales, fmt, axis), got "
+                      f"{type(rhs).__name__}")
+  _check(rhs.fmt == "mxfp4", f"rhs.fmt={rhs.fmt!r}; the kernel reads packed 'mxfp4' weights")
+  _check(rhs.codes.ndim == 3 and rhs.axis in (1, -2),
+         f"rhs must be [E, L, F] blocked along L (axis 1); got codes {rhs.codes.shape}, "
+         f"axis {rhs.axis}")
+  e, l_half, f = rhs.codes.shape
+  l = 2 * l_half
+  _check(rhs.scales.shape == (e, l // BLOCK, f),
+         f"rhs.scales shape {rhs.scales.shape} != (E, L/32, F) = {(e, l // BLOCK, f)}")
+  if _is_mx(lhs):
+    _check(lhs.fmt in _FP8, f"lhs.fmt={lhs.fmt!r}; an MX lhs must be one of {LHS_FORMATS}")
+    _check(lhs.codes.ndim == 2 and lhs.axis in (1, -1),
+           f"an MX lhs must be [M, L] blocked along L; got codes {lhs.codes.shape}, "
+           f"axis {lhs.axis}")
+    m = lhs.codes.shape[0]
+    _check(lhs.scales.shape == (m, l // BLOCK),
+           f"lhs.scales shape {lhs.scales.shape} != (M, L/32) = {(m, l // BLOCK)}")
+    lhs_fmt, lhs_dtype = lhs.fmt, jnp.dtype(jnp.uint8)
+    default_out = jnp.bfloat16
+  else:
+    _check(lhs.ndim == 2 and jnp.issubdtype(lhs.dtype, jnp.floating),
+           f"lhs must be a float [M, L] array or an MXFP8 MX array; got {lhs.dtype} "
+           f"{lhs.shape}")
+    m = lhs.shape[0]
+    lhs_fmt, lhs_dtype, default_out = None, lhs.dtype, lhs.dtype
+  lhs_l = (lhs.codes if lhs_fmt else lhs).shape[1]
+  _check(lhs_l == l, f"lhs contraction {lhs_l} != rhs contraction L={l}")
+  _check(group_sizes.shape == (e,) and jnp.issubdtype(group_sizes.dtype, jnp.integer),
+         f"group_sizes must be an int [E={e}] array; got {group_sizes.dtype} "
+         f"{group_sizes.shape}")
+  out_dtype = jnp.dtype(preferred_element_type or default_out)
+  align = _row_align(lhs_dtype, out_dtype)
+  t = Tiling(*(tiling or default_tiling(m, l, f, align)))
+  _check(t.tm % align == 0, f"tiling.tm={t.tm} must be a multiple of {align} for lhs "
+                            f"{lhs_dtype} / output {out_dtype}")
+  _check(f % t.tn == 0 and t.tn % LANES == 0,
+         f"tiling.tn={t.tn} must be a multiple of {LANES} dividing F={f}")
+  _check(l % t.tk == 0 and (t.tk == l or t.tk % 1024 == 0),
+         f"tiling.tk={t.tk} must be L={l} or a multiple of 1024 dividing it")
+  _check(t.tc % 256 == 0 and t.tk % t.tc == 0,
+         f"tiling.tc={t.tc} must be a multiple of 256 dividing tk={t.tk}")
+  return _mxfp4_gmm(lhs.codes if lhs_fmt else lhs, lhs.scales if lhs_fmt else None,
+                    rhs.codes, rhs.scales, group_sizes.astype(jnp.int32),
+                    lhs_fmt=lhs_fmt, out_dtype=out_dtype, tiling=t, interpret=interpret)
+
+
+def vmem_bytes(tiling: Tiling, lhs_itemsize: int, out_itemsize: int, mx_lhs: bool) -> int:
+  """Rough VMEM need: double-buffered blocks, scratch, and chunk temporaries."""
+  tm, tn, tk, tc = tiling
+  blocks = 2 * (tm * tk * lhs_itemsize + tk // 2 * tn + _round_up(tk // BLOCK, 32) * tn
+                + tm * tn * out_itemsize)
+  if mx_lhs:
+    blocks += 2 * (tk // tc) * tm * LANES                # [tk/tc, tm, tc/32] lane-padded
+  scratch = tm * tn * 4 + _round_up(tk // BLOCK, 8) * tn * 4 + tc * tn * 4 + tk * tn * 2
+  temps = 6 * (tc // 2) * tn * 4 + 4 * tm * tc * 4       # codes, values, scale, interleaved
+  return blocks + scratch + temps
+
+
+@functools.partial(jax.jit, static_argnames=("lhs_fmt", "out_dtype", "tiling", "interpret"))
+def _mxfp4_gmm(x, xs, wc, ws, group_sizes, *, lhs_fmt, out_dtype, tiling, interpret):
+  tm, tn, tk, tc = tiling
+  m, l = x.shape
+  e, _, f = wc.shape
+  m_pad = _round_up(m, tm)
+  if m_pad != m:                                   # padded rows lie past sum(group_sizes)
+    x = jnp.pad(x, ((0, m_pad - m), (0, 0)))
+    xs = None if xs is None else jnp.pad(xs, ((0, m_pad - m), (0, 0)))
+  meta = group_metadata(group_sizes, m_pad, tm)
+  tiles_n, tiles_k = f // tn, l // tk
+  nv = meta.group.shape[0]
+
+  def kk(k, flags_ref, v):          # non-computing visits keep the last k block (no copy)
+    act = flags_ref[v] & 1
+    return k * act + (tiles_k - 1) * (1 - act)
+
+  def lhs_map(n, v, k, offs, grp, tile, lt, flags):
+    return lt[v], kk(k, flags, v)
+
+  def lhs_scale_map(n, v, k, offs, grp, tile, lt, flags):
+    return kk(k, flags, v), lt[v], 0
+
+  def rhs_map(n, v, k, offs, grp, tile, lt, flags):
+    return grp[v], kk(k, flags, v), n
+
+  def out_map(n, v, k, offs, grp, tile, lt, flags):
+    return tile[v], n
+
+  in_specs = [pl.BlockSpec((tm, tk), lhs_map)]
+  args = [x]
+  if lhs_fmt is not None:
+    # [M, L/32] -> [L/tc, M, tc/32]: each chunk's scale bytes as one [tm, tc/32] slab.
+    xs = xs.reshape(m_pad, l // tc, tc // BLOCK).transpose(1, 0, 2)
+    in_specs.append(pl.BlockSpec((tk // tc, tm, tc // BLOCK), lhs_scale_map))
+    args.append(xs)
+  in_specs += [pl.BlockSpec((None, tk // 2, tn), rhs_map),
+               pl.BlockSpec((None, tk // BLOCK, tn), rhs_map)]
+  args += [wc, ws]
+
+  lhs_bytes = x.size * x.dtype.itemsize + (0 if xs is None else xs.size)
+  weight_bytes = e * (l // 2 + l // BLOCK) * f                 # each expert once (tk = L)
+  if tiles_k > 1:
+    weight_bytes = nv * (l // 2 + l // BLOCK) * f              # worst case: every visit
+  cost = pl.CostEstimate(flops=2 * m_pad * l * f, transcendentals=0,
+                         bytes_accessed=int(tiles_n * lhs_bytes + weight_bytes
+                                            + m_pad * f * out_dtype.itemsize))
+  need = vmem_bytes(tiling, x.dtype.itemsize, out_dtype.itemsize, lhs_fmt is not None)
+  call = pl.pallas_call(
+      functools.partial(_kernel, lhs_fmt=lhs_fmt, tiling=tiling, tiles_k=tiles_k),
+      out_shape=jax.ShapeDtypeStruct((m_pad, f), out_dtype),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=5,
+          grid=(tiles_n, nv, tiles_k),
+          in_specs=in_specs,
+          out_specs=pl.BlockSpec((tm, tn), out_map),
+          scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32),                 # accumulator
+                          pltpu.VMEM((tk // BLOCK, tn), jnp.float32),        # rhs scales
+                          pltpu.VMEM((tn // LANES, tc, LANES), jnp.float32),  # rhs chunk
+                          pltpu.VMEM((tk, tn), jnp.bfloat16)]),              # rhs tile
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("parallel", "arbitrary", "arbitrary"),
+          vmem_limit_bytes=int(min(max(2 * need, 32 << 20), 64 << 20))),
+      cost_estimate=cost,
+      interpret=interpret,
+  )
+  out = call(*meta, *args)
+  return out[:m] if m_pad != m else out
+
+
+__all__ = ["Tiling", "GroupMetadata", "LHS_FORMATS", "default_tiling", "group_metadata",
+           "mxfp4_gmm", "rhs_fetches", "vmem_bytes"]
