@@ -215,3 +215,25 @@ def test_sharded_optimizer_step_equals_single_device():
   # ~1e-7 noise in tiny gradients into ~1e-6 differences, hence the absolute tolerance.
   for a, b in zip(jax.tree.leaves(single), jax.tree.leaves(sharded)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.slow
+def test_sharded_muon_train_step_equals_single_device():
+  """The whole jit train step with Per-Head Muon and QK-Clip: data:2,fsdp:4 vs one device."""
+  from k3_jax.data import mqar
+  tc = dataclasses.replace(configs.get_train("k3_tiny"), optimizer="muon", batch_size=8,
+                           seq_len=32)
+  it = mqar.mqar_dataset(8, 32, CFG.vocab_size, num_kv_pairs=4, seed=1)
+  batches = [next(it) for _ in range(2)]
+  out = []
+  for spec, devices in (("", jax.devices()[:1]), ("data:2,fsdp:4", jax.devices()[:8])):
+    steps = train.build_steps(CFG, tc, make_mesh(parse_mesh(spec), devices=devices))
+    state = steps.init()
+    losses = []
+    for b in batches:
+      state, m = steps.train(state, train.put_batch(b, steps.batch_sharding))
+      losses.append(float(m["loss"]))
+    out.append((losses, jax.tree.leaves((state["params"], state["rest"]))))
+  np.testing.assert_allclose(out[0][0], out[1][0], rtol=1e-5)
+  for a, b in zip(out[0][1], out[1][1]):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
