@@ -2,6 +2,7 @@
 
     python benchmarks/optim.py [--config=k3_small] [--steps=120] [--batch_size=8]
                                [--seq_len=256] [--muon_lr=X] [--learning_rate=X] [--out=DIR]
+                               [--optimizers=muon,adamw] [--timing=all|update|none]
 
 Trains the same model (k3_small by default) from the same initialisation on the same
 stdlib batches (the default data, seed 0) twice: with optimizer="muon" (Per-Head Muon on
@@ -12,7 +13,9 @@ preset's learning rates and a cosine schedule over --steps. Then, side by side
     with fixed random gradients), and
   - the whole train step,
 and reports the Muon / AdamW ratios (medians). Prints a table, writes optim.json and
-optim.png into --out.
+optim.png into --out. On a crowded machine the pieces can run as separate processes:
+--optimizers=adamw --timing=none writes only that curve (optim_adamw.json);
+--steps=0 --timing=update times the optimizer updates alone on a freshly initialised state.
 """
 
 from __future__ import annotations
@@ -96,7 +99,10 @@ def main():
   p.add_argument("--learning_rate", type=float, default=0.0, help="AdamW lr; default: preset's")
   p.add_argument("--timing_rounds", type=int, default=7)
   p.add_argument("--out", default="benchmarks/results")
+  p.add_argument("--optimizers", default="muon,adamw")
+  p.add_argument("--timing", default="all", choices=("all", "update", "none"))
   args = p.parse_args()
+  opts = tuple(args.optimizers.split(","))
   os.makedirs(args.out, exist_ok=True)
   cfg = configs.get(args.config)
   mesh = make_mesh(devices=jax.devices()[:1])
@@ -106,9 +112,30 @@ def main():
         f"load average {load0:.1f} on {os.cpu_count()} CPUs", flush=True)
 
   runs = {}
-  for opt in OPTIMIZERS:
+  for opt in opts:
     tc = train_config(args, opt)
-    runs[opt] = (tc, *run_curve(cfg, tc, mesh, docs))
+    if args.steps == 0:                # timing only: an initialised state, no curve
+      steps = train.build_steps(cfg, dataclasses.replace(tc, steps=100), mesh) \
+          if args.timing == "all" else None
+      if steps is None:
+        optimizer = train.make_optimizer(tc)
+        _, params, _ = train.split_model(train.create_model(cfg, seed=tc.seed))
+        state = {"params": params, "opt_state": optimizer.init(params)}
+      else:
+        state = steps.init()
+      data = pipeline.make_dataset(docs, tokenizers.ByteTokenizer(), tc.seq_len,
+                                   tc.batch_size, seed=0)
+      runs[opt] = (tc, steps, state, data, [], [])
+    else:
+      runs[opt] = (tc, *run_curve(cfg, tc, mesh, docs))
+    if args.timing == "none":
+      with open(os.path.join(args.out, f"optim_{opt}.json"), "w") as f:
+        json.dump({"config": args.config, "steps": args.steps, "optimizer": opt,
+                   "muon_lr": tc.muon_lr, "adamw_lr": tc.learning_rate, "loss": runs[opt][4],
+                   "qk_clipped_heads": runs[opt][5]}, f)
+  if args.timing == "none" or len(opts) < 2:
+    print("curves written; no timing")
+    return
 
   # Optimizer update alone: jitted update on the parameter tree with fixed random grads.
   update_fns, step_fns = {}, {}
@@ -123,15 +150,18 @@ def main():
     opt_state = state["opt_state"]
     jax.block_until_ready(upd(grads, opt_state, params))      # compile
     update_fns[opt] = (lambda u=upd, g=grads, s=opt_state, w=params: u(g, s, w)[0])
-    batch = train.put_batch(next(data), steps.batch_sharding)
-    holder = {"state": state}
+    if args.timing == "all":
+      batch = train.put_batch(next(data), steps.batch_sharding)
+      holder = {"state": state}
 
-    def step_once(steps=steps, batch=batch, holder=holder):
-      holder["state"], m = steps.train(holder["state"], batch)
-      return m["loss"]
-    step_fns[opt] = step_once
+      def step_once(steps=steps, batch=batch, holder=holder):
+        holder["state"], m = steps.train(holder["state"], batch)
+        return m["loss"]
+      step_once()                                              # compile (steps == 0)
+      step_fns[opt] = step_once
   upd_t = time_side_by_side(update_fns, args.timing_rounds)
-  step_t = time_side_by_side(step_fns, args.timing_rounds)
+  step_t = (time_side_by_side(step_fns, args.timing_rounds) if step_fns
+            else {"muon": float("nan"), "adamw": float("nan")})
   load1 = os.getloadavg()[0]
 
   report = {"config": args.config, "steps": args.steps, "batch_size": args.batch_size,

@@ -69,8 +69,7 @@ def _first_update(params, grads, **kw):
   the Nesterov momentum is a positive multiple of the gradient and Newton-Schulz is
   scale-invariant, so the update is exactly -0.2 sqrt(max(fan_in, fan_out)) NS(grad)."""
   opt = per_head_muon(1.0, 1.0, weight_decay=0.0, **kw)
-  updates, _ = opt.update(grads, opt.init(params), params)
-  return updates
+  return jax.jit(lambda p, g: opt.update(g, opt.init(p), p)[0])(params, grads)
 
 
 def _rand_like(params, seed=0):
@@ -106,6 +105,19 @@ def _tiny_params():
   return nnx.state(create_model(CFG), nnx.Param)
 
 
+# One parameter of each kind (stacked and not): the optimizer runs on any pytree of
+# Variables, and a few leaves compile in seconds where the whole tree takes minutes.
+_SAMPLE = ("units/layers/2/mixer/kv_b/w", "units/layers/0/mixer/q_proj/w",
+           "prefix/0/mixer/k_proj/w", "units/layers/3/ffn/w_down", "units/layers/3/ffn/router",
+           "units/layers/2/mixer/o_proj/w", "embed/table", "units/layers/0/mixer_norm/weight",
+           "units/layers/0/mixer/q_conv")
+
+
+def _sample_params():
+  flat = _flat(_tiny_params())
+  return {n.replace("/", "."): flat[n] for n in _SAMPLE}
+
+
 def _flat(tree):
   return {"/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): v
           for path, v in jax.tree_util.tree_flatten_with_path(
@@ -113,32 +125,28 @@ def _flat(tree):
 
 
 def test_stacked_per_head_and_per_expert_blocks_and_update_rms():
-  params = _tiny_params()
+  params = _sample_params()
   grads = _rand_like(params, seed=2)
-  u, g = _flat(_first_update(params, grads)), _flat(grads)
+  u, g = _first_update(params, grads), grads
   # Stacked MLA W_kvb [layers, R, H, n + v]: one [R, n + v] block per (layer, head).
-  name = "units/layers/2/mixer/kv_b/w"
+  name = "units.layers.2.mixer.kv_b.w"
   gw = jnp.transpose(g[name][...], (0, 2, 1, 3))                     # [L, H, R, C]
   want = -0.2 * np.sqrt(max(gw.shape[-2:])) * newton_schulz(gw)
   np.testing.assert_allclose(u[name][...], jnp.transpose(want, (0, 2, 1, 3)), rtol=1e-4,
                              atol=1e-6)
   # Stacked routed experts [layers, E, in, out]: one block per (layer, expert).
-  name = "units/layers/3/ffn/w_down"
+  name = "units.layers.3.ffn.w_down"
   want = -0.2 * np.sqrt(max(g[name].shape[-2:])) * newton_schulz(g[name][...])
   np.testing.assert_allclose(u[name][...], want, rtol=1e-4, atol=1e-6)
   # Update RMS ~ 0.2 (times the unit learning rate) for every Muon parameter: an
   # orthogonal [m, n] block has RMS 1/sqrt(max(m, n)); the quintic's singular values in
   # [0.6, 1.25] bound the RMS to 0.2 * [0.6, 1.25].
   rms = {n: float(jnp.sqrt(jnp.mean(u[n][...] ** 2))) for n in u
-         if param_group(params_var(params, n)).group != ADAMW}
-  assert len(rms) > 50
+         if param_group(params[n]).group != ADAMW}
+  assert len(rms) == 6
   bad = {n: r for n, r in rms.items() if not 0.2 * SV_LO <= r <= 0.2 * SV_HI}
   assert not bad, bad
   assert abs(np.median(list(rms.values())) - 0.2) < 0.03
-
-
-def params_var(params, name):
-  return _flat(params)[name]
 
 
 # The intended group of each k3_tiny parameter, written out by what it is (the optimizer
@@ -189,9 +197,10 @@ def test_every_k3_tiny_parameter_in_its_intended_group():
 
 
 def test_sharded_optimizer_step_equals_single_device():
-  """Two Muon + AdamW updates of the k3_tiny parameters with the state fsdp-sharded over 8
-  CPU devices (as build_steps shards it) equal the single-device updates."""
-  params = _tiny_params()
+  """Two Muon + AdamW updates of k3_tiny parameters of every kind with the state
+  fsdp-sharded over 8 CPU devices (as build_steps shards it) equal the single-device ones
+  (the whole train step: the slow test below)."""
+  params = _sample_params()
   tc = dataclasses.replace(configs.get_train("k3_tiny"), optimizer="muon", steps=10)
   opt = train.make_optimizer(tc)
   g1, g2 = _rand_like(params, 3), _rand_like(params, 4)
@@ -209,7 +218,7 @@ def test_sharded_optimizer_step_equals_single_device():
   put = lambda t: jax.device_put(t, sh)
   sharded = jax.jit(two_steps, in_shardings=(sh, sh, sh), out_shardings=sh)(
       put(params), put(g1), put(g2))
-  table = sharded["embed"]["table"][...]
+  table = sharded["embed.table"][...]
   assert len(table.sharding.device_set) == 8 and not table.sharding.is_fully_replicated
   # Same math, different reduction order across devices; Adam's division by sqrt(v) turns
   # ~1e-7 noise in tiny gradients into ~1e-6 differences, hence the absolute tolerance.
