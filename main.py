@@ -2,7 +2,7 @@
 
   python main.py train     [--config=k3_small] [--steps=N] [--workdir=runs/default] ...
   python main.py generate  --workdir=runs/default --prompt="def " [--temperature=0.8 --top_p=0.95]
-  python main.py info      --config=k3 [--json] [--quant=mxfp4]
+  python main.py info      --config=k3 [--json] [--quant=mxfp4] [--optimizer]
 
 `python main.py <command> --help` lists every flag.
 """
@@ -38,8 +38,13 @@ flags.DEFINE_integer("steps", None, "training steps (default: the preset's)")
 flags.DEFINE_integer("batch_size", None, "global batch size in sequences")
 flags.DEFINE_integer("seq_len", None, "training sequence length")
 flags.DEFINE_integer("grad_accum", None, "micro-batches per step")
-flags.DEFINE_float("learning_rate", None, "peak learning rate")
-flags.DEFINE_string("optimizer", None, "adamw (Per-Head Muon arrives with its issue)")
+flags.DEFINE_float("learning_rate", None, "peak AdamW learning rate (the whole model with "
+                   "--optimizer=adamw; the non-matrix parameters with --optimizer=muon)")
+flags.DEFINE_float("muon_lr", None, "peak Muon learning rate (matrix parameters, "
+                   "--optimizer=muon)")
+flags.DEFINE_string("optimizer", None, "train: muon (Per-Head Muon + AdamW) | adamw; default: "
+                    "the preset's. info: --optimizer alone (or =muon|adamw) prints every "
+                    "parameter's optimizer group and batch axes")
 flags.DEFINE_string("remat", None, "none | block | dots")
 flags.DEFINE_integer("eval_every", None, "evaluate every N steps")
 flags.DEFINE_integer("checkpoint_every", None, "checkpoint every N steps")
@@ -69,16 +74,24 @@ def _train_config(cfg):
   import configs
   from k3_jax.config import validate_train
   tc = configs.get_train(FLAGS.config)
-  names = ("steps", "batch_size", "seq_len", "grad_accum", "learning_rate", "optimizer", "remat",
-           "eval_every", "checkpoint_every", "seed", "dataset", "tokenizer")
+  names = ("steps", "batch_size", "seq_len", "grad_accum", "learning_rate", "muon_lr",
+           "optimizer", "remat", "eval_every", "checkpoint_every", "seed", "dataset", "tokenizer")
   given = {n: getattr(FLAGS, n) for n in names if getattr(FLAGS, n) is not None}
+  if given.get("optimizer") == _PRESET_OPTIMIZER:
+    del given["optimizer"]
   return validate_train(dataclasses.replace(tc, **given), cfg)
+
+
+_PRESET_OPTIMIZER = "preset"      # what a bare --optimizer becomes (see _bare_optimizer_flag)
 
 
 def cmd_info() -> None:
   import json
   from k3_jax.model import param_counts
   cfg = _model_config()
+  if FLAGS.optimizer is not None:
+    _optimizer_table(cfg)
+    return
   counts = param_counts(cfg)
   prefix, reps, period = cfg.stack_plan()
   kinds = cfg.layer_kinds()
@@ -115,6 +128,39 @@ def cmd_info() -> None:
           f"{_bytes(sb['bf16_total_bytes'])}")
     for k, v in sb["by_part"].items():
       print(f"  {k:<14} {_bytes(v)}")
+
+
+def _optimizer_table(cfg) -> None:
+  """Every parameter's optimizer group and batch axes, from the abstract model (nothing is
+  allocated, so it works for k3)."""
+  import json
+  import math
+  from flax import nnx
+  from k3_jax.model import abstract_model
+  from k3_jax.optim.muon import ADAMW, GROUPS, param_groups
+  tc = _train_config(cfg)
+  rows = param_groups(nnx.state(abstract_model(cfg), nnx.Param))
+  if tc.optimizer == "adamw":
+    rows = [(n, s, type(g)(ADAMW)) for n, s, g in rows]
+  if FLAGS.json:
+    print(json.dumps({"config": cfg.name, "optimizer": tc.optimizer, "params": [
+        {"path": n, "shape": list(s), "group": g.group, "batch_axes": list(g.batch_axes)}
+        for n, s, g in rows]}))
+    return
+  width = max(len(n) for n, _, _ in rows)
+  print(f"{cfg.name}, optimizer {tc.optimizer} (muon_lr {tc.muon_lr:g}, AdamW lr "
+        f"{tc.learning_rate:g}, weight decay {tc.weight_decay:g}, QK-Clip tau "
+        f"{tc.qk_clip_tau:g})")
+  print(f"{'parameter':<{width}}  {'shape':<22} {'group':<16} batch axes")
+  for n, s, g in rows:
+    print(f"{n:<{width}}  {str(list(s)):<22} {g.group:<16} {', '.join(g.batch_axes) or '-'}")
+  total = sum(math.prod(s) for _, s, _ in rows)
+  for grp in GROUPS:
+    sel = [s for _, s, g in rows if g.group == grp]
+    if sel:
+      count = sum(math.prod(s) for s in sel)
+      print(f"  {grp:<16} {len(sel):>4} tensors  {_human(count):>8} params "
+            f"({100 * count / total:.1f}%)")
 
 
 def _human(n: float) -> str:
@@ -194,6 +240,11 @@ def cmd_generate() -> None:
     raise FileNotFoundError(f"no checkpoints in {FLAGS.workdir}: train first "
                             f"(python main.py train --workdir={FLAGS.workdir})")
   tc = TrainConfig()
+  saved_tc = os.path.join(FLAGS.workdir, "train_config.json")
+  if os.path.exists(saved_tc):     # the optimizer decides the shape of the saved state
+    import json
+    with open(saved_tc) as f:
+      tc = TrainConfig(optimizer=json.load(f).get("optimizer", tc.optimizer))
   ckpt = CheckpointManager(FLAGS.workdir, cfg)
   if ckpt.latest_step() is None:
     raise FileNotFoundError(f"{FLAGS.workdir} has a config but no completed checkpoint")
@@ -237,5 +288,11 @@ def main(argv) -> None:
     sys.exit(2)
 
 
+def _bare_optimizer_flag(argv):
+  """`info --optimizer` (no value) means the preset's optimizer; absl needs a value."""
+  argv = [f"--optimizer={_PRESET_OPTIMIZER}" if a == "--optimizer" else a for a in argv]
+  return flags.FLAGS(argv)
+
+
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=_bare_optimizer_flag)

@@ -3,7 +3,8 @@
 Never instantiated on a CPU; `main.py info` and ahead-of-time compilation use it abstractly.
 """
 
-from k3_jax.config import AttnResConfig, KDAConfig, MLAConfig, ModelConfig, MoEConfig
+from k3_jax.config import (AttnResConfig, KDAConfig, MLAConfig, ModelConfig, MoEConfig,
+                           TrainConfig)
 
 
 def get_config() -> ModelConfig:
@@ -28,3 +29,8 @@ def get_config() -> ModelConfig:
                     latent_dim=3584, routed_scaling_factor=1.0),
       attn_res=AttnResConfig(enabled=True, block_size=12),
   )
+
+
+def get_train_config() -> TrainConfig:
+  """K3 trains with Per-Head Muon + QK-Clip (K3_SPEC section 6)."""
+  return TrainConfig(optimizer="muon")

@@ -34,5 +34,8 @@ def get_config() -> ModelConfig:
 def get_train_config() -> TrainConfig:
   # About 2.6 s per step on 2 CPU cores: 180 steps, compilation and evaluation fit the
   # 10-minute budget of the default job.
-  return TrainConfig(steps=180, batch_size=8, seq_len=256, learning_rate=3e-3,
-                     eval_every=60, eval_batches=4, checkpoint_every=60, log_every=10)
+  # K3's optimizer: Per-Head Muon on matrices (muon_lr), AdamW on the rest (learning_rate);
+  # benchmarks/optim.py compares it with AdamW everywhere.
+  return TrainConfig(steps=180, batch_size=8, seq_len=256, optimizer="muon", muon_lr=3e-3,
+                     learning_rate=3e-3, eval_every=60, eval_batches=4, checkpoint_every=60,
+                     log_every=10)

@@ -136,8 +136,10 @@ class TrainConfig:
   batch_size: int = 8
   seq_len: int = 256
   grad_accum: int = 1
-  optimizer: str = "adamw"          # "adamw" (Muon lands with the Per-Head Muon issue)
-  learning_rate: float = 3e-3
+  optimizer: str = "adamw"          # "muon" (Per-Head Muon + AdamW, k3_jax/optim) | "adamw"
+  learning_rate: float = 3e-3       # AdamW peak lr (all params with adamw, non-matrices with muon)
+  muon_lr: float = 3e-3             # Muon peak lr (matrix params; optimizer="muon" only)
+  qk_clip_tau: float = 100.0        # QK-Clip threshold on MLA max logits; 0 disables
   warmup_frac: float = 0.01
   min_lr_ratio: float = 0.1
   weight_decay: float = 0.1
@@ -239,8 +241,10 @@ def validate_train(tc: TrainConfig, cfg: ModelConfig) -> TrainConfig:
            f"must be divisible by grad_accum={tc.grad_accum}")
   _require(tc.seq_len <= cfg.max_seq_len, "seq_len", tc.seq_len,
            f"must not exceed the model's max_seq_len={cfg.max_seq_len}")
-  _require(tc.optimizer in ("adamw",), "optimizer", tc.optimizer,
-           "must be 'adamw' (Per-Head Muon is not built yet)")
+  _require(tc.optimizer in ("muon", "adamw"), "optimizer", tc.optimizer,
+           "must be 'muon' (Per-Head Muon) or 'adamw'")
+  _require(tc.muon_lr > 0, "muon_lr", tc.muon_lr, "must be positive")
+  _require(tc.qk_clip_tau >= 0, "qk_clip_tau", tc.qk_clip_tau, "must be >= 0 (0 disables)")
   _require(tc.remat in ("none", "block", "dots"), "remat", tc.remat,
            "must be one of 'none', 'block', 'dots'")
   _require(tc.learning_rate > 0, "learning_rate", tc.learning_rate, "must be positive")

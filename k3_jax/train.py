@@ -25,6 +25,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from k3_jax.config import ModelConfig, TrainConfig, validate, validate_train
 from k3_jax.model import K3Model, create_model
 from k3_jax.ops.balance import load_stats
+from k3_jax.optim.muon import decay_mask, per_head_muon
+from k3_jax.optim.qk_clip import qk_clip
 from sharding.rules import activation_rules, tree_shardings
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "loss_mask")
@@ -32,22 +34,27 @@ BATCH_KEYS = ("inputs", "targets", "segment_ids", "loss_mask")
 
 # ----- optimizer ------------------------------------------------------------------
 
-def lr_schedule(tc: TrainConfig) -> optax.Schedule:
-  """Cosine decay with linear warmup over `warmup_frac` of the steps (1% by default)."""
+def lr_schedule(tc: TrainConfig, peak: float | None = None) -> optax.Schedule:
+  """Cosine decay with linear warmup over `warmup_frac` of the steps (1% by default), to
+  `peak` (default tc.learning_rate, the AdamW rate; the Muon group uses tc.muon_lr)."""
+  peak = tc.learning_rate if peak is None else peak
   warmup = max(1, int(round(tc.warmup_frac * tc.steps)))
   return optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=tc.learning_rate, warmup_steps=warmup,
-      decay_steps=max(tc.steps, warmup + 1), end_value=tc.learning_rate * tc.min_lr_ratio)
+      init_value=0.0, peak_value=peak, warmup_steps=warmup,
+      decay_steps=max(tc.steps, warmup + 1), end_value=peak * tc.min_lr_ratio)
 
 
 def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
-  """Global-norm clipping, then AdamW; weight decay on matrices only (not norms, biases,
-  decay parameters)."""
-  decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
-  return optax.chain(
-      optax.clip_by_global_norm(tc.grad_clip),
-      optax.adamw(lr_schedule(tc), b1=tc.b1, b2=tc.b2, weight_decay=tc.weight_decay,
-                  mask=decay_mask))
+  """Global-norm clipping, then either Per-Head Muon on matrices + AdamW on the rest
+  (optimizer="muon", k3_jax/optim/muon.py) or AdamW everywhere. Weight decay on matrices
+  only (not norms, biases, decay parameters), read from the parameters' metadata."""
+  if tc.optimizer == "muon":
+    inner = per_head_muon(lr_schedule(tc, tc.muon_lr), lr_schedule(tc), b1=tc.b1, b2=tc.b2,
+                          weight_decay=tc.weight_decay)
+  else:
+    inner = optax.adamw(lr_schedule(tc), b1=tc.b1, b2=tc.b2, weight_decay=tc.weight_decay,
+                        mask=decay_mask)
+  return optax.chain(optax.clip_by_global_norm(tc.grad_clip), inner)
 
 
 # ----- state ----------------------------------------------------------------------
@@ -100,6 +107,8 @@ def train_step(graphdef, optimizer, cfg: ModelConfig, tc: TrainConfig, state: di
 
   The MoE balancing biases are updated from this step's router outputs (averaged over
   micro-batches) and take effect from the next step; the optimizer never sees them.
+  After the update, QK-Clip (tc.qk_clip_tau > 0) rescales the query/key weights of MLA
+  heads whose max logit over the step's micro-batches exceeded tau.
   """
 
   def loss_fn(params, mb):
@@ -108,40 +117,52 @@ def train_step(graphdef, optimizer, cfg: ModelConfig, tc: TrainConfig, state: di
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
   n_moe = sum(f == "moe" for _, f in cfg.layer_kinds())
+  n_mla = sum(m == "mla" for m, _ in cfg.layer_kinds())
   e = cfg.moe.num_experts
 
   def micro(carry, mb):
-    g_acc, loss_acc, n_acc, load_acc, bias_acc = carry
+    g_acc, loss_acc, n_acc, load_acc, bias_acc, logit_acc = carry
     (loss_sum, (n, aux)), g = grad_fn(state["params"], mb)
     if n_moe:
       load_acc = load_acc + aux["expert_load"]
       bias_acc = bias_acc + aux["new_bias"]
+    if n_mla:
+      logit_acc = jnp.maximum(logit_acc, aux["max_logit"])
     return (jax.tree.map(jnp.add, g_acc, g), loss_acc + loss_sum, n_acc + n, load_acc,
-            bias_acc), None
+            bias_acc, logit_acc), None
 
   zeros = (jax.tree.map(jnp.zeros_like, state["params"]), jnp.zeros((), jnp.float32),
            jnp.zeros((), jnp.float32), jnp.zeros((n_moe, e), jnp.int32),
-           jnp.zeros((n_moe, e), jnp.float32))
+           jnp.zeros((n_moe, e), jnp.float32),
+           jnp.full((n_mla, cfg.mla.num_heads), -jnp.inf, jnp.float32))
   mbs = _microbatches(batch, tc.grad_accum)
   if tc.grad_accum == 1:      # no loop: a simpler program, faster to compile
     carry, _ = micro(zeros, jax.tree.map(lambda x: x[0], mbs))
   else:
     carry, _ = jax.lax.scan(micro, zeros, mbs)
-  grads, loss_sum, count, load, bias_sum = carry
+  grads, loss_sum, count, load, bias_sum, max_logit = carry
   # Sums over tokens, then one division: the gradient of the mean over all micro-batches.
   denom = jnp.maximum(count, 1.0)
   grads = jax.tree.map(lambda g: g / denom, grads)
   updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
   params = optax.apply_updates(state["params"], updates)
   rest = state["rest"]
-  if n_moe:
+  clip = n_mla and tc.qk_clip_tau > 0
+  if n_moe or clip:
     model = nnx.merge(graphdef, params, rest)
-    model.set_router_biases(bias_sum / tc.grad_accum)
-    rest = nnx.split(model, nnx.Param, ...)[2]
+    if n_moe:
+      model.set_router_biases(bias_sum / tc.grad_accum)
+    if clip:
+      clipped = qk_clip(model, max_logit, tc.qk_clip_tau)
+    _, params, rest = nnx.split(model, nnx.Param, ...)
   new_state = {"step": state["step"] + 1, "params": params, "rest": rest,
                "opt_state": opt_state}
   metrics = {"loss": loss_sum / denom, "grad_norm": optax.global_norm(grads),
              "tokens": count, "lr": lr_schedule(tc)(state["step"])}
+  if n_mla:
+    metrics["max_logit"] = max_logit.max()
+    if clip:
+      metrics["qk_clipped_heads"] = clipped
   if n_moe:
     stats = load_stats(load)                                       # per MoE layer
     metrics.update({"load_max_mean": stats["max_over_mean"].max(),
@@ -288,7 +309,7 @@ def run(cfg: ModelConfig, tc: TrainConfig, workdir: str, mesh: Mesh,
                 "grad_norm": float(metrics["grad_norm"]), "lr": float(metrics["lr"]),
                 "step_time": step_time, "tokens_per_sec": tokens_per_step / step_time}
       for key in ("load_max_mean", "load_max_mean_avg", "zero_load_experts",
-                  "zero_load_experts_avg"):
+                  "zero_load_experts_avg", "max_logit", "qk_clipped_heads"):
         if key in metrics:
           record[key] = float(metrics[key])
       window_t, window_steps = now, 0

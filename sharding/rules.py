@@ -84,7 +84,7 @@ def tree_shardings(tree, mesh: Mesh):
   replicated = NamedSharding(mesh, PartitionSpec())
 
   def one(x):
-    if _is_var(x):
+    if _is_var(x) and hasattr(x.get_raw_value(), "shape"):   # (masked optimizer slots: none)
       axes = x.get_metadata().get("logical_axes")
       if axes is not None and len(axes) == len(x.shape):
         return named_sharding(mesh, x.shape, axes)

@@ -48,9 +48,12 @@ class KDA(nnx.Module):
     dt, pdt = jnp_dtype(cfg.dtype), jnp_dtype(cfg.param_dtype)
     self.c, self.dtype, self.eps = c, dt, cfg.norm_eps
     lin = dict(init=init, dtype=dt, param_dtype=pdt)
-    self.q_proj = Linear(d, (h, k), ("embed", "heads", "head_dim"), **lin)
-    self.k_proj = Linear(d, (h, k), ("embed", "heads", "head_dim"), **lin)
-    self.v_proj = Linear(d, (h, k), ("embed", "heads", "head_dim"), **lin)
+    self.q_proj = Linear(d, (h, k), ("embed", "heads", "head_dim"), batch_axes=("heads",),
+                         **lin)
+    self.k_proj = Linear(d, (h, k), ("embed", "heads", "head_dim"), batch_axes=("heads",),
+                         **lin)
+    self.v_proj = Linear(d, (h, k), ("embed", "heads", "head_dim"), batch_axes=("heads",),
+                         **lin)
     conv_shape = (c.conv_size, h, k)
     conv_axes = ("conv", "heads", "head_dim")
     self.q_conv = nnx.Param(init.normal(conv_shape, c.conv_size ** -0.5, pdt),

@@ -3,6 +3,10 @@
 A weight has shape `in_shape + out_shape` and contracts the trailing `len(in_shape)` axes
 of the input, so per-head projections keep their head axis ([D, H, K]) visible to the
 sharding rules and to per-head optimizers.
+
+Every weight also declares `matrix_axes`: the role of each axis for matrix optimizers
+("in": fan-in, contracted with the input; "out": fan-out; "batch": an independent matrix
+per index, e.g. the head axis of a per-head Q/K/V projection). k3_jax/optim reads it.
 """
 
 from __future__ import annotations
@@ -20,7 +24,10 @@ class Linear(nnx.Module):
   """y = x . W with W [*in_shape, *out_shape]; no bias (K3 uses none)."""
 
   def __init__(self, in_shape, out_shape, axes: tuple[str, ...], *, init: Init,
-               dtype=jnp.float32, param_dtype=jnp.float32, std: float | None = None):
+               dtype=jnp.float32, param_dtype=jnp.float32, std: float | None = None,
+               batch_axes: tuple[str, ...] = ()):
+    """batch_axes: logical axes of the weight that hold independent matrices (the "heads"
+    axis of the Q, K and V projections, orthogonalized per head by Per-Head Muon)."""
     in_shape = (in_shape,) if isinstance(in_shape, int) else tuple(in_shape)
     out_shape = (out_shape,) if isinstance(out_shape, int) else tuple(out_shape)
     if len(axes) != len(in_shape) + len(out_shape):
@@ -28,8 +35,10 @@ class Linear(nnx.Module):
                        f"{in_shape + out_shape}")
     self.in_shape, self.out_shape, self.dtype = in_shape, out_shape, dtype
     std = math.prod(in_shape) ** -0.5 if std is None else std
+    roles = tuple("batch" if a in batch_axes else "in" if i < len(in_shape) else "out"
+                  for i, a in enumerate(axes))
     self.w = nnx.Param(init.normal(in_shape + out_shape, std, param_dtype),
-                       logical_axes=tuple(axes))
+                       logical_axes=tuple(axes), matrix_axes=roles)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     n_in = len(self.in_shape)

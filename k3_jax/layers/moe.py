@@ -43,7 +43,7 @@ class MoE(nnx.Module):
     self.dtype = dt
     self.qat = cfg.quant.qat != "none"
     self.router = nnx.Param(init.normal((d, m.num_experts), d ** -0.5, jnp.float32),
-                            logical_axes=("embed", "experts"))
+                            logical_axes=("embed", "experts"), matrix_axes=("in", "out"))
     self.bias = RouterBias(jnp.zeros((m.num_experts,), jnp.float32), logical_axes=("experts",))
     width = m.latent_dim or d
     if m.latent_dim:
@@ -53,13 +53,15 @@ class MoE(nnx.Module):
                        std=out_std)
     e, f = m.num_experts, m.expert_intermediate
     in_axes = ("experts", "expert_embed", "expert_mlp")
+    roles = ("batch", "in", "out")          # one matrix per expert (layers/linear.py)
     self.w_gate = nnx.Param(init.normal((e, width, f), width ** -0.5, pdt),
-                            logical_axes=in_axes)
+                            logical_axes=in_axes, matrix_axes=roles)
     self.w_up = nnx.Param(init.normal((e, width, f), width ** -0.5, pdt),
-                          logical_axes=in_axes)
+                          logical_axes=in_axes, matrix_axes=roles)
     down_std = f ** -0.5 if (m.latent_dim or out_std is None) else out_std
     self.w_down = nnx.Param(init.normal((e, f, width), down_std, pdt),
-                            logical_axes=("experts", "expert_mlp", "expert_embed"))
+                            logical_axes=("experts", "expert_mlp", "expert_embed"),
+                            matrix_axes=roles)
     if m.num_shared_experts:
       self.shared = GatedFFN(cfg, d, m.num_shared_experts * f, init=init, out_std=out_std)
 
