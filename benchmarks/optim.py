@@ -141,13 +141,14 @@ def main():
   update_fns, step_fns = {}, {}
   for opt, (tc, steps, state, data, _, _) in runs.items():
     optimizer = train.make_optimizer(tc)
-    params = state["params"]
+    # Copies: the train-step timing below donates (deletes) the state's buffers.
+    params = jax.tree.map(jnp.copy, state["params"])
     leaves, treedef = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.key(1), len(leaves))
     grads = jax.tree.unflatten(treedef, [1e-3 * jax.random.normal(k, l.shape, l.dtype)
                                          for k, l in zip(keys, leaves)])
     upd = jax.jit(optimizer.update)
-    opt_state = state["opt_state"]
+    opt_state = jax.tree.map(jnp.copy, state["opt_state"])
     jax.block_until_ready(upd(grads, opt_state, params))      # compile
     update_fns[opt] = (lambda u=upd, g=grads, s=opt_state, w=params: u(g, s, w)[0])
     if args.timing == "all":
