@@ -3,6 +3,11 @@
 Model code names logical axes only ("batch", "seq", "embed", "heads", ...). The mapping to
 mesh axes lives in `sharding/`, which installs it here with `use_rules(mesh, rules)`.
 Without installed rules, `constrain` is the identity, so single-device code is untouched.
+
+Ops that need explicit collectives on a sharded mesh (expert-parallel MoE dispatch, context-
+parallel KDA and MLA) are installed the same way, by name, with `use_parallel_ops`; a layer
+calls `parallel_op(name, reference)(...)`, which is the reference op unless `sharding/`
+installed a mesh-parallel version with the same signature for the active mesh.
 """
 
 from __future__ import annotations
@@ -25,6 +30,25 @@ def use_resolver(resolver: Callable):
     yield
   finally:
     _RESOLVER.reset(token)
+
+
+_PARALLEL_OPS: contextvars.ContextVar[dict] = contextvars.ContextVar("k3_parallel_ops",
+                                                                    default={})
+
+
+@contextlib.contextmanager
+def use_parallel_ops(ops: dict[str, Callable]):
+  token = _PARALLEL_OPS.set(dict(ops))
+  try:
+    yield
+  finally:
+    _PARALLEL_OPS.reset(token)
+
+
+def parallel_op(name: str, default: Callable) -> Callable:
+  """The mesh-parallel version of op `name` installed for the active mesh, else `default`
+  (the single-device reference, which the installed version must equal)."""
+  return _PARALLEL_OPS.get().get(name, default)
 
 
 def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:

@@ -64,8 +64,13 @@ def named_sharding(mesh: Mesh, shape, axes) -> NamedSharding:
 
 @contextlib.contextmanager
 def activation_rules(mesh: Mesh):
-  """Within this context, model code's `constrain` calls shard activations on `mesh`."""
-  with partitioning.use_resolver(lambda shape, axes: named_sharding(mesh, shape, axes)):
+  """Within this context, model code's `constrain` calls shard activations on `mesh`, and
+  its `parallel_op` calls get the mesh's explicit-collective ops (expert-parallel MoE,
+  context-parallel KDA and MLA) where the mesh has those axes."""
+  from sharding import context, expert   # they import this module
+  ops = {**expert.parallel_ops(mesh), **context.parallel_ops(mesh)}
+  with partitioning.use_resolver(lambda shape, axes: named_sharding(mesh, shape, axes)), \
+      partitioning.use_parallel_ops(ops):
     yield
 
 

@@ -25,7 +25,7 @@ from k3_jax.layers.linear import Linear
 from k3_jax.ops import conv as conv_ops
 from k3_jax.ops import kda as kda_ops
 from k3_jax.ops.norms import rms_norm
-from k3_jax.partitioning import constrain
+from k3_jax.partitioning import constrain, parallel_op
 
 
 def decay_bias_init(init: Init, shape, g_min: float | None) -> jax.Array:
@@ -86,7 +86,8 @@ class KDA(nnx.Module):
       y, new = conv_ops.short_conv_step(flat[:, 0], w, cache)
       y = y[:, None]
     else:
-      y, new = conv_ops.short_conv(flat, w, segment_ids=segment_ids, cache=cache)
+      conv = parallel_op("short_conv", conv_ops.short_conv)          # halo'd on a sequence mesh
+      y, new = conv(flat, w, segment_ids=segment_ids, cache=cache)
     return jax.nn.silu(y.astype(jnp.float32)).reshape(b, t, h, k), new
 
   def _decay(self, x):
@@ -123,7 +124,8 @@ class KDA(nnx.Module):
                                          cache["state"])
       o = o[:, None]
     else:
-      o, state = kda_ops.chunk_kda(q, k, v, g, beta,
+      chunk_kda = parallel_op("chunk_kda", kda_ops.chunk_kda)        # KCP on a sequence mesh
+      o, state = chunk_kda(q, k, v, g, beta,
                                    initial_state=None if cache is None else cache["state"],
                                    output_final_state=cache is not None,
                                    chunk_size=self.c.chunk_size, segment_ids=segment_ids)

@@ -22,6 +22,7 @@ from k3_jax.layers.linear import Linear
 from k3_jax.layers.norm import RMSNorm
 from k3_jax.ops import balance as balance_ops
 from k3_jax.ops import moe as moe_ops
+from k3_jax.partitioning import parallel_op
 
 
 class RouterBias(nnx.Variable):
@@ -77,7 +78,8 @@ class MoE(nnx.Module):
     weights, ids = moe_ops.select_experts(scores, self.bias[...], m.top_k,
                                           m.routed_scaling_factor, m.n_group, m.topk_group)
     z = self.down(xf) if m.latent_dim else xf                          # [N, L]
-    u = moe_ops.moe_dispatch(z.astype(self.dtype), weights, ids,
+    dispatch = parallel_op("moe_dispatch", moe_ops.moe_dispatch)     # expert-parallel on a mesh
+    u = dispatch(z.astype(self.dtype), weights, ids,
                              self.w_gate[...].astype(self.dtype),
                              self.w_up[...].astype(self.dtype),
                              self.w_down[...].astype(self.dtype),
