@@ -19,8 +19,10 @@ from k3_jax import partitioning
 MESH_AXES = ("data", "fsdp", "expert", "sequence", "tensor")
 
 RULES: dict[str, tuple[str, ...]] = {
-    # activations
-    "batch": ("data", "fsdp"),
+    # activations: the batch is split over every axis that does not split the sequence or
+    # the heads, so no device repeats another's work (the expert axis holds different
+    # tokens too; expert parallelism sends each token-expert pair to its expert's owner)
+    "batch": ("data", "fsdp", "expert"),
     "seq": ("sequence",),
     # parameters (and activations where they appear)
     "embed": ("fsdp",),
