@@ -9,6 +9,7 @@ meshes and compiled programs only; the `compile` command in main.py builds the s
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
@@ -76,7 +77,21 @@ def compile_report(jitted, args: tuple, chip_hbm_bytes: int) -> tuple[Any, dict]
   t0 = time.time()
   lowered = jitted.lower(*args)
   t1 = time.time()
-  compiled = lowered.compile()
+  try:
+    compiled = lowered.compile()
+  except jax.errors.JaxRuntimeError as e:
+    # The TPU compiler refuses a program that cannot fit in HBM; its message states the
+    # memory the program needs, which is the number we report.
+    need = _oom_bytes(str(e))
+    if need is None:
+      raise
+    rep = {k: None for k in ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes",
+                             "generated_code_bytes", "flops_per_chip")}
+    rep.update(per_chip_total_bytes=need, chip_hbm_bytes=int(chip_hbm_bytes),
+               headroom_bytes=int(chip_hbm_bytes) - need, fits=False,
+               compiler_error=str(e).strip()[:500], lower_seconds=round(t1 - t0, 1),
+               compile_seconds=round(time.time() - t1, 1))
+    return None, rep
   t2 = time.time()
   rep = memory_numbers(compiled)
   rep["flops_per_chip"] = flops(compiled)
@@ -86,6 +101,23 @@ def compile_report(jitted, args: tuple, chip_hbm_bytes: int) -> tuple[Any, dict]
   rep["lower_seconds"] = round(t1 - t0, 1)
   rep["compile_seconds"] = round(t2 - t1, 1)
   return compiled, rep
+
+
+_UNITS = {"": 1, "B": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40, "P": 2 ** 50}
+
+
+def _oom_bytes(msg: str) -> int | None:
+  """Bytes the program needs per chip from a TPU out-of-memory compile error, e.g.
+  "RESOURCE_EXHAUSTED: ... required for HLO temporaries (128.00G) exceeds available HBM
+  (95.74G)" or "Used 120.5G of 95.74G hbm"; None for any other error."""
+  if "RESOURCE_EXHAUSTED" not in msg and "out of memory" not in msg.lower():
+    return None
+  size = r"([0-9.]+)\s*([KMGTP]?)(?:i?B)?"
+  m = (re.search(r"\(" + size + r"\)\s*exceeds available HBM", msg) or
+       re.search(r"Used\s+" + size + r"\s+of\s+", msg))
+  if not m:
+    return None
+  return int(float(m.group(1)) * _UNITS[m.group(2)])
 
 
 def verdict(rep: dict) -> str:
@@ -99,6 +131,10 @@ def verdict(rep: dict) -> str:
 
 def format_report(rep: dict) -> str:
   gib = lambda b: f"{b / GiB:10.3f} GiB"
+  if rep.get("compiler_error"):
+    return "\n".join([f"the TPU compiler stopped: {rep['compiler_error']}",
+                       f"total/chip >= {gib(rep['per_chip_total_bytes'])}   (chip HBM "
+                       f"{rep['chip_hbm_bytes'] / GiB:.0f} GiB)", verdict(rep)])
   lines = [
       f"arguments     {gib(rep['argument_bytes'])}",
       f"outputs       {gib(rep['output_bytes'])}  ({rep['alias_bytes'] / GiB:.3f} GiB of them "
