@@ -22,10 +22,20 @@ Per device (P devices in the expert group, E_l = E / P experts each, n local tok
   5. send the results back the same way, un-sort, and combine with the router weights (f32).
 The receive buffer holds P cap rows (the worst case); rows past the real ones are padding
 that `ragged_dot` skips (the tiled CPU gmm computes and discards them).
+
+Memory: the dropless worst case is P times the expected n k rows per device, and every
+[rows, F] intermediate of the local FFN scales with it. `capacity_factor` c (an argument,
+or `with capacity_factor(c):` around tracing) bounds the rows per (source, destination) at
+ceil(c n k / P), so the buffer holds c times the balanced load; a source's rows for one
+destination beyond that (its highest-numbered experts' rows, deterministically) are dropped:
+they contribute 0 to the combine. With Quantile Balancing the per-expert load of a batch is
+close to n k / E, so c around 1.5-2 rarely drops; None (the default) never drops.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 
@@ -40,6 +50,22 @@ from sharding.rules import RULES
 # "ragged_reference": the ragged bookkeeping with an all-gather emulation of
 # ragged_all_to_all, so the CPU tests check the offsets the TPU path uses.
 EXCHANGES = ("auto", "ragged", "all_to_all", "ragged_reference")
+
+_CAPACITY: contextvars.ContextVar[float | None] = contextvars.ContextVar("k3_ep_capacity",
+                                                                       default=None)
+
+
+@contextlib.contextmanager
+def capacity_factor(factor: float | None):
+  """Within this context, expert-parallel dispatch traced without an explicit
+  capacity_factor uses `factor` (None: dropless)."""
+  if factor is not None and not factor > 0:
+    raise ValueError(f"capacity_factor={factor} must be positive (or None for dropless)")
+  token = _CAPACITY.set(factor)
+  try:
+    yield
+  finally:
+    _CAPACITY.reset(token)
 
 
 def mesh_platform(mesh: Mesh) -> str:
@@ -70,7 +96,8 @@ def expert_parallel_dispatch(mesh: Mesh, x: jax.Array, weights: jax.Array,
                              expert_ids: jax.Array, w_gate: jax.Array, w_up: jax.Array,
                              w_down: jax.Array, activation: str = "situ", beta1: float = 4.0,
                              beta2: float = 25.0, gmm: moe_ops.GroupedMatmul | None = None,
-                             exchange: str = "auto") -> jax.Array:
+                             exchange: str = "auto",
+                             capacity_factor: float | None = None) -> jax.Array:
   """Dropless routed-expert FFN with the experts sharded over the mesh's expert axis.
 
   x [N, Din]; weights [N, k] f32 combine weights; expert_ids [N, k] int32 (global ids);
@@ -78,7 +105,9 @@ def expert_parallel_dispatch(mesh: Mesh, x: jax.Array, weights: jax.Array,
   `moe_dispatch` (each expert output is rounded to x.dtype before its trip back).
   exchange: "ragged" (ragged_all_to_all; TPU), "all_to_all" (fixed buffers; any backend) or
   "auto" (ragged on TPU meshes). gmm: the local grouped matmul; default ragged_dot on TPU,
-  the tiled plain-JAX gmm elsewhere.
+  the tiled plain-JAX gmm elsewhere. capacity_factor: None (dropless; default from the
+  `capacity_factor` context) or c > 0: at most ceil(c n k / P) rows per (source,
+  destination), the rest dropped (see the module docstring).
   """
   if exchange not in EXCHANGES:
     raise ValueError(f"exchange={exchange!r}: expected one of {EXCHANGES}")
@@ -98,7 +127,10 @@ def expert_parallel_dispatch(mesh: Mesh, x: jax.Array, weights: jax.Array,
   tok = token_axes(mesh, n_total)
   tok_spec = P(tok or None, None)
   w_spec = P(ex, None, None)
+  if capacity_factor is None:
+    capacity_factor = _CAPACITY.get()
   body = functools.partial(_local_dispatch, ex=ex, p=p, exchange=exchange, gmm=gmm,
+                           capacity=capacity_factor,
                            activation=activation, beta1=beta1, beta2=beta2)
   fn = jax.shard_map(body, mesh=mesh, in_specs=(tok_spec, tok_spec, tok_spec, w_spec, w_spec,
                                                 w_spec),
@@ -111,13 +143,15 @@ def _excl_cumsum(x, axis=0):
 
 
 def _local_dispatch(x, weights, expert_ids, w_gate, w_up, w_down, *, ex, p, exchange, gmm,
-                    activation, beta1, beta2):
+                    capacity, activation, beta1, beta2):
   """One device's part. x [n, D]; weights, expert_ids [n, k]; w_* the local experts."""
   n, k = expert_ids.shape
   d = x.shape[1]
   el = w_gate.shape[0]                                                 # local experts
   e = el * p
-  cap = n * min(k, el)                                                 # rows per (src, dst)
+  cap = n * min(k, el)                    # rows per (src, dst): enough for the worst case
+  if capacity is not None:
+    cap = max(1, min(cap, math.ceil(capacity * n * k / p)))
   me = jax.lax.axis_index(ex)
 
   # --- source side: pairs sorted by expert, i.e. grouped by destination device.
@@ -126,10 +160,15 @@ def _local_dispatch(x, weights, expert_ids, w_gate, w_up, w_down, *, ex, p, exch
   dest = flat[order] // el                                             # [n k] destination
   counts = jnp.bincount(flat, length=e).astype(jnp.int32)              # [E]
   all_counts = jax.lax.all_gather(counts, ex).reshape(p, p, el)        # [src, dst, E_l]
+  per_dst_full = per_dst = all_counts.sum(2)                           # [src, dst]
+  input_offsets = _excl_cumsum(per_dst[me])                            # [P]
+  pos_in_chunk = jnp.arange(n * k) - input_offsets[dest]               # [n k]
+  kept = pos_in_chunk < cap                                            # [n k] within capacity
+  # Rows that travel: each (src, dst) chunk truncated to cap, i.e. per expert
+  # min(count, room left after the chunk's lower experts).
+  all_counts = jnp.clip(cap - _excl_cumsum(all_counts, 2), 0, all_counts)
   per_dst = all_counts.sum(2)                                          # [src, dst]
   send_sizes = per_dst[me]                                             # [P]
-  input_offsets = _excl_cumsum(send_sizes)                             # [P]
-  pos_in_chunk = jnp.arange(n * k) - input_offsets[dest]               # [n k]
   xs = jnp.take(x, order // k, axis=0)                                 # [n k, D]
 
   # --- receive side bookkeeping: from source s come mine[s, j] rows for local expert j,
@@ -158,7 +197,8 @@ def _local_dispatch(x, weights, expert_ids, w_gate, w_up, w_down, *, ex, p, exch
         xs, jnp.zeros((p * cap, d), x.dtype), input_offsets, send_sizes,
         jnp.full((p,), me * cap, jnp.int32), recv_sizes, axis_name=ex)
   else:
-    buf = jnp.zeros((p * cap, d), x.dtype).at[dest * cap + pos_in_chunk].set(xs)
+    to = jnp.where(kept, dest * cap + pos_in_chunk, p * cap)           # dropped: out of range
+    buf = jnp.zeros((p * cap, d), x.dtype).at[to].set(xs, mode="drop")
     recv = jax.lax.all_to_all(buf, ex, 0, 0, tiled=True)               # [P cap, D]
 
   # --- local grouped matmul over the received rows, grouped by local expert.
@@ -173,13 +213,15 @@ def _local_dispatch(x, weights, expert_ids, w_gate, w_up, w_down, *, ex, p, exch
   # --- return exchange, into the source's sorted pair order.
   if ragged:
     # My rows for source s land in its sorted array at its offset for destination me.
-    back_offsets = _excl_cumsum(per_dst, 1)[:, me]                     # [src]
+    # (Offsets in the source's untruncated sorted order; its kept rows are a prefix.)
+    back_offsets = _excl_cumsum(per_dst_full, 1)[:, me]                # [src]
     sorted_out = ragged_a2a(
         out, jnp.zeros((n * k, d), x.dtype), jnp.arange(p, dtype=jnp.int32) * cap,
         recv_sizes, back_offsets, send_sizes, axis_name=ex)            # [n k, D]
   else:
     back = jax.lax.all_to_all(out, ex, 0, 0, tiled=True)               # [P cap, D]
-    sorted_out = jnp.take(back, dest * cap + pos_in_chunk, axis=0)     # [n k, D]
+    sorted_out = jnp.take(back, jnp.where(kept, dest * cap + pos_in_chunk, 0), axis=0)
+    sorted_out = jnp.where(kept[:, None], sorted_out, jnp.zeros_like(sorted_out))  # [n k, D]
 
   inverse = jnp.argsort(order)
   pairs = jnp.take(sorted_out, inverse, axis=0).astype(jnp.float32).reshape(n, k, d)

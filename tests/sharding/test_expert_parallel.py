@@ -129,3 +129,76 @@ def test_ep_compiles_for_tpu_with_ragged_all_to_all():
   text = compiled.as_text()
   assert "ragged-all-to-all" in text and "all-to-all" in text
   assert compiled.memory_analysis().temp_size_in_bytes > 0
+
+
+@pytest.mark.slow
+def test_train_step_on_expert_and_sequence_mesh_equals_single_device():
+  """Two train steps of k3_tiny on fsdp:2,expert:2,sequence:2 (EP MoE dispatch, KCP KDA,
+  sequence-sharded MLA, FSDP parameters) equal the single-device steps. Slow: one more
+  compile of the full train step (~4.5 min on a loaded 2-core machine); the single-device
+  step is the one tests/test_train.py compiles (same config, train config and mesh)."""
+  import dataclasses
+  from k3_jax import train
+  from k3_jax.data import mqar
+  cfg = configs.get("k3_tiny")
+  tc = dataclasses.replace(configs.get_train("k3_tiny"), batch_size=8, seq_len=32,
+                           learning_rate=1e-2)
+  it = mqar.mqar_dataset(tc.batch_size, tc.seq_len, cfg.vocab_size, num_kv_pairs=4, seed=1)
+  batches = [next(it) for _ in range(2)]
+
+  def run(mesh):
+    steps = train.build_steps(cfg, tc, mesh)
+    state, losses = steps.init(), []
+    for b in batches:
+      state, m = steps.train(state, train.put_batch(b, steps.batch_sharding))
+      losses.append(float(m["loss"]))
+    return state, losses
+
+  s1, l1 = run(make_mesh(parse_mesh(""), devices=jax.devices()[:1]))
+  s8, l8 = run(make_mesh(parse_mesh("fsdp:2,expert:2,sequence:2")))
+  # As tests/test_train.py: f32, reduction order differs across devices (loss ~1e-6 apart
+  # measured); Adam turns 1e-7 gradient noise on near-zero gradients into ~1e-6 parameter
+  # differences, hence the absolute tolerance. The QB biases ("rest") are compared too.
+  np.testing.assert_allclose(l1, l8, rtol=1e-5)
+  for a, b in zip(jax.tree.leaves((s1["params"], s1["rest"])),
+                  jax.tree.leaves((s8["params"], s8["rest"]))):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+def _kept_pairs(ids, shards, p, cap):
+  """[N, K] bool: the pairs a capacity of `cap` rows per (source, destination) keeps. Tokens
+  are split into `shards` contiguous blocks; block b is source b % p of its expert group
+  (the expert axis is the last token axis). Each source sorts its pairs by expert (stable)
+  and keeps the first `cap` for each destination device."""
+  ids = np.asarray(ids)
+  n_loc, el = ids.shape[0] // shards, E // p
+  kept = np.zeros(ids.shape, bool)
+  for b in range(shards):
+    flat = ids[b * n_loc:(b + 1) * n_loc].reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    seen = np.zeros(p, int)
+    for pair in order:
+      dst = flat[pair] // el
+      if seen[dst] < cap:
+        kept[b * n_loc + pair // K, pair % K] = True
+      seen[dst] += 1
+  return kept
+
+
+@pytest.mark.parametrize("exchange", ["all_to_all", "ragged_reference"])
+def test_ep_capacity_drops_exactly_the_overflow(data, exchange):
+  """capacity_factor=1: at most n k / P rows per (source, destination); the uneven routing
+  overflows it, and the result equals the dropless dispatch with the dropped pairs' combine
+  weights set to 0 (forward)."""
+  d = data
+  mesh = make_mesh(parse_mesh("expert:4,data:2"))
+  n_loc = N // 8
+  cap = -(-n_loc * K // 4)
+  kept = _kept_pairs(d["ids"], 8, 4, cap)
+  assert 0 < (~kept).sum() < kept.size                      # some, not all, pairs dropped
+  with expert.capacity_factor(1.0):
+    got = jax.jit(lambda *a: expert.expert_parallel_dispatch(mesh, *a, exchange=exchange))(
+        d["x"], d["weights"], d["ids"], d["w_gate"], d["w_up"], d["w_down"])
+  want = moe_ops.moe_dispatch(d["x"], jnp.where(kept, d["weights"], 0.0), d["ids"],
+                              d["w_gate"], d["w_up"], d["w_down"])
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
