@@ -3,7 +3,7 @@
   python main.py train     [--config=k3_small] [--steps=N] [--workdir=runs/default] ...
   python main.py generate  --workdir=runs/default --prompt="def " [--temperature=0.8 --top_p=0.95]
   python main.py info      --config=k3 [--json]
-  python main.py compile   --config=k3 --topology=v5p-4096 --mesh=fsdp:256,expert:8 \
+  python main.py compile   --config=k3 --topology=v5p-4096 --mesh=fsdp:256,expert:8
                            [--step=train|prefill|decode] [--global_batch=N --seq_len=N] [--json]
 
 `python main.py <command> --help` lists every flag.
@@ -71,6 +71,8 @@ flags.DEFINE_integer("cache_len", None, "compile prefill/decode: cache length in
                      "(default: --seq_len)")
 flags.DEFINE_enum("gmm", "ragged_dot", ["ragged_dot", "tiled"], "compile: MoE grouped matmul "
                   "lowered for the target (ragged_dot on TPU)")
+flags.DEFINE_float("ep_capacity", None, "compile/train: expert-parallel capacity factor c "
+                   "(rows per source-destination bounded at c*n*k/P; default dropless)")
 flags.DEFINE_enum("quant", "none", ["none", "mxfp4"], "compile decode/prefill: routed-expert "
                   "weight format (mxfp4 arrives with the MX issue)")
 
@@ -178,7 +180,9 @@ def cmd_train() -> None:
   if pidx == 0:                       # one writer; every host writes its checkpoint shards
     with open(os.path.join(FLAGS.workdir, "train_config.json"), "w") as f:
       json.dump(dataclasses.asdict(tc), f, indent=1)
-  result = train.run(cfg, tc, FLAGS.workdir, mesh, train_iter, evals, ckpt=ckpt)
+  from sharding import expert
+  with expert.capacity_factor(FLAGS.ep_capacity):    # traced inside: the first step compiles
+    result = train.run(cfg, tc, FLAGS.workdir, mesh, train_iter, evals, ckpt=ckpt)
   print(f"done: step {result.get('step')} loss {result.get('loss', float('nan')):.4f} "
         f"eval_loss {result.get('eval_loss', float('nan')):.4f} in "
         f"{result.get('wall_time', 0):.0f}s; checkpoints and metrics.jsonl in {FLAGS.workdir}")
@@ -230,7 +234,8 @@ def cmd_compile() -> None:
   target = resolve_target(FLAGS.topology, FLAGS.slices)
   cfg = _model_config()
   rep = compile_step(cfg, target, FLAGS.step, FLAGS.mesh, FLAGS.global_batch, FLAGS.seq_len,
-                     cache_len=FLAGS.cache_len, gmm=FLAGS.gmm, quant=FLAGS.quant)
+                     cache_len=FLAGS.cache_len, gmm=FLAGS.gmm, quant=FLAGS.quant,
+                     ep_capacity=FLAGS.ep_capacity)
   if FLAGS.json:
     print(json.dumps(rep))
     return
@@ -244,7 +249,8 @@ def cmd_compile() -> None:
 
 
 def compile_step(cfg, target, step: str, mesh_spec: str, global_batch=None, seq_len=None,
-                 cache_len=None, gmm: str = "ragged_dot", quant: str = "none") -> dict:
+                 cache_len=None, gmm: str = "ragged_dot", quant: str = "none",
+                 ep_capacity: float | None = None) -> dict:
   """Lower and compile the real `step` of `cfg` for `target` with abstract inputs; the report
   of sharding.aot.compile_report plus what was compiled. Composes train/model (the step)
   with sharding (devices, mesh, AOT) -- sharding never imports train or serve."""
@@ -256,7 +262,7 @@ def compile_step(cfg, target, step: str, mesh_spec: str, global_batch=None, seq_
   from k3_jax.config import ConfigError
   from k3_jax.model import create_model, decode_step, prefill
   from k3_jax.ops.moe import use_gmm
-  from sharding import aot
+  from sharding import aot, expert
   from sharding.mesh import make_mesh, parse_mesh, validate_mesh
   from sharding.rules import activation_rules, tree_shardings
   from sharding.topology import target_devices
@@ -269,8 +275,8 @@ def compile_step(cfg, target, step: str, mesh_spec: str, global_batch=None, seq_
   report = {"config": cfg.name, "step": step, "topology": target.topology,
             "target": target.name, "num_slices": target.num_slices, "chips": target.chips,
             "mesh": {k: int(v) for k, v in mesh.shape.items()}, "global_batch": batch,
-            "seq_len": seq}
-  with use_gmm(gmm):
+            "seq_len": seq, "ep_capacity": ep_capacity}
+  with use_gmm(gmm), expert.capacity_factor(ep_capacity):
     if step == "train":
       tc = dataclasses.replace(tc, batch_size=batch, seq_len=seq)
       steps = train.build_steps(cfg, tc, mesh)

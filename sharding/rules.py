@@ -25,15 +25,24 @@ RULES: dict[str, tuple[str, ...]] = {
     "batch": ("data", "fsdp", "expert"),
     "seq": ("sequence",),
     # parameters (and activations where they appear)
-    "embed": ("fsdp",),
+    # parameters' model dimension: over fsdp, and over the expert axis too where the batch
+    # has not taken it (dense weights then split over every device of an expert mesh
+    # instead of repeating on each expert group; activations keep "embed" whole since
+    # "batch" took those axes first)
+    "embed": ("fsdp", "expert"),
     "vocab": ("tensor",),
     "heads": ("tensor",),
     "mlp": ("tensor",),
     "experts": ("expert",),
     "expert_embed": ("fsdp",),
     "expert_mlp": ("tensor",),
+    # MLA's low-rank inputs to its head projections (q_b, kv_b: [rank, heads, head_dim]):
+    # split like "embed" so those weights are not whole on every device when heads cannot
+    # split (tensor axis 1, or 96 heads over 64 devices)
+    "q_lora": ("fsdp", "expert"),
+    "kv_lora": ("fsdp", "expert"),
     # never sharded
-    "head_dim": (), "conv": (), "rank": (), "q_lora": (), "kv_lora": (), "latent": (),
+    "head_dim": (), "conv": (), "rank": (), "latent": (),
     "norm": (), "layers": (),
 }
 
