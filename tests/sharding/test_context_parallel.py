@@ -102,6 +102,7 @@ def test_sequence_sharded_mla_layer_equals_single_device(x, p, with_seg):
   _check_layer(MLA, x, p, with_seg, ("all_gather",))
 
 
+@pytest.mark.slow
 def test_kcp_prefill_form_carries_initial_and_final_state():
   """With an initial state and the final state requested (prefill from a cache), and a conv
   cache: KCP and the halo'd conv equal the single-device ops (forward)."""
