@@ -185,7 +185,8 @@ def _kept_pairs(ids, shards, p, cap):
   return kept
 
 
-@pytest.mark.parametrize("exchange", ["all_to_all", "ragged_reference"])
+@pytest.mark.parametrize("exchange", [pytest.param("all_to_all", marks=pytest.mark.slow),
+                                      "ragged_reference"])
 def test_ep_capacity_drops_exactly_the_overflow(data, exchange):
   """capacity_factor=1: at most n k / P rows per (source, destination); the uneven routing
   overflows it, and the result equals the dropless dispatch with the dropped pairs' combine
