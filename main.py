@@ -140,7 +140,7 @@ def cmd_train() -> None:
   from k3_jax import train
   from k3_jax.checkpoint.manager import CheckpointManager
   from k3_jax.data import pipeline, sources, tokenizers
-  from sharding.mesh import make_mesh, parse_mesh
+  from sharding.mesh import make_mesh, parse_mesh, validate_mesh
 
   from sharding.distributed import maybe_initialize
   maybe_initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
