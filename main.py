@@ -3,6 +3,8 @@
   python main.py train     [--config=k3_small] [--steps=N] [--workdir=runs/default] ...
   python main.py generate  --workdir=runs/default --prompt="def " [--temperature=0.8 --top_p=0.95]
   python main.py info      --config=k3 [--json] [--quant=mxfp4] [--optimizer]
+  python main.py compile   --config=k3 --topology=v5p-4096 --mesh=fsdp:256,expert:8
+                           [--step=train|prefill|decode] [--global_batch=N --seq_len=N] [--json]
 
 `python main.py <command> --help` lists every flag.
 """
@@ -27,7 +29,7 @@ _quiet_platform()
 
 from absl import app, flags  # noqa: E402
 
-COMMANDS = ("train", "generate", "info")
+COMMANDS = ("train", "generate", "info", "compile")
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", "k3_small", "model preset: k3, k3_small, k3_tiny, kimi_linear_48b")
@@ -61,6 +63,27 @@ flags.DEFINE_string("prompt", "", "generate: the prompt text")
 flags.DEFINE_integer("max_new_tokens", 200, "generate: tokens to sample")
 flags.DEFINE_float("temperature", 0.0, "generate: 0 = greedy")
 flags.DEFINE_float("top_p", 1.0, "generate: nucleus sampling mass")
+# multi-host (train): auto-detected on a TPU pod; these set it explicitly
+flags.DEFINE_string("coordinator_address", None, "multi-host: host:port of process 0 "
+                    "(default: auto-detected on TPU pods)")
+flags.DEFINE_integer("num_processes", None, "multi-host: number of processes")
+flags.DEFINE_integer("process_id", None, "multi-host: this process's index")
+# compile: ahead-of-time compilation for a TPU target, from any machine
+flags.DEFINE_string("topology", None, "compile: Cloud TPU name (v5p-4096, v5e-256, v6e-256) "
+                    "or explicit topology (v5p:8x16x16); 'N*NAME' for N slices")
+flags.DEFINE_integer("slices", 1, "compile: number of slices of --topology (data axis spans "
+                     "them)")
+flags.DEFINE_enum("step", "train", ["train", "prefill", "decode"], "compile: which step")
+flags.DEFINE_integer("global_batch", None, "compile: global batch in sequences (default: "
+                     "--batch_size or the preset's)")
+flags.DEFINE_integer("cache_len", None, "compile prefill/decode: cache length in tokens "
+                     "(default: --seq_len)")
+flags.DEFINE_enum("gmm", "ragged_dot", ["ragged_dot", "tiled"], "compile: MoE grouped matmul "
+                  "lowered for the target (ragged_dot on TPU)")
+flags.DEFINE_float("ep_capacity", None, "compile/train: expert-parallel capacity factor c "
+                   "(rows per source-destination bounded at c*n*k/P; default dropless)")
+flags.DEFINE_enum("quant", "none", ["none", "mxfp4"], "compile decode/prefill: routed-expert "
+                  "weight format (mxfp4 arrives with the MX issue)")
 
 
 def _model_config():
@@ -184,11 +207,14 @@ def cmd_train() -> None:
   from k3_jax import train
   from k3_jax.checkpoint.manager import CheckpointManager
   from k3_jax.data import pipeline, sources, tokenizers
-  from sharding.mesh import make_mesh, parse_mesh
+  from sharding.mesh import make_mesh, parse_mesh, validate_mesh
 
+  from sharding.distributed import maybe_initialize
+  maybe_initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
   cfg = _model_config()
   tc = _train_config(cfg)
   mesh = make_mesh(parse_mesh(FLAGS.mesh))
+  validate_mesh(cfg, mesh, tc.batch_size, tc.seq_len)
   ckpt = CheckpointManager(FLAGS.workdir, cfg, keep=tc.keep_checkpoints)  # refuses a mismatch
   pidx, pcount = jax.process_index(), jax.process_count()
   if tc.batch_size % pcount:
@@ -218,9 +244,12 @@ def cmd_train() -> None:
                                    process_index=pidx, process_count=pcount)
              if eval_docs else [])
   os.makedirs(FLAGS.workdir, exist_ok=True)
-  with open(os.path.join(FLAGS.workdir, "train_config.json"), "w") as f:
-    json.dump(dataclasses.asdict(tc), f, indent=1)
-  result = train.run(cfg, tc, FLAGS.workdir, mesh, train_iter, evals, ckpt=ckpt)
+  if pidx == 0:                       # one writer; every host writes its checkpoint shards
+    with open(os.path.join(FLAGS.workdir, "train_config.json"), "w") as f:
+      json.dump(dataclasses.asdict(tc), f, indent=1)
+  from sharding import expert
+  with expert.capacity_factor(FLAGS.ep_capacity):    # traced inside: the first step compiles
+    result = train.run(cfg, tc, FLAGS.workdir, mesh, train_iter, evals, ckpt=ckpt)
   print(f"done: step {result.get('step')} loss {result.get('loss', float('nan')):.4f} "
         f"eval_loss {result.get('eval_loss', float('nan')):.4f} in "
         f"{result.get('wall_time', 0):.0f}s; checkpoints and metrics.jsonl in {FLAGS.workdir}")
@@ -271,6 +300,132 @@ def cmd_generate() -> None:
   sys.stdout.write(stream.flush() + "\n")
 
 
+def cmd_compile() -> None:
+  """Ahead-of-time compile one step for a TPU target and report per-chip memory."""
+  import json
+  from sharding import aot
+  from sharding.topology import resolve_target
+  if not FLAGS.topology:
+    raise ValueError("compile needs --topology, e.g. --topology=v5p-128 or v5p:4x4x4")
+  target = resolve_target(FLAGS.topology, FLAGS.slices)
+  cfg = _model_config()
+  rep = compile_step(cfg, target, FLAGS.step, FLAGS.mesh, FLAGS.global_batch, FLAGS.seq_len,
+                     cache_len=FLAGS.cache_len, gmm=FLAGS.gmm, quant=FLAGS.quant,
+                     ep_capacity=FLAGS.ep_capacity)
+  if FLAGS.json:
+    print(json.dumps(rep))
+    return
+  print(f"{cfg.name} {rep['step']} step on {target.name} ({target.topology}"
+        f"{f' x {target.num_slices} slices' if target.num_slices > 1 else ''}, "
+        f"{target.chips} chips), mesh {rep['mesh']}, batch {rep['global_batch']} x "
+        f"{rep['seq_len']} tokens" + (f", cache {rep['cache_len']}" if rep.get('cache_len')
+                                      else "") + (f", remat {rep['remat']}" if rep.get('remat')
+                                                  else ""))
+  print(aot.format_report(rep))
+
+
+def compile_step(cfg, target, step: str, mesh_spec: str, global_batch=None, seq_len=None,
+                 cache_len=None, gmm: str = "ragged_dot", quant: str = "none",
+                 ep_capacity: float | None = None) -> dict:
+  """Lower and compile the real `step` of `cfg` for `target` with abstract inputs; the report
+  of sharding.aot.compile_report plus what was compiled. Composes train/model (the step)
+  with sharding (devices, mesh, AOT) -- sharding never imports train or serve."""
+  import dataclasses
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+  from k3_jax import train
+  from k3_jax.config import ConfigError
+  from k3_jax.model import create_model, decode_step, prefill
+  from k3_jax.ops.moe import use_gmm
+  from sharding import aot, expert
+  from sharding.mesh import make_mesh, parse_mesh, validate_mesh
+  from sharding.rules import activation_rules, tree_shardings
+  from sharding.topology import target_devices
+
+  mesh = make_mesh(parse_mesh(mesh_spec), target_devices(target))
+  tc = _train_config(cfg)
+  batch = global_batch or tc.batch_size
+  seq = seq_len or tc.seq_len
+  validate_mesh(cfg, mesh, batch, seq if step != "decode" else None)
+  report = {"config": cfg.name, "step": step, "topology": target.topology,
+            "target": target.name, "num_slices": target.num_slices, "chips": target.chips,
+            "mesh": {k: int(v) for k, v in mesh.shape.items()}, "global_batch": batch,
+            "seq_len": seq, "ep_capacity": ep_capacity}
+  with use_gmm(gmm), expert.capacity_factor(ep_capacity):
+    if step == "train":
+      tc = dataclasses.replace(tc, batch_size=batch, seq_len=seq)
+      steps = train.build_steps(cfg, tc, mesh)
+      state = aot.with_shardings(steps.abstract_state, steps.state_shardings)
+      tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=steps.batch_sharding)
+      mask = jax.ShapeDtypeStruct((batch, seq), jnp.float32, sharding=steps.batch_sharding)
+      args = (state, {"inputs": tokens, "targets": tokens, "segment_ids": tokens,
+                      "loss_mask": mask})
+      report.update(remat=tc.remat, grad_accum=tc.grad_accum, optimizer=tc.optimizer)
+      _, rep = aot.compile_report(steps.train, args, target.chip_hbm_bytes)
+      return {**report, **rep}
+    # serving steps: parameters in their stored format, caches sharded on the batch
+    length = cache_len or seq
+    if step == "decode" and length > cfg.max_seq_len:
+      raise ConfigError(f"cache_len={length} exceeds max_seq_len={cfg.max_seq_len}")
+    graphdef, params, rest = _serving_params(cfg, quant)
+    p_sh, r_sh = tree_shardings(params, mesh), tree_shardings(rest, mesh)
+    cache = jax.eval_shape(lambda: create_model(cfg, mode="abstract").init_cache(batch, length))
+    cache_dim = lambda path: (None if path[0].key == "pos" else
+                              1 if path[0].key == "units" else 0)
+    c_sh = aot.batch_shardings(cache, mesh, cache_dim)
+    report.update(cache_len=length, quant=quant)
+    if step == "decode":
+      def run(params, rest, cache, token):
+        with activation_rules(mesh):
+          return decode_step(nnx.merge(graphdef, params, rest), cache, token)
+      tok = jax.ShapeDtypeStruct((batch,), jnp.int32)
+      tok_sh = aot.batch_shardings(tok, mesh, 0)
+      fn = jax.jit(run, in_shardings=(p_sh, r_sh, c_sh, tok_sh),
+                   out_shardings=(aot.batch_shardings(
+                       jax.ShapeDtypeStruct((batch, cfg.vocab_size), jnp.float32), mesh, 0),
+                       c_sh), donate_argnums=(2,))
+      args = (aot.with_shardings(params, p_sh), aot.with_shardings(rest, r_sh),
+              aot.with_shardings(cache, c_sh), jax.ShapeDtypeStruct(tok.shape, tok.dtype,
+                                                                     sharding=tok_sh))
+    else:
+      def run(params, rest, tokens):
+        with activation_rules(mesh):
+          logits, cache = prefill(nnx.merge(graphdef, params, rest), tokens, length)
+        return logits[:, -1], cache          # the next-token logits and the filled cache
+      toks = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+      t_sh = aot.batch_shardings(toks, mesh, 0)
+      fn = jax.jit(run, in_shardings=(p_sh, r_sh, t_sh),
+                   out_shardings=(aot.batch_shardings(
+                       jax.ShapeDtypeStruct((batch, cfg.vocab_size), jnp.float32), mesh, 0),
+                       c_sh))
+      args = (aot.with_shardings(params, p_sh), aot.with_shardings(rest, r_sh),
+              jax.ShapeDtypeStruct(toks.shape, toks.dtype, sharding=t_sh))
+    _, rep = aot.compile_report(fn, args, target.chip_hbm_bytes)
+    return {**report, **rep}
+
+
+def _serving_params(cfg, quant: str):
+  """(graphdef, abstract params, abstract rest) of the model as served. The hook for packed
+  expert formats: quant="mxfp4" will return the packed routed-expert weights here."""
+  import jax
+  from k3_jax import train
+  from k3_jax.config import ConfigError
+  from k3_jax.model import create_model
+  if quant != "none":
+    raise ConfigError(f"quant={quant!r}: packed expert weights are not built yet; use "
+                      f"quant=none (BF16/FP32 experts as the config's param_dtype)")
+  out = {}
+
+  def f():
+    g, params, rest = train.split_model(create_model(cfg, mode="abstract"))
+    out["graphdef"] = g
+    return params, rest
+
+  params, rest = jax.eval_shape(f)
+  return out["graphdef"], params, rest
+
+
 def main(argv) -> None:
   from absl import logging
   logging.set_verbosity(logging.WARNING)   # Orbax logs every save step at INFO
@@ -282,7 +437,8 @@ def main(argv) -> None:
   from k3_jax.config import ConfigError
   from k3_jax.checkpoint.manager import CheckpointMismatch
   try:
-    {"train": cmd_train, "generate": cmd_generate, "info": cmd_info}[argv[1]]()
+    {"train": cmd_train, "generate": cmd_generate, "info": cmd_info,
+     "compile": cmd_compile}[argv[1]]()
   except (ConfigError, CheckpointMismatch, FileNotFoundError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)

@@ -172,17 +172,27 @@ class K3Model(nnx.Module):
     prefix, reps, period = self.cfg.stack_plan()
     first_layers = prefix + period * jnp.arange(reps)
 
-    def body(x, xs):
-      st, c, first = xs
+    # Caches ride in the carry and are written back in place (dynamic_update_index), so a
+    # decode step updates the donated cache buffers instead of building a second stacked
+    # copy as scan outputs (at 128K context that copy is GBs per chip).
+    def body(carry, xs):
+      x, all_c = carry
+      st, first, i = xs
+      c = None if all_c is None else jax.tree.map(lambda a: a[i], all_c)
       x, c, aux = nnx.merge(graphdef, st)(x, segment_ids, c, pos, first, train)
-      return x, (c, aux)
+      if all_c is not None:
+        all_c = jax.tree.map(
+            lambda a, u: jax.lax.dynamic_update_index_in_dim(a, u.astype(a.dtype), i, 0),
+            all_c, c)
+      return (x, all_c), aux
 
     if remat == "block":
       body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
     elif remat == "dots":
       body = jax.checkpoint(
           body, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
-    x, (caches, aux) = jax.lax.scan(body, x, (state, caches, first_layers))
+    (x, caches), aux = jax.lax.scan(body, (x, caches),
+                                    (state, first_layers, jnp.arange(reps)))
     return x, caches, aux
 
   def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,

@@ -10,6 +10,11 @@ wrapping itself is installed by `sharding/` along with the rules (`use_kernel_sh
 `target_platform` tells model code what the traced program is compiled for (the platform of
 the installed mesh's devices, which may be compile-only TPU devices on a CPU host), so it can
 choose kernels for the target rather than for the host.
+
+Ops that need explicit collectives on a sharded mesh (expert-parallel MoE dispatch, context-
+parallel KDA and MLA) are installed the same way, by name, with `use_parallel_ops`; a layer
+calls `parallel_op(name, reference)(...)`, which is the reference op unless `sharding/`
+installed a mesh-parallel version with the same signature for the active mesh.
 """
 
 from __future__ import annotations
@@ -39,6 +44,25 @@ def use_resolver(resolver: Callable):
     yield
   finally:
     _RESOLVER.reset(token)
+
+
+_PARALLEL_OPS: contextvars.ContextVar[dict] = contextvars.ContextVar("k3_parallel_ops",
+                                                                    default={})
+
+
+@contextlib.contextmanager
+def use_parallel_ops(ops: dict[str, Callable]):
+  token = _PARALLEL_OPS.set(dict(ops))
+  try:
+    yield
+  finally:
+    _PARALLEL_OPS.reset(token)
+
+
+def parallel_op(name: str, default: Callable) -> Callable:
+  """The mesh-parallel version of op `name` installed for the active mesh, else `default`
+  (the single-device reference, which the installed version must equal)."""
+  return _PARALLEL_OPS.get().get(name, default)
 
 
 def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:

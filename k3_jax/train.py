@@ -20,14 +20,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
 from k3_jax.config import ModelConfig, TrainConfig, validate, validate_train
 from k3_jax.model import K3Model, create_model
 from k3_jax.ops.balance import load_stats
 from k3_jax.optim.muon import decay_mask, per_head_muon
 from k3_jax.optim.qk_clip import qk_clip
-from sharding.rules import activation_rules, tree_shardings
+from sharding.rules import activation_rules, logical_to_spec, tree_shardings
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "loss_mask")
 
@@ -208,7 +208,9 @@ def _build_steps(cfg: ModelConfig, tc: TrainConfig, mesh: Mesh) -> Steps:
   optimizer = make_optimizer(tc)
   graphdef, abstract = abstract_state(cfg, tc, optimizer)
   state_sh = tree_shardings(abstract, mesh)
-  batch_sh = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+  # Rows over the batch's mesh axes (and the sequence over its axis), per the rules table.
+  batch_sh = NamedSharding(mesh, logical_to_spec((tc.batch_size, tc.seq_len), ("batch", "seq"),
+                                                 mesh))
 
   def with_rules(fn):
     @functools.wraps(fn)
@@ -234,7 +236,13 @@ def _build_steps(cfg: ModelConfig, tc: TrainConfig, mesh: Mesh) -> Steps:
 
 
 def put_batch(batch: dict, sharding: NamedSharding) -> dict:
-  return {k: jax.device_put(np.asarray(batch[k]), sharding) for k in BATCH_KEYS}
+  """This process's rows of the global batch -> global arrays. With one process the rows
+  are the whole batch; on a multi-host job each process passes its own slice (the data
+  pipeline shards by process) and the global batch is their concatenation in process order."""
+  if jax.process_count() == 1:
+    return {k: jax.device_put(np.asarray(batch[k]), sharding) for k in BATCH_KEYS}
+  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(batch[k]))
+          for k in BATCH_KEYS}
 
 
 # ----- the loop -----------------------------------------------------------------------
@@ -244,6 +252,8 @@ class MetricsWriter:
     self.path = path
 
   def write(self, record: dict) -> None:
+    if jax.process_index():       # multi-host: the primary writes
+      return
     with open(self.path, "a") as f:
       f.write(json.dumps({k: _py(v) for k, v in record.items()}) + "\n")
 

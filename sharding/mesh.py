@@ -1,4 +1,16 @@
-"""Device meshes with the named axes (data, fsdp, expert, sequence, tensor)."""
+"""Device meshes with the named axes (data, fsdp, expert, sequence, tensor).
+
+  parse_mesh("fsdp:256,expert:8")     -> MeshConfig (missing axes 1; one axis may be -1)
+  mesh_shape(cfg, num_devices)         -> sizes in MESH_AXES order, -1 resolved
+  make_mesh(cfg, devices)              -> jax Mesh in a topology-aware device order
+  validate_mesh(model_cfg, mesh, ...)  -> ConfigError naming the field that does not fit
+
+On a TPU slice `make_mesh` orders devices with `mesh_utils.create_device_mesh`, so the
+axes that talk most (the innermost: tensor, sequence, expert) map onto ICI rings. Over
+several slices (devices carry `slice_index`) the data axis spans the slices (DCN, the
+slow links: data parallelism only all-reduces gradients once per step) via
+`create_hybrid_device_mesh`; every other axis stays inside a slice.
+"""
 
 from __future__ import annotations
 
@@ -8,15 +20,17 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from k3_jax.config import ConfigError, MeshConfig
-from sharding.rules import MESH_AXES
+from k3_jax.config import ConfigError, MeshConfig, ModelConfig
+from sharding.rules import MESH_AXES, RULES
 
 
 def parse_mesh(spec: str) -> MeshConfig:
-  """'fsdp:4,data:2' (missing axes are 1; one axis may be -1 = the rest) -> MeshConfig."""
+  """'fsdp:4,data:2' (missing axes are 1; one axis may be -1 = the rest) -> MeshConfig.
+  An empty spec is the default: fsdp over every device."""
   kw = {a: 1 for a in MESH_AXES}
   if not spec:
     return MeshConfig()
+  seen = set()
   for part in spec.split(","):
     if ":" not in part:
       raise ConfigError(f"mesh={spec!r}: expected axis:size pairs like 'data:2,fsdp:4'")
@@ -24,6 +38,9 @@ def parse_mesh(spec: str) -> MeshConfig:
     name = name.strip()
     if name not in MESH_AXES:
       raise ConfigError(f"mesh axis {name!r} is unknown; axes are {', '.join(MESH_AXES)}")
+    if name in seen:
+      raise ConfigError(f"mesh={spec!r}: axis {name!r} is given twice")
+    seen.add(name)
     try:
       kw[name] = int(size)
     except ValueError:
@@ -51,12 +68,85 @@ def mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, ...]:
   return tuple(sizes)
 
 
+def num_slices(devices) -> int:
+  """Distinct TPU slices among `devices` (1 for CPU / single-slice devices)."""
+  return len({getattr(d, "slice_index", 0) or 0 for d in devices})
+
+
 def make_mesh(cfg: MeshConfig = MeshConfig(), devices=None) -> Mesh:
   devices = list(jax.devices() if devices is None else devices)
   shape = mesh_shape(cfg, len(devices))
+  slices = num_slices(devices)
+  if slices > 1:
+    return Mesh(_multi_slice_order(shape, devices, slices), MESH_AXES)
+  return Mesh(_single_slice_order(shape, devices), MESH_AXES)
+
+
+def _single_slice_order(shape, devices) -> np.ndarray:
+  if devices[0].platform != "tpu":       # CPU/GPU test meshes: plain row-major order
+    return np.asarray(devices).reshape(shape)
+  from jax.experimental import mesh_utils
   try:
-    from jax.experimental import mesh_utils
-    arr = mesh_utils.create_device_mesh(shape, devices)
-  except Exception:  # non-TPU or an unusual device set: plain row-major order
-    arr = np.asarray(devices).reshape(shape)
-  return Mesh(arr, MESH_AXES)
+    return mesh_utils.create_device_mesh(shape, devices)
+  except (ValueError, NotImplementedError, AssertionError):
+    try:   # a shape that does not tile the physical axes: let axes split them
+      return mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+    except (ValueError, NotImplementedError, AssertionError):
+      return np.asarray(devices).reshape(shape)
+
+
+def _multi_slice_order(shape, devices, slices: int) -> np.ndarray:
+  data = shape[MESH_AXES.index("data")]
+  if data % slices:
+    raise ConfigError(f"mesh axis data={data}: over {slices} TPU slices the data axis spans "
+                      f"the slices, so it must be a multiple of {slices} "
+                      f"(e.g. --mesh=data:{slices},fsdp:-1)")
+  from jax.experimental import mesh_utils
+  dcn = tuple(slices if a == "data" else 1 for a in MESH_AXES)
+  ici = tuple(s // slices if a == "data" else s for a, s in zip(MESH_AXES, shape))
+  try:
+    return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices)
+  except (ValueError, NotImplementedError, AssertionError):
+    return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices,
+                                                allow_split_physical_axes=True)
+
+
+def batch_axes(mesh_sizes: dict) -> tuple[str, ...]:
+  """The mesh axes (of size > 1) the global batch is split over, per the rules table."""
+  return tuple(a for a in RULES["batch"] if mesh_sizes.get(a, 1) > 1)
+
+
+def validate_mesh(cfg: ModelConfig, mesh: Mesh | dict, global_batch: int | None = None,
+                  seq_len: int | None = None) -> None:
+  """Checks that `cfg` (and the batch, if given) divide evenly over the mesh axes that
+  shard them; raises ConfigError naming the field, the mesh axis and its size.
+
+  The rules resolver would silently replicate a dimension that does not divide; for the
+  dimensions checked here that means every device holding the whole thing (parameters)
+  or duplicated work (batch), so it is an error instead.
+  """
+  sizes = dict(mesh.shape) if isinstance(mesh, Mesh) else dict(mesh)
+
+  def need(value: int, field: str, axis: str, why: str) -> None:
+    n = sizes.get(axis, 1)
+    if n > 1 and value % n:
+      raise ConfigError(f"{field}={value} is not divisible by mesh {axis} axis {n} ({why})")
+
+  need(cfg.moe.num_experts, "moe.num_experts", "expert", "experts are split over it")
+  need(cfg.kda.num_heads, "kda.num_heads", "tensor", "heads are split over it")
+  need(cfg.mla.num_heads, "mla.num_heads", "tensor", "heads are split over it")
+  need(cfg.moe.expert_intermediate, "moe.expert_intermediate", "tensor",
+       "expert hidden units are split over it")
+  need(cfg.dense_intermediate, "dense_intermediate", "tensor", "hidden units are split over it")
+  need(cfg.d_model, "d_model", "fsdp", "parameters' model dimension is split over it")
+  if cfg.moe.latent_dim:
+    need(cfg.moe.latent_dim, "moe.latent_dim", "fsdp", "expert weights are split over it")
+  if global_batch is not None:
+    axes = batch_axes(sizes)
+    n = math.prod(sizes[a] for a in axes)
+    if global_batch % n:
+      raise ConfigError(f"global batch={global_batch} is not divisible by mesh "
+                        f"{'*'.join(f'{a}:{sizes[a]}' for a in axes)} = {n} (every device "
+                        f"on those axes takes an equal share of the batch)")
+  if seq_len is not None:
+    need(seq_len, "seq_len", "sequence", "the sequence is split over it")

@@ -19,19 +19,30 @@ from k3_jax import partitioning
 MESH_AXES = ("data", "fsdp", "expert", "sequence", "tensor")
 
 RULES: dict[str, tuple[str, ...]] = {
-    # activations
-    "batch": ("data", "fsdp"),
+    # activations: the batch is split over every axis that does not split the sequence or
+    # the heads, so no device repeats another's work (the expert axis holds different
+    # tokens too; expert parallelism sends each token-expert pair to its expert's owner)
+    "batch": ("data", "fsdp", "expert"),
     "seq": ("sequence",),
     # parameters (and activations where they appear)
-    "embed": ("fsdp",),
+    # parameters' model dimension: over fsdp, and over the expert axis too where the batch
+    # has not taken it (dense weights then split over every device of an expert mesh
+    # instead of repeating on each expert group; activations keep "embed" whole since
+    # "batch" took those axes first)
+    "embed": ("fsdp", "expert"),
     "vocab": ("tensor",),
     "heads": ("tensor",),
     "mlp": ("tensor",),
     "experts": ("expert",),
     "expert_embed": ("fsdp",),
     "expert_mlp": ("tensor",),
+    # MLA's low-rank inputs to its head projections (q_b, kv_b: [rank, heads, head_dim]):
+    # split like "embed" so those weights are not whole on every device when heads cannot
+    # split (tensor axis 1, or 96 heads over 64 devices)
+    "q_lora": ("fsdp", "expert"),
+    "kv_lora": ("fsdp", "expert"),
     # never sharded
-    "head_dim": (), "conv": (), "rank": (), "q_lora": (), "kv_lora": (), "latent": (),
+    "head_dim": (), "conv": (), "rank": (), "latent": (),
     "norm": (), "layers": (),
 }
 
@@ -64,13 +75,17 @@ def named_sharding(mesh: Mesh, shape, axes) -> NamedSharding:
 
 @contextlib.contextmanager
 def activation_rules(mesh: Mesh):
-  """Within this context, model code's `constrain` calls shard activations on `mesh`, and its
-  kernels run per shard of `mesh` (sharding/kernels.py)."""
-  from sharding import kernels  # imports this module
+  """Within this context, model code's `constrain` calls shard activations on `mesh`; its
+  kernels run per shard of `mesh` (sharding/kernels.py); and its `parallel_op` calls get the
+  mesh's explicit-collective ops (expert-parallel MoE, context-parallel KDA and MLA) where the
+  mesh has those axes."""
+  from sharding import context, expert, kernels   # they import this module
+  ops = {**expert.parallel_ops(mesh), **context.parallel_ops(mesh)}
   with partitioning.use_resolver(lambda shape, axes: named_sharding(mesh, shape, axes)), \
        partitioning.use_kernel_sharding(
            lambda fn, i, o: kernels.shard_map_kernel(mesh, fn, i, o),
-           kernels.mesh_platform(mesh)):
+           kernels.mesh_platform(mesh)), \
+       partitioning.use_parallel_ops(ops):
     yield
 
 

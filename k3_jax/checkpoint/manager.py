@@ -56,7 +56,7 @@ class CheckpointManager:
             f"{self.directory} holds checkpoints of a different model config "
             f"({saved.get('name')!r}); refusing to overwrite them. Differences: "
             + "; ".join(diff[:8]) + ". Use another --workdir.")
-    else:
+    elif jax.process_index() == 0:   # multi-host: one writer (Orbax: every host saves shards)
       tmp = cfg_path + ".tmp"
       with open(tmp, "w") as f:
         json.dump(wanted, f, indent=1)

@@ -12,7 +12,7 @@ Cache (decode): {'state': [B, H, K, V] f32, 'conv_q'/'conv_k'/'conv_v': [B, W-1,
 
 from __future__ import annotations
 
-
+import functools
 import math
 
 import jax
@@ -25,7 +25,7 @@ from k3_jax.layers.linear import Linear
 from k3_jax.ops import conv as conv_ops
 from k3_jax.ops import kda as kda_ops
 from k3_jax.ops.norms import rms_norm
-from k3_jax.partitioning import constrain, shard_kernel, target_platform
+from k3_jax.partitioning import constrain, parallel_op, shard_kernel, target_platform
 
 
 def decay_bias_init(init: Init, shape, g_min: float | None) -> jax.Array:
@@ -89,7 +89,8 @@ class KDA(nnx.Module):
       y, new = conv_ops.short_conv_step(flat[:, 0], w, cache)
       y = y[:, None]
     else:
-      y, new = conv_ops.short_conv(flat, w, segment_ids=segment_ids, cache=cache)
+      conv = parallel_op("short_conv", conv_ops.short_conv)          # halo'd on a sequence mesh
+      y, new = conv(flat, w, segment_ids=segment_ids, cache=cache)
     return jax.nn.silu(y.astype(jnp.float32)).reshape(b, t, h, k), new
 
   def _decay(self, x):
@@ -117,10 +118,16 @@ class KDA(nnx.Module):
   def _chunk(self, q, k, v, g, beta, segment_ids, state):
     """(o [B, T, H, V], final state or None): the chunked delta rule from `state` (or zeros)."""
     kw = dict(chunk_size=self.c.chunk_size, output_final_state=state is not None)
+    kcp = parallel_op("chunk_kda", None)       # context parallel (KCP) on a sequence mesh
     if self._backend() == "reference":
-      return kda_ops.chunk_kda(q, k, v, g, beta, initial_state=state,
-                               segment_ids=segment_ids, **kw)
+      return (kcp or kda_ops.chunk_kda)(q, k, v, g, beta, initial_state=state,
+                                        segment_ids=segment_ids, **kw)
     from pallas_kernels import kda as pallas_kda  # lazy: only the Pallas backend needs it
+    if kcp is not None:
+      # KCP already runs per shard inside shard_map: the kernel is its local chunk op.
+      local = functools.partial(pallas_kda.chunk_kda, interpret=target_platform() != "tpu")
+      return kcp(q, k, v, g, beta, initial_state=state, segment_ids=segment_ids,
+                 local_fn=local, **kw)
     tok, vec = ("batch", None, "heads", None), ("batch", None, "heads")
     arrays, axes = [q, k, v, g, beta], [tok, tok, tok, tok, vec]
     for x, a in ((state, ("batch", "heads", None, None)), (segment_ids, ("batch", None))):

@@ -27,7 +27,7 @@ from k3_jax.layers.linear import Linear
 from k3_jax.layers.norm import RMSNorm
 from k3_jax.ops import balance as balance_ops
 from k3_jax.ops import moe as moe_ops
-from k3_jax.partitioning import target_platform
+from k3_jax.partitioning import parallel_op, target_platform
 
 
 class RouterBias(nnx.Variable):
@@ -105,9 +105,9 @@ class MoE(nnx.Module):
     weights, ids = moe_ops.select_experts(scores, self.bias[...], m.top_k,
                                           m.routed_scaling_factor, m.n_group, m.topk_group)
     z = self.down(xf) if m.latent_dim else xf                          # [N, L]
-    u = moe_ops.moe_dispatch(z.astype(self.dtype), weights, ids, *self._expert_weights(),
-                             activation=self.kind, beta1=self.beta1, beta2=self.beta2,
-                             gmm=self._gmm())
+    dispatch = parallel_op("moe_dispatch", moe_ops.moe_dispatch)     # expert-parallel on a mesh
+    u = dispatch(z.astype(self.dtype), weights, ids, *self._expert_weights(),
+                 activation=self.kind, beta1=self.beta1, beta2=self.beta2, gmm=self._gmm())
     y = self.up(self.norm(u)) if m.latent_dim else u                   # [N, D]
     if m.num_shared_experts:
       y = y + self.shared(xf)

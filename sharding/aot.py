@@ -1,0 +1,155 @@
+"""Ahead-of-time compilation for TPU targets: lower a jitted step with abstract inputs,
+compile it for compile-only devices, and report per-chip memory and FLOPs.
+
+Nothing is allocated: inputs are ShapeDtypeStructs carrying their shardings, so a 2.8T
+parameter train step compiles for 2048 chips from a CPU machine. This module knows
+meshes and compiled programs only; the `compile` command in main.py builds the step
+(from train or the model's prefill/decode) and hands it here.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from sharding.rules import logical_to_spec
+from sharding.topology import GiB
+
+
+def with_shardings(shapes, shardings):
+  """ShapeDtypeStructs of `shapes` carrying `shardings` (a prefix tree of `shapes`)."""
+  def attach(sh, sub):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), sub)
+  return jax.tree.map(attach, shardings, shapes,
+                      is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+
+
+def batch_shardings(tree, mesh: Mesh, batch_dim=0):
+  """Shardings for a pytree of arrays whose dimension `batch_dim` (an int, or a function of
+  the leaf's key path returning one, or None for replicated) is the batch: that dimension
+  goes over the batch's mesh axes (per the rules table), the rest stay whole. Used for
+  decode caches, which carry no logical axes."""
+  def one(path, a):
+    dim = batch_dim(path) if callable(batch_dim) else batch_dim
+    if dim is None or a.ndim <= dim:
+      return NamedSharding(mesh, PartitionSpec())
+    axes = [None] * a.ndim
+    axes[dim] = "batch"
+    return NamedSharding(mesh, logical_to_spec(a.shape, tuple(axes), mesh))
+  return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def memory_numbers(compiled) -> dict:
+  """Per-chip bytes of a compiled SPMD program (XLA's memory analysis of one device).
+
+  total = arguments + outputs - outputs aliased to (donated) arguments + temporaries +
+  generated code: the peak the program needs on one chip."""
+  m = compiled.memory_analysis()
+  out = {"argument_bytes": int(m.argument_size_in_bytes),
+         "output_bytes": int(m.output_size_in_bytes),
+         "alias_bytes": int(m.alias_size_in_bytes),
+         "temp_bytes": int(m.temp_size_in_bytes),
+         "generated_code_bytes": int(m.generated_code_size_in_bytes)}
+  out["per_chip_total_bytes"] = (out["argument_bytes"] + out["output_bytes"]
+                                 - out["alias_bytes"] + out["temp_bytes"]
+                                 + out["generated_code_bytes"])
+  return out
+
+
+def flops(compiled) -> float | None:
+  """FLOPs per device from XLA's cost analysis (None where the backend gives none)."""
+  cost = compiled.cost_analysis()
+  if isinstance(cost, (list, tuple)):
+    cost = cost[0] if cost else None
+  if not cost or "flops" not in cost:
+    return None
+  return float(cost["flops"])
+
+
+def compile_report(jitted, args: tuple, chip_hbm_bytes: int) -> tuple[Any, dict]:
+  """Lower `jitted` with abstract `args` (ShapeDtypeStructs with shardings), compile, and
+  measure. -> (compiled, report dict with the memory numbers, flops, chip_hbm_bytes, fits,
+  headroom_bytes, lower_seconds, compile_seconds)."""
+  t0 = time.time()
+  lowered = jitted.lower(*args)
+  t1 = time.time()
+  try:
+    compiled = lowered.compile()
+  except jax.errors.JaxRuntimeError as e:
+    # The TPU compiler refuses a program that cannot fit in HBM; its message states the
+    # memory the program needs, which is the number we report.
+    need = _oom_bytes(str(e))
+    if need is None:
+      raise
+    rep = {k: None for k in ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes",
+                             "generated_code_bytes", "flops_per_chip")}
+    rep.update(per_chip_total_bytes=need, chip_hbm_bytes=int(chip_hbm_bytes),
+               headroom_bytes=int(chip_hbm_bytes) - need, fits=False,
+               compiler_error=str(e).strip()[:500], lower_seconds=round(t1 - t0, 1),
+               compile_seconds=round(time.time() - t1, 1))
+    return None, rep
+  t2 = time.time()
+  rep = memory_numbers(compiled)
+  rep["flops_per_chip"] = flops(compiled)
+  rep["chip_hbm_bytes"] = int(chip_hbm_bytes)
+  rep["headroom_bytes"] = int(chip_hbm_bytes) - rep["per_chip_total_bytes"]
+  rep["fits"] = rep["headroom_bytes"] >= 0
+  rep["lower_seconds"] = round(t1 - t0, 1)
+  rep["compile_seconds"] = round(t2 - t1, 1)
+  return compiled, rep
+
+
+_UNITS = {"": 1, "B": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40, "P": 2 ** 50}
+
+
+def _oom_bytes(msg: str) -> int | None:
+  """Bytes the program needs per chip from a TPU out-of-memory compile error, e.g.
+  "RESOURCE_EXHAUSTED: ... required for HLO temporaries (128.00G) exceeds available HBM
+  (95.74G)" or "Used 120.5G of 95.74G hbm"; None for any other error."""
+  if "RESOURCE_EXHAUSTED" not in msg and "out of memory" not in msg.lower():
+    return None
+  size = r"([0-9.]+)\s*([KMGTP]?)(?:i?B)?"
+  m = (re.search(r"\(" + size + r"\)\s*exceeds available HBM", msg) or
+       re.search(r"Used\s+" + size + r"\s+of\s+", msg))
+  if not m:
+    return None
+  return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def verdict(rep: dict) -> str:
+  gib = lambda b: f"{b / GiB:.2f} GiB"
+  total, hbm = rep["per_chip_total_bytes"], rep["chip_hbm_bytes"]
+  if rep["fits"]:
+    return (f"FITS: {gib(total)} of {gib(hbm)} per chip ({100 * total / hbm:.0f}%, "
+            f"{gib(hbm - total)} free)")
+  return f"DOES NOT FIT: {gib(total)} per chip exceeds {gib(hbm)} by {gib(total - hbm)}"
+
+
+def format_report(rep: dict) -> str:
+  gib = lambda b: f"{b / GiB:10.3f} GiB"
+  if rep.get("compiler_error"):
+    return "\n".join([f"the TPU compiler stopped: {rep['compiler_error']}",
+                       f"total/chip >= {gib(rep['per_chip_total_bytes'])}   (chip HBM "
+                       f"{rep['chip_hbm_bytes'] / GiB:.0f} GiB)", verdict(rep)])
+  lines = [
+      f"arguments     {gib(rep['argument_bytes'])}",
+      f"outputs       {gib(rep['output_bytes'])}  ({rep['alias_bytes'] / GiB:.3f} GiB of them "
+      f"alias donated arguments)",
+      f"temporaries   {gib(rep['temp_bytes'])}",
+      f"code          {gib(rep['generated_code_bytes'])}",
+      f"total/chip    {gib(rep['per_chip_total_bytes'])}   (chip HBM {rep['chip_hbm_bytes'] / GiB:.0f} GiB)",
+  ]
+  if rep.get("flops_per_chip") is not None:
+    lines.append(f"flops/chip    {rep['flops_per_chip']:.4g}")
+  lines.append(f"compile       {rep['lower_seconds']:.1f} s lowering + "
+               f"{rep['compile_seconds']:.1f} s compiling")
+  lines.append(verdict(rep))
+  return "\n".join(lines)
+
+
+__all__ = ["with_shardings", "batch_shardings", "memory_numbers", "flops", "compile_report",
+           "verdict", "format_report"]

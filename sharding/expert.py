@@ -1,0 +1,250 @@
+"""Expert parallelism: the routed-expert FFN inside `shard_map` over the expert mesh axis.
+
+Same signature and result as `k3_jax.ops.moe.moe_dispatch` (after the mesh argument), so
+the MoE layer reaches it through `partitioning.parallel_op("moe_dispatch", ...)` when the
+active mesh has an expert axis > 1. Routing, the load counts and the balancing-bias update
+stay outside, in the global (GSPMD) view, so they see the global batch exactly as on one
+device (QB's quantile over all tokens; the histogram variant's counts are summed by the
+partitioner's all-reduce).
+
+Per device (P devices in the expert group, E_l = E / P experts each, n local tokens):
+  1. sort the n k token-expert pairs by expert; the destination of a pair is the device
+     owning its expert (pairs for one device are contiguous);
+  2. one small all-gather of the per-expert pair counts [P, E] over the expert axis: every
+     device then knows every send size, receive size and offset;
+  3. send the pair rows to their owners:
+       TPU:   `jax.lax.ragged_all_to_all` (only the real rows travel);
+       other: `jax.lax.all_to_all` of a fixed [P, cap] buffer, cap = n min(k, E_l) rows per
+              destination, enough for the worst case (a token picks k distinct experts, at
+              most E_l of them on one device), so both paths are dropless;
+  4. regroup the received rows by local expert and run the local grouped matmul
+     (gate, up, SiTU/SwiGLU, down);
+  5. send the results back the same way, un-sort, and combine with the router weights (f32).
+The receive buffer holds P cap rows (the worst case); rows past the real ones are padding
+that `ragged_dot` skips (the tiled CPU gmm computes and discards them).
+
+Memory: the dropless worst case is P times the expected n k rows per device, and every
+[rows, F] intermediate of the local FFN scales with it. `capacity_factor` c (an argument,
+or `with capacity_factor(c):` around tracing) bounds the rows per (source, destination) at
+ceil(c n k / P), so the buffer holds c times the balanced load; a source's rows for one
+destination beyond that (its highest-numbered experts' rows, deterministically) are dropped:
+they contribute 0 to the combine. With Quantile Balancing the per-expert load of a batch is
+close to n k / E, so c around 1.5-2 rarely drops; None (the default) never drops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+
+from k3_jax.ops import moe as moe_ops
+from k3_jax.ops.activations import glu
+from sharding.kernels import mesh_platform
+from sharding.rules import RULES
+
+# "ragged_reference": the ragged bookkeeping with an all-gather emulation of
+# ragged_all_to_all, so the CPU tests check the offsets the TPU path uses.
+EXCHANGES = ("auto", "ragged", "all_to_all", "ragged_reference")
+
+_CAPACITY: contextvars.ContextVar[float | None] = contextvars.ContextVar("k3_ep_capacity",
+                                                                       default=None)
+
+
+@contextlib.contextmanager
+def capacity_factor(factor: float | None):
+  """Within this context, expert-parallel dispatch traced without an explicit
+  capacity_factor uses `factor` (None: dropless)."""
+  if factor is not None and not factor > 0:
+    raise ValueError(f"capacity_factor={factor} must be positive (or None for dropless)")
+  token = _CAPACITY.set(factor)
+  try:
+    yield
+  finally:
+    _CAPACITY.reset(token)
+
+
+def _axes(mesh: Mesh, logical: str) -> tuple[str, ...]:
+  return tuple(a for a in RULES[logical] if mesh.shape[a] > 1)
+
+
+def token_axes(mesh: Mesh, n_tokens: int) -> tuple[str, ...]:
+  """Mesh axes sharding a flat token dimension: those of "batch" then "seq" (the layout of
+  [B, T] flattened), each kept while the product still divides n_tokens."""
+  chosen, size = [], 1
+  for a in _axes(mesh, "batch") + _axes(mesh, "seq"):
+    if a not in chosen and n_tokens % (size * mesh.shape[a]) == 0:
+      chosen.append(a)
+      size *= mesh.shape[a]
+  return tuple(chosen)
+
+
+def expert_axes(mesh: Mesh) -> tuple[str, ...]:
+  return _axes(mesh, "experts")
+
+
+def expert_parallel_dispatch(mesh: Mesh, x: jax.Array, weights: jax.Array,
+                             expert_ids: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+                             w_down: jax.Array, activation: str = "situ", beta1: float = 4.0,
+                             beta2: float = 25.0, gmm: moe_ops.GroupedMatmul | None = None,
+                             exchange: str = "auto",
+                             capacity_factor: float | None = None) -> jax.Array:
+  """Dropless routed-expert FFN with the experts sharded over the mesh's expert axis.
+
+  x [N, Din]; weights [N, k] f32 combine weights; expert_ids [N, k] int32 (global ids);
+  w_gate, w_up [E, Din, F]; w_down [E, F, Din]. Returns y [N, Din] in x.dtype, equal to
+  `moe_dispatch` (each expert output is rounded to x.dtype before its trip back).
+  exchange: "ragged" (ragged_all_to_all; TPU), "all_to_all" (fixed buffers; any backend) or
+  "auto" (ragged on TPU meshes). gmm: the local grouped matmul; default ragged_dot on TPU,
+  the tiled plain-JAX gmm elsewhere. capacity_factor: None (dropless; default from the
+  `capacity_factor` context) or c > 0: at most ceil(c n k / P) rows per (source,
+  destination), the rest dropped (see the module docstring).
+  """
+  if exchange not in EXCHANGES:
+    raise ValueError(f"exchange={exchange!r}: expected one of {EXCHANGES}")
+  platform = mesh_platform(mesh)
+  if exchange == "auto":
+    exchange = "ragged" if platform == "tpu" else "all_to_all"
+  if gmm is None:
+    gmm = moe_ops.default_gmm("ragged_dot" if platform in ("tpu", "gpu") else "tiled")
+  ex = expert_axes(mesh)
+  p = math.prod(mesh.shape[a] for a in ex)
+  e = w_gate.shape[0]
+  if not ex:
+    raise ValueError("expert_parallel_dispatch needs a mesh with an expert axis > 1")
+  if e % p:
+    raise ValueError(f"num_experts={e} is not divisible by the mesh expert axis {ex}={p}")
+  n_total, k = expert_ids.shape
+  tok = token_axes(mesh, n_total)
+  tok_spec = P(tok or None, None)
+  w_spec = P(ex, None, None)
+  if capacity_factor is None:
+    capacity_factor = _CAPACITY.get()
+  body = functools.partial(_local_dispatch, ex=ex, p=p, exchange=exchange, gmm=gmm,
+                           capacity=capacity_factor,
+                           activation=activation, beta1=beta1, beta2=beta2)
+  fn = jax.shard_map(body, mesh=mesh, in_specs=(tok_spec, tok_spec, tok_spec, w_spec, w_spec,
+                                                w_spec),
+                     out_specs=tok_spec, check_vma=False)
+  return fn(x, weights, expert_ids, w_gate, w_up, w_down)
+
+
+def _excl_cumsum(x, axis=0):
+  return jnp.cumsum(x, axis=axis) - x
+
+
+def _local_dispatch(x, weights, expert_ids, w_gate, w_up, w_down, *, ex, p, exchange, gmm,
+                    capacity, activation, beta1, beta2):
+  """One device's part. x [n, D]; weights, expert_ids [n, k]; w_* the local experts."""
+  n, k = expert_ids.shape
+  d = x.shape[1]
+  el = w_gate.shape[0]                                                 # local experts
+  e = el * p
+  cap = n * min(k, el)                    # rows per (src, dst): enough for the worst case
+  if capacity is not None:
+    cap = max(1, min(cap, math.ceil(capacity * n * k / p)))
+  me = jax.lax.axis_index(ex)
+
+  # --- source side: pairs sorted by expert, i.e. grouped by destination device.
+  flat = expert_ids.reshape(-1)                                        # [n k]
+  order = jnp.argsort(flat, stable=True)                               # [n k]
+  dest = flat[order] // el                                             # [n k] destination
+  counts = jnp.bincount(flat, length=e).astype(jnp.int32)              # [E]
+  all_counts = jax.lax.all_gather(counts, ex).reshape(p, p, el)        # [src, dst, E_l]
+  per_dst_full = per_dst = all_counts.sum(2)                           # [src, dst]
+  input_offsets = _excl_cumsum(per_dst[me])                            # [P]
+  pos_in_chunk = jnp.arange(n * k) - input_offsets[dest]               # [n k]
+  kept = pos_in_chunk < cap                                            # [n k] within capacity
+  # Rows that travel: each (src, dst) chunk truncated to cap, i.e. per expert
+  # min(count, room left after the chunk's lower experts).
+  all_counts = jnp.clip(cap - _excl_cumsum(all_counts, 2), 0, all_counts)
+  per_dst = all_counts.sum(2)                                          # [src, dst]
+  send_sizes = per_dst[me]                                             # [P]
+  xs = jnp.take(x, order // k, axis=0)                                 # [n k, D]
+
+  # --- receive side bookkeeping: from source s come mine[s, j] rows for local expert j,
+  # in slots [s cap, s cap + recv_sizes[s]), ordered by expert.
+  mine = jax.lax.dynamic_index_in_dim(all_counts, me, axis=1, keepdims=False)  # [src, E_l]
+  recv_sizes = mine.sum(1)                                             # [P]
+  slot = jnp.arange(p * cap)
+  s, pos = slot // cap, slot % cap
+  valid = pos < recv_sizes[s]                                          # [P cap]
+  cum = jnp.cumsum(mine, axis=1)                                       # [src, E_l]
+  le = jnp.minimum(jnp.sum(cum[s] <= pos[:, None], axis=1), el - 1)    # local expert of slot
+  group_sizes = mine.sum(0).astype(jnp.int32)                          # [E_l]
+  within = pos - (cum[s, le] - mine[s, le])
+  grouped_pos = (_excl_cumsum(group_sizes)[le] + _excl_cumsum(mine, 0)[s, le] + within)
+  total = group_sizes.sum()
+  pad_pos = total + jnp.cumsum(~valid) - 1
+  grouped_pos = jnp.where(valid, grouped_pos, pad_pos)                 # a permutation of slots
+  slot_of = jnp.zeros((p * cap,), jnp.int32).at[grouped_pos].set(slot.astype(jnp.int32))
+
+  # --- forward exchange.
+  ragged = exchange in ("ragged", "ragged_reference")
+  ragged_a2a = (jax.lax.ragged_all_to_all if exchange == "ragged"
+                else functools.partial(_ragged_all_to_all_reference, p=p))
+  if ragged:
+    recv = ragged_a2a(
+        xs, jnp.zeros((p * cap, d), x.dtype), input_offsets, send_sizes,
+        jnp.full((p,), me * cap, jnp.int32), recv_sizes, axis_name=ex)
+  else:
+    to = jnp.where(kept, dest * cap + pos_in_chunk, p * cap)           # dropped: out of range
+    buf = jnp.zeros((p * cap, d), x.dtype).at[to].set(xs, mode="drop")
+    recv = jax.lax.all_to_all(buf, ex, 0, 0, tiled=True)               # [P cap, D]
+
+  # --- local grouped matmul over the received rows, grouped by local expert.
+  rows = jnp.take(recv, slot_of, axis=0)                               # [P cap, D]
+  gate = gmm(rows, w_gate, group_sizes)                                # [P cap, F] f32
+  up = gmm(rows, w_up, group_sizes)
+  h = glu(gate, up, activation, beta1=beta1, beta2=beta2).astype(x.dtype)
+  out = gmm(h, w_down, group_sizes)                                    # [P cap, D] f32
+  out = jnp.take(out, grouped_pos, axis=0)                             # back to slot order
+  out = jnp.where(valid[:, None], out, 0.0).astype(x.dtype)
+
+  # --- return exchange, into the source's sorted pair order.
+  if ragged:
+    # My rows for source s land in its sorted array at its offset for destination me.
+    # (Offsets in the source's untruncated sorted order; its kept rows are a prefix.)
+    back_offsets = _excl_cumsum(per_dst_full, 1)[:, me]                # [src]
+    sorted_out = ragged_a2a(
+        out, jnp.zeros((n * k, d), x.dtype), jnp.arange(p, dtype=jnp.int32) * cap,
+        recv_sizes, back_offsets, send_sizes, axis_name=ex)            # [n k, D]
+  else:
+    back = jax.lax.all_to_all(out, ex, 0, 0, tiled=True)               # [P cap, D]
+    sorted_out = jnp.take(back, jnp.where(kept, dest * cap + pos_in_chunk, 0), axis=0)
+    sorted_out = jnp.where(kept[:, None], sorted_out, jnp.zeros_like(sorted_out))  # [n k, D]
+
+  inverse = jnp.argsort(order)
+  pairs = jnp.take(sorted_out, inverse, axis=0).astype(jnp.float32).reshape(n, k, d)
+  y = jnp.sum(pairs * weights.astype(jnp.float32)[..., None], axis=1)  # [n, D]
+  return y.astype(x.dtype)
+
+
+def _ragged_all_to_all_reference(operand, output, input_offsets, send_sizes, output_offsets,
+                                 recv_sizes, *, axis_name, p):
+  """`jax.lax.ragged_all_to_all`'s documented result, built from all-gathers (P times the
+  traffic; for checking the ragged path's offsets on backends without the collective).
+  Source i's slice for me, operand_i[in_i : in_i + size_i], lands at output[out_i :]."""
+  del recv_sizes   # implied by the senders' sizes
+  me = jax.lax.axis_index(axis_name)
+  src_rows = jax.lax.all_gather(operand, axis_name)                    # [P, N, D]
+  pick = lambda a: jax.lax.all_gather(a, axis_name)[:, me]             # [P] what i sends me
+  in_off, size, out_off = pick(input_offsets), pick(send_sizes), pick(output_offsets)
+  r = jnp.arange(output.shape[0])
+  for i in range(p):
+    hit = (r >= out_off[i]) & (r < out_off[i] + size[i])
+    src = jnp.clip(in_off[i] + r - out_off[i], 0, operand.shape[0] - 1)
+    output = jnp.where(hit[:, None], jnp.take(src_rows[i], src, axis=0), output)
+  return output
+
+
+def parallel_ops(mesh: Mesh) -> dict:
+  """{"moe_dispatch": the expert-parallel dispatch} when the mesh has an expert axis > 1."""
+  if not expert_axes(mesh):
+    return {}
+  return {"moe_dispatch": functools.partial(expert_parallel_dispatch, mesh)}
