@@ -58,7 +58,8 @@ flags.DEFINE_boolean("json", False, "info: print one JSON object")
 flags.DEFINE_enum("quant", "none", ["none", "mxfp4"],
                   "info: also report serving weight bytes with routed experts packed MXFP4 "
                   "(the rest BF16); generate: run the routed experts from packed MXFP4 weights "
-                  "(converted from the checkpoint at load; activations MXFP8 as in QAT)")
+                  "(converted from the checkpoint at load; activations MXFP8 as in QAT); compile "
+                  "decode/prefill: the routed-expert weight format")
 flags.DEFINE_string("prompt", "", "generate: the prompt text")
 flags.DEFINE_integer("max_new_tokens", 200, "generate: tokens to sample")
 flags.DEFINE_float("temperature", 0.0, "generate: 0 = greedy")
@@ -82,8 +83,6 @@ flags.DEFINE_enum("gmm", "ragged_dot", ["ragged_dot", "tiled"], "compile: MoE gr
                   "lowered for the target (ragged_dot on TPU)")
 flags.DEFINE_float("ep_capacity", None, "compile/train: expert-parallel capacity factor c "
                    "(rows per source-destination bounded at c*n*k/P; default dropless)")
-flags.DEFINE_enum("quant", "none", ["none", "mxfp4"], "compile decode/prefill: routed-expert "
-                  "weight format (mxfp4 arrives with the MX issue)")
 
 
 def _model_config():
@@ -406,19 +405,19 @@ def compile_step(cfg, target, step: str, mesh_spec: str, global_batch=None, seq_
 
 
 def _serving_params(cfg, quant: str):
-  """(graphdef, abstract params, abstract rest) of the model as served. The hook for packed
-  expert formats: quant="mxfp4" will return the packed routed-expert weights here."""
+  """(graphdef, abstract params, abstract rest) of the model as served: quant="mxfp4" packs
+  the routed experts to MXFP4 MXArrays (k3_jax.quant), "none" keeps the param dtype."""
   import jax
   from k3_jax import train
-  from k3_jax.config import ConfigError
   from k3_jax.model import create_model
-  if quant != "none":
-    raise ConfigError(f"quant={quant!r}: packed expert weights are not built yet; use "
-                      f"quant=none (BF16/FP32 experts as the config's param_dtype)")
+  from k3_jax.quant import pack_routed_experts
   out = {}
 
   def f():
-    g, params, rest = train.split_model(create_model(cfg, mode="abstract"))
+    model = create_model(cfg, mode="abstract")
+    if quant == "mxfp4":
+      pack_routed_experts(model)
+    g, params, rest = train.split_model(model)
     out["graphdef"] = g
     return params, rest
 
