@@ -86,6 +86,12 @@ def use_kernel_sharding(sharder: Callable, platform: str):
     _KERNEL_SHARDER.reset(t1)
 
 
+def mesh_installed() -> bool:
+  """Is a mesh installed (so a kernel called directly would be partitioned by the compiler,
+  which Mosaic kernels do not allow)?"""
+  return _KERNEL_SHARDER.get() is not None
+
+
 def target_platform() -> str:
   """"tpu", "cpu", "gpu": the platform of the installed mesh, else JAX's default backend."""
   return _PLATFORM.get() or jax.default_backend()

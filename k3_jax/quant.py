@@ -12,8 +12,9 @@ Training (`quant.qat = "mxfp4_mxfp8"`) fake-quantizes both (straight-through gra
 Serving converts the trained weights once to `MXArray`s (`pack_routed_experts`, 4.25 bits per
 weight in memory) and the MoE layer runs `packed_gmm`, which dequantizes each expert's
 weights inside the grouped matmul; it computes the same values as the QAT forward, since
-dequantize(quantize(w)) is what QAT multiplies with. On TPU a Pallas kernel that reads the
-packed codes directly (pallas_kernels/mxfp4_gmm.py) can take the place of `packed_gmm`.
+dequantize(quantize(w)) is what QAT multiplies with. On TPU, where the grouped matmul runs
+on local arrays, the Pallas kernel that reads the packed codes directly
+(pallas_kernels/mxfp4_gmm.py) takes its place (`packed_gmm(..., kernel=True)`).
 """
 
 from __future__ import annotations
@@ -46,9 +47,22 @@ def qat_gmm(base: moe_ops.GroupedMatmul) -> moe_ops.GroupedMatmul:
   return gmm
 
 
-def packed_gmm(base: moe_ops.GroupedMatmul) -> moe_ops.GroupedMatmul:
+def packed_gmm(base: moe_ops.GroupedMatmul, kernel: bool = False) -> moe_ops.GroupedMatmul:
   """Grouped matmul over a packed MXFP4 rhs (MXArray [E, K, N] blocked along K): the lhs is
-  MXFP8 fake-quantized as in QAT, the rhs dequantized to the lhs dtype, then `base`."""
+  MXFP8 fake-quantized as in QAT, the rhs dequantized to the lhs dtype, then `base`.
+
+  kernel=True: the TPU Pallas kernel instead (pallas_kernels/mxfp4_gmm.py: it reads the
+  packed codes from HBM and dequantizes tiles in VMEM; lhs quantized to MXFP8 E4M3, the same
+  values). The caller passes it only where the call runs on whole local arrays (one device,
+  or inside the expert-parallel shard_map), since a Mosaic kernel cannot be partitioned."""
+  if kernel:
+    from pallas_kernels.mxfp4_gmm import mxfp4_gmm  # lazy: TPU serving only
+
+    def kernel_gmm(lhs, rhs: MXArray, group_sizes):
+      return mxfp4_gmm(quantize(lhs, ACT_FMT, -1), rhs, group_sizes,
+                       preferred_element_type=lhs.dtype)
+    return kernel_gmm
+
   def gmm(lhs, rhs: MXArray, group_sizes):
     return base(fake_quantize(lhs, ACT_FMT, -1), dequantize(rhs, lhs.dtype), group_sizes)
   return gmm

@@ -27,7 +27,7 @@ from k3_jax.layers.linear import Linear
 from k3_jax.layers.norm import RMSNorm
 from k3_jax.ops import balance as balance_ops
 from k3_jax.ops import moe as moe_ops
-from k3_jax.partitioning import parallel_op, target_platform
+from k3_jax.partitioning import mesh_installed, parallel_op, target_platform
 
 
 class RouterBias(nnx.Variable):
@@ -89,10 +89,13 @@ class MoE(nnx.Module):
       return [quant.qat_weight(w, self.dtype) for w in ws]
     return [w.astype(self.dtype) for w in ws]
 
-  def _gmm(self):
-    base = moe_ops.default_gmm(platform=target_platform())
+  def _gmm(self, local: bool):
+    """The grouped matmul for this call. local: it runs on whole local arrays (no mesh, or
+    inside the expert-parallel shard_map), so a Pallas kernel may be called directly."""
+    platform = target_platform()
+    base = moe_ops.default_gmm(platform=platform)
     if self._packed():
-      return quant.packed_gmm(base)
+      return quant.packed_gmm(base, kernel=local and platform == "tpu")
     return quant.qat_gmm(base) if self.qat else base
 
   def __call__(self, x: jax.Array, train: bool = False) -> tuple[jax.Array, dict]:
@@ -105,9 +108,10 @@ class MoE(nnx.Module):
     weights, ids = moe_ops.select_experts(scores, self.bias[...], m.top_k,
                                           m.routed_scaling_factor, m.n_group, m.topk_group)
     z = self.down(xf) if m.latent_dim else xf                          # [N, L]
-    dispatch = parallel_op("moe_dispatch", moe_ops.moe_dispatch)     # expert-parallel on a mesh
-    u = dispatch(z.astype(self.dtype), weights, ids, *self._expert_weights(),
-                 activation=self.kind, beta1=self.beta1, beta2=self.beta2, gmm=self._gmm())
+    ep = parallel_op("moe_dispatch", None)                            # expert-parallel on a mesh
+    u = (ep or moe_ops.moe_dispatch)(
+        z.astype(self.dtype), weights, ids, *self._expert_weights(), activation=self.kind,
+        beta1=self.beta1, beta2=self.beta2, gmm=self._gmm(ep is not None or not mesh_installed()))
     y = self.up(self.norm(u)) if m.latent_dim else u                   # [N, D]
     if m.num_shared_experts:
       y = y + self.shared(xf)
