@@ -6,6 +6,7 @@ k3_tiny with its MoE widths raised to 32 (one MX block along each contraction ax
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -122,3 +123,36 @@ def test_serving_weight_bytes_abstract():
   assert out["routed_expert_params"] == n_moe * m.num_experts * 3 * 32 * 32
   with pytest.raises(ValueError, match="multiple of 32"):      # k3_tiny's latent width 16
     quant.serving_weight_bytes(configs.get("k3_tiny"))
+
+
+def test_packed_moe_on_tpu_expert_mesh_lowers_to_the_mxfp4_kernel():
+  """Serving on a TPU expert mesh: the packed layer's grouped matmuls run the Pallas MXFP4
+  kernel inside the expert-parallel shard_map (three Mosaic calls: gate, up, down), while the
+  same layer lowered for the CPU keeps dequantize + grouped matmul (no Mosaic call).
+  Lowering only (no TPU compile) keeps this cheap; compiling is `main.py compile --quant`."""
+  import os
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")   # compile-only libtpu use
+  from sharding.mesh import make_mesh, parse_mesh
+  from sharding.rules import activation_rules
+  from sharding.topology import topology_devices
+  wide = ["moe.latent_dim=256", "moe.expert_intermediate=256", "dtype=bfloat16"]
+  cfg = validate(apply_overrides(configs.get("k3_tiny"), wide))
+  layer = MoE(cfg, init=Init(0, "numpy"))
+  quant.pack_moe(layer)
+  g, p, r = nnx.split(layer, nnx.Param, ...)
+  x = jax.ShapeDtypeStruct((4, 16, cfg.d_model), jnp.bfloat16)
+
+  def lowered_text(devices, spec):
+    mesh = make_mesh(parse_mesh(spec), devices=devices)
+
+    def fwd(p, r, x):
+      with activation_rules(mesh):
+        return nnx.merge(g, p, r)(x)[0]
+    with jax.default_matmul_precision("default"):
+      return jax.jit(fwd).lower(p, r, x).as_text()
+
+  tpu = lowered_text(topology_devices("v5p:2x2x1"), "expert:4")
+  assert "tpu_custom_call" in tpu and "ragged_all_to_all" in tpu
+  assert len(re.findall(r"call @_mxfp4_gmm\b", tpu)) == 3
+  cpu = lowered_text(jax.devices()[:4], "expert:4")
+  assert "tpu_custom_call" not in cpu
