@@ -101,6 +101,7 @@ def test_param_counts_kimi_linear():
   assert 2.5e9 < c["active_params"] < 3.8e9, c["active_params"]
 
 
+@pytest.mark.slow      # two fwd+bwd compiles of k3_tiny: ~3 min on the loaded 2-core machine
 def test_layer_remat_gradients_equal_plain():
   """remat="layer" (each scanned unit and each layer inside it, and the unscanned layers,
   recomputed in the backward pass) changes what is stored, not the math: the same loss and
