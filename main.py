@@ -47,7 +47,8 @@ flags.DEFINE_float("muon_lr", None, "peak Muon learning rate (matrix parameters,
 flags.DEFINE_string("optimizer", None, "train: muon (Per-Head Muon + AdamW) | adamw; default: "
                     "the preset's. info: --optimizer alone (or =muon|adamw) prints every "
                     "parameter's optimizer group and batch axes")
-flags.DEFINE_string("remat", None, "none | block | dots")
+flags.DEFINE_string("remat", None, "none | block (recompute each scanned unit) | layer "
+                    "(block, and each layer on its own within it) | dots (keep matmuls)")
 flags.DEFINE_integer("eval_every", None, "evaluate every N steps")
 flags.DEFINE_integer("checkpoint_every", None, "checkpoint every N steps")
 flags.DEFINE_integer("seed", None, "random seed (init and data order)")

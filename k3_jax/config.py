@@ -146,7 +146,7 @@ class TrainConfig:
   b1: float = 0.9
   b2: float = 0.95
   grad_clip: float = 1.0
-  remat: str = "none"               # "none" | "block" (recompute each scanned unit) | "dots" (keep matmuls)
+  remat: str = "none"               # "none" | "block" (recompute each scanned unit) | "layer" (and each layer within it) | "dots" (keep matmuls)
   seed: int = 0
   eval_every: int = 100
   eval_batches: int = 4
@@ -245,8 +245,8 @@ def validate_train(tc: TrainConfig, cfg: ModelConfig) -> TrainConfig:
            "must be 'muon' (Per-Head Muon) or 'adamw'")
   _require(tc.muon_lr > 0, "muon_lr", tc.muon_lr, "must be positive")
   _require(tc.qk_clip_tau >= 0, "qk_clip_tau", tc.qk_clip_tau, "must be >= 0 (0 disables)")
-  _require(tc.remat in ("none", "block", "dots"), "remat", tc.remat,
-           "must be one of 'none', 'block', 'dots'")
+  _require(tc.remat in ("none", "block", "layer", "dots"), "remat", tc.remat,
+           "must be one of 'none', 'block', 'layer', 'dots'")
   _require(tc.learning_rate > 0, "learning_rate", tc.learning_rate, "must be positive")
   _require(0 <= tc.warmup_frac < 1, "warmup_frac", tc.warmup_frac, "must lie in [0, 1)")
   return tc

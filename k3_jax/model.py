@@ -104,17 +104,38 @@ class DecoderLayer(nnx.Module):
     return stream, cache, {**aux, **ffn_aux}
 
 
+def _remat_policy(remat: str):
+  return (jax.checkpoint_policies.dots_with_no_batch_dims_saveable if remat == "dots"
+          else jax.checkpoint_policies.nothing_saveable)
+
+
+def call_layer(layer: DecoderLayer, remat: str, x, segment_ids, cache, pos, layer_idx, train):
+  """One decoder layer; with `remat` != "none" it is rematerialised on its own: the backward
+  pass keeps only its inputs (and, for "dots", its matmul outputs) and recomputes the rest,
+  so at most one layer's intermediates are live at a time."""
+  if remat == "none":
+    return layer(x, segment_ids, cache, pos, layer_idx, train)
+  graphdef, state = nnx.split(layer)
+
+  def run(state, x, cache):
+    return nnx.merge(graphdef, state)(x, segment_ids, cache, pos, layer_idx, train)
+
+  return jax.checkpoint(run, policy=_remat_policy(remat))(state, x, cache)
+
+
 class Unit(nnx.Module):
   """`period` consecutive decoder layers: the body of the scan."""
 
   def __init__(self, cfg: ModelConfig, kinds, *, init: Init):
     self.layers = nnx.List([DecoderLayer(cfg, m, f, init=init) for m, f in kinds])
 
-  def __call__(self, x, segment_ids=None, caches=None, pos=0, first_layer=0, train=False):
+  def __call__(self, x, segment_ids=None, caches=None, pos=0, first_layer=0, train=False,
+               layer_remat: str = "none"):
+    """layer_remat: rematerialise each layer on its own (`call_layer`) inside the unit."""
     new_caches, auxes = [], []
     for i, layer in enumerate(self.layers):
-      x, c, aux = layer(x, segment_ids, None if caches is None else caches[i], pos,
-                        first_layer + i, train)
+      x, c, aux = call_layer(layer, layer_remat, x, segment_ids,
+                             None if caches is None else caches[i], pos, first_layer + i, train)
       new_caches.append(c)
       auxes.append(aux)
     return x, (None if caches is None else new_caches), auxes
@@ -179,18 +200,19 @@ class K3Model(nnx.Module):
       x, all_c = carry
       st, first, i = xs
       c = None if all_c is None else jax.tree.map(lambda a: a[i], all_c)
-      x, c, aux = nnx.merge(graphdef, st)(x, segment_ids, c, pos, first, train)
+      x, c, aux = nnx.merge(graphdef, st)(x, segment_ids, c, pos, first, train,
+                                          layer_remat="block" if remat == "layer" else "none")
       if all_c is not None:
         all_c = jax.tree.map(
             lambda a, u: jax.lax.dynamic_update_index_in_dim(a, u.astype(a.dtype), i, 0),
             all_c, c)
       return (x, all_c), aux
 
-    if remat == "block":
-      body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
-    elif remat == "dots":
-      body = jax.checkpoint(
-          body, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    # "block": the scan keeps each unit's input and recomputes the unit in the backward
+    # pass; "layer": the same, and within that recomputation each layer is rematerialised
+    # again, so one layer's intermediates (not the unit's) are live at a time
+    if remat != "none":
+      body = jax.checkpoint(body, policy=_remat_policy(remat))
     (x, caches), aux = jax.lax.scan(body, (x, caches),
                                     (state, first_layers, jnp.arange(reps)))
     return x, caches, aux
@@ -218,8 +240,9 @@ class K3Model(nnx.Module):
     def run_list(name, layers, x, first):
       caches = []
       for i, layer in enumerate(layers):
-        x, c, aux = layer(x, segment_ids, None if cache is None else cache[name][i], pos,
-                          first + i, train)
+        # the unscanned layers are rematerialised one by one under any remat
+        x, c, aux = call_layer(layer, remat, x, segment_ids,
+                               None if cache is None else cache[name][i], pos, first + i, train)
         caches.append(c)
         auxes.append(jax.tree.map(lambda a: a[None], aux))
       if new_cache is not None:

@@ -34,7 +34,10 @@ RULES: dict[str, tuple[str, ...]] = {
     "heads": ("tensor",),
     "mlp": ("tensor",),
     "experts": ("expert",),
-    "expert_embed": ("fsdp",),
+    # routed experts' model dimension: over fsdp and the sequence axis too (the experts are
+    # nearly all of k3's parameters; without it every sequence shard would hold a whole
+    # copy of its fsdp shard of them and of their optimizer state)
+    "expert_embed": ("fsdp", "sequence"),
     "expert_mlp": ("tensor",),
     # MLA's low-rank inputs to its head projections (q_b, kv_b: [rank, heads, head_dim]):
     # split like "embed" so those weights are not whole on every device when heads cannot

@@ -50,7 +50,20 @@ def init_stream(embedded: jax.Array, num_layers: int, block_size: int) -> dict:
 
 
 def aggregate(w: jax.Array, stream: dict, eps: float = 1e-5) -> jax.Array:
-  """h = sum_i softmax_i(w . RMSNorm(v_i)) v_i over the valid sources. -> [B, T, D]."""
+  """h = sum_i softmax_i(w . RMSNorm(v_i)) v_i over the valid sources. -> [B, T, D].
+
+  Rematerialised: the FP32 copies of the sources and keys ([N+1, B, T, D] each, 9 x D x 8
+  bytes per token for k3, at every sublayer) are recomputed in the backward pass instead of
+  being kept from the forward; only the inputs (the bank in the stream dtype) are kept."""
+  return _aggregate_remat(w, stream, eps)
+
+
+@jax.checkpoint
+def _aggregate_remat(w, stream, eps):
+  return _aggregate(w, stream, eps)
+
+
+def _aggregate(w: jax.Array, stream: dict, eps: float) -> jax.Array:
   sources = jnp.concatenate([stream["bank"], stream["partial"][None]], axis=0)  # [N+1,B,T,D]
   n = stream["bank"].shape[0]
   valid = jnp.concatenate([jnp.arange(n) < stream["count"], stream["has_partial"][None]])

@@ -63,6 +63,56 @@ def newton_schulz(x: jax.Array, steps: int = 5, eps: float = 1e-7) -> jax.Array:
   return y.astype(x.dtype)
 
 
+def orthogonalize(x: jax.Array, dims: MuonDimensionNumbers, steps: int = 5) -> jax.Array:
+  """`newton_schulz` on each (reduction x output) block of x, every other axis a batch axis.
+
+  Unlike optax's Muon, the batch axes are not flattened into one: flattening the stacked
+  "layers" axis with a sharded "experts" axis gives a dimension the partitioner cannot
+  keep sharded, so it gathers every expert's update onto every chip (terabytes for k3).
+  Here they stay in place (sharded ones stay sharded), and a leading batch axis (the
+  stacked "layers", when there are two or more) is looped over with `lax.map`, so one
+  layer's Newton-Schulz temporaries are live at a time."""
+  red = tuple(a % x.ndim for a in _tuple(dims.reduction_axis))
+  out = tuple(a % x.ndim for a in _tuple(dims.output_axis))
+  batch = tuple(a for a in range(x.ndim) if a not in red + out)
+  perm = batch + red + out
+  y = jnp.transpose(x, perm)
+  bshape = y.shape[:len(batch)]
+  y = y.reshape(bshape + (math.prod(x.shape[a] for a in red),
+                          math.prod(x.shape[a] for a in out)))
+  if len(batch) >= 2:
+    y = jax.lax.map(lambda b: newton_schulz(b, steps), y)
+  else:
+    y = newton_schulz(y, steps)
+  y = y.reshape(bshape + tuple(x.shape[a] for a in red + out))
+  return jnp.transpose(y, tuple(perm.index(a) for a in range(x.ndim)))
+
+
+def scale_by_blockwise_muon(dims_fn, ns_steps: int = 5, beta: float = 0.95,
+                            nesterov: bool = True) -> optax.GradientTransformation:
+  """optax.contrib.scale_by_muon's momentum (same state, same bias-corrected Nesterov
+  form) with the orthogonalization of `orthogonalize`, which keeps batch axes sharded."""
+  base = scale_by_muon(ns_coeffs=NS_COEFFS, ns_steps=ns_steps, beta=beta, nesterov=nesterov,
+                       weight_dimension_numbers=dims_fn)
+
+  def update_fn(updates, state, params=None):
+    del params
+    mu = optax.tree.update_moment(updates, state.mu, beta, 1)
+    count = optax.safe_increment(state.count)
+    if nesterov:
+      mu_hat = jax.tree.map(
+          lambda m, g: beta * m + (1 - beta) * g,
+          optax.tree.bias_correction(mu, beta, optax.safe_increment(count)),
+          optax.tree.bias_correction(updates, beta, count))
+    else:
+      mu_hat = optax.tree.bias_correction(mu, beta, count)
+    new = jax.tree.map(lambda x, d: orthogonalize(x, d, ns_steps), mu_hat, dims_fn(updates),
+                       is_leaf=lambda x: isinstance(x, MuonDimensionNumbers))
+    return new, state._replace(count=count, mu=mu)
+
+  return optax.GradientTransformation(base.init, update_fn)
+
+
 def scale_by_moonlight(dims_fn, rms: float = MUON_RMS) -> optax.GradientTransformation:
   """update x rms * sqrt(max(fan_in, fan_out)) of each orthogonalized block (fan-in: the
   product of the reduction axes, fan-out of the output axes; batch axes excluded): an
@@ -172,8 +222,7 @@ def per_head_muon(muon_lr: optax.ScalarOrSchedule, adamw_lr: optax.ScalarOrSched
 
   Works on an nnx State of Params carrying `matrix_axes` / `logical_axes` metadata."""
   muon = optax.chain(
-      scale_by_muon(ns_coeffs=NS_COEFFS, ns_steps=ns_steps, beta=momentum, nesterov=nesterov,
-                    weight_dimension_numbers=_muon_dims),
+      scale_by_blockwise_muon(_muon_dims, ns_steps=ns_steps, beta=momentum, nesterov=nesterov),
       scale_by_moonlight(_muon_dims),
       optax.add_decayed_weights(weight_decay),
       optax.scale_by_learning_rate(muon_lr))
@@ -182,5 +231,5 @@ def per_head_muon(muon_lr: optax.ScalarOrSchedule, adamw_lr: optax.ScalarOrSched
   return optax.partition({"muon": muon, "adamw": adamw}, _labels)
 
 
-__all__ = ["newton_schulz", "per_head_muon", "scale_by_moonlight", "param_group", "param_groups", "ParamGroup",
+__all__ = ["newton_schulz", "orthogonalize", "scale_by_blockwise_muon", "per_head_muon", "scale_by_moonlight", "param_group", "param_groups", "ParamGroup",
            "decay_mask", "GROUPS", "NS_COEFFS", "MUON_RMS"]

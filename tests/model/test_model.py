@@ -99,3 +99,24 @@ def test_param_counts_kimi_linear():
   c = param_counts(configs.get("kimi_linear_48b"))
   assert 46e9 < c["total_params"] < 51e9, c["total_params"]
   assert 2.5e9 < c["active_params"] < 3.8e9, c["active_params"]
+
+
+@pytest.mark.slow      # two fwd+bwd compiles of k3_tiny: ~3 min on the loaded 2-core machine
+def test_layer_remat_gradients_equal_plain():
+  """remat="layer" (each scanned unit and each layer inside it, and the unscanned layers,
+  recomputed in the backward pass) changes what is stored, not the math: the same loss and
+  gradients as no remat. f32; the recomputation repeats the same ops, so agreement is to
+  rounding (XLA may fuse the recomputed graph differently): 1e-5."""
+  cfg, state, *_ = tiny()
+  graphdef = nnx.graphdef(create_model(cfg, seed=0))
+  tokens = jax.random.randint(jax.random.key(4), (2, T), 0, cfg.vocab_size)
+
+  def loss(s, remat):
+    logits = nnx.merge(graphdef, s)(tokens, _ones(2), remat=remat)[0]
+    return jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+
+  ref_l, ref_g = jax.jit(jax.value_and_grad(functools.partial(loss, remat="none")))(state)
+  l, g = jax.jit(jax.value_and_grad(functools.partial(loss, remat="layer")))(state)
+  np.testing.assert_allclose(l, ref_l, rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref_g)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
