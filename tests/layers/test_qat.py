@@ -130,8 +130,6 @@ def test_packed_moe_on_tpu_expert_mesh_lowers_to_the_mxfp4_kernel():
   kernel inside the expert-parallel shard_map (three Mosaic calls: gate, up, down), while the
   same layer lowered for the CPU keeps dequantize + grouped matmul (no Mosaic call).
   Lowering only (no TPU compile) keeps this cheap; compiling is `main.py compile --quant`."""
-  import os
-  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")   # compile-only libtpu use
   from sharding.mesh import make_mesh, parse_mesh
   from sharding.rules import activation_rules
   from sharding.topology import topology_devices

@@ -11,25 +11,21 @@ own chunk-vs-recurrent tests use). The mesh does not change any arithmetic (each
 whole sequences and whole heads).
 """
 
-import os
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec as P
 
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compile-only: no chip is claimed
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import configs  # noqa: E402
-from k3_jax.config import apply_overrides  # noqa: E402
-from k3_jax.layers.init import Init  # noqa: E402
-from k3_jax.layers.kda import KDA  # noqa: E402
-from k3_jax.ops import moe as moe_ops  # noqa: E402
-from sharding.kernels import kernel_specs  # noqa: E402
-from sharding.mesh import make_mesh, parse_mesh  # noqa: E402
-from sharding.rules import activation_rules  # noqa: E402
-from sharding.topology import topology_devices  # noqa: E402
+import configs
+from k3_jax.config import apply_overrides
+from k3_jax.layers.init import Init
+from k3_jax.layers.kda import KDA
+from k3_jax.ops import moe as moe_ops
+from sharding.kernels import kernel_specs
+from sharding.mesh import make_mesh, parse_mesh
+from sharding.rules import activation_rules
+from sharding.topology import topology_devices
 
 CFG = configs.get("k3_tiny")
 REL = 1e-4

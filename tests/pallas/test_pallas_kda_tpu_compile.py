@@ -8,24 +8,20 @@ the whole k3_tiny train step, where the MoE layers must also pick the TPU groupe
 (ragged_dot), not the CPU one.
 """
 
-import os
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compile-only: no chip is claimed
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import pytest  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
-
-import configs  # noqa: E402
-from k3_jax import train  # noqa: E402
-from k3_jax.config import apply_overrides  # noqa: E402
-from k3_jax.layers.init import Init  # noqa: E402
-from k3_jax.layers.kda import KDA  # noqa: E402
-from sharding.mesh import make_mesh, parse_mesh  # noqa: E402
-from sharding.rules import activation_rules  # noqa: E402
-from sharding.topology import topology_devices  # noqa: E402
+import configs
+from k3_jax import train
+from k3_jax.config import apply_overrides
+from k3_jax.layers.init import Init
+from k3_jax.layers.kda import KDA
+from sharding.mesh import make_mesh, parse_mesh
+from sharding.rules import activation_rules
+from sharding.topology import topology_devices
 
 TOPOLOGY = "v5p:2x2x1"        # 4 chips: batch over data, heads over tensor
 MESH = "data:2,tensor:2"

@@ -17,21 +17,17 @@ kind (group sizes are traced, so all patterns reuse it) and one TPU compile (v5e
 expert shapes). `-m slow`: wider shapes, several L tiles, E5M2, all three TPU generations.
 """
 
-import os
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
 
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")   # compile-only libtpu use
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from jax.experimental.pallas import tpu as pltpu  # noqa: E402
-
-from k3_jax.ops import mx  # noqa: E402
-from k3_jax.ops.moe import ragged_dot_gmm  # noqa: E402
-from k3_jax.ops.mx_gmm import mxfp4_gmm as reference  # noqa: E402
-from k3_jax.quant import packed_gmm  # noqa: E402
-from pallas_kernels.mxfp4_gmm import (Tiling, group_metadata, mxfp4_gmm,  # noqa: E402
+from k3_jax.ops import mx
+from k3_jax.ops.moe import ragged_dot_gmm
+from k3_jax.ops.mx_gmm import mxfp4_gmm as reference
+from k3_jax.quant import packed_gmm
+from pallas_kernels.mxfp4_gmm import (Tiling, group_metadata, mxfp4_gmm,
                                       rhs_fetches)
 
 M, L, F, E = 64, 256, 256, 4
