@@ -81,15 +81,25 @@ flags.DEFINE_integer("global_batch", None, "compile: global batch in sequences (
 flags.DEFINE_integer("cache_len", None, "compile prefill/decode: cache length in tokens "
                      "(default: --seq_len)")
 flags.DEFINE_enum("gmm", "ragged_dot", ["ragged_dot", "tiled"], "compile: MoE grouped matmul "
-                  "lowered for the target (ragged_dot on TPU)")
+                  "lowered for the target (ragged_dot on TPU); sets moe.gmm")
 flags.DEFINE_float("ep_capacity", None, "compile/train: expert-parallel capacity factor c "
-                   "(rows per source-destination bounded at c*n*k/P; default dropless)")
+                   "(rows per source-destination bounded at c*n*k/P; default dropless); "
+                   "sets moe.ep_capacity")
 
 
 def _model_config():
   import configs
   from k3_jax.config import apply_overrides, validate
   return validate(apply_overrides(configs.get(FLAGS.config), FLAGS.override))
+
+
+def _execution_overrides(cfg, gmm: str | None = None):
+  """cfg with the execution-only flags applied as config fields (moe.ep_capacity, moe.gmm):
+  jit sees them through the config, and a checkpoint resumes under other values."""
+  from k3_jax.config import apply_overrides, validate
+  over = [] if FLAGS.ep_capacity is None else [f"moe.ep_capacity={FLAGS.ep_capacity}"]
+  over += [] if gmm is None else [f"moe.gmm={gmm}"]
+  return validate(apply_overrides(cfg, over))
 
 
 def _train_config(cfg):
@@ -128,7 +138,7 @@ def cmd_info() -> None:
                   "unscanned_suffix": cfg.num_layers - prefix - reps * period},
          **counts}
   if FLAGS.quant == "mxfp4":
-    from k3_jax.quant import serving_weight_bytes
+    from k3_jax.serve.pack import serving_weight_bytes
     out["serving_mxfp4"] = serving_weight_bytes(cfg)
   if FLAGS.json:
     print(json.dumps(out))
@@ -211,7 +221,7 @@ def cmd_train() -> None:
 
   from sharding.distributed import maybe_initialize
   maybe_initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
-  cfg = _model_config()
+  cfg = _execution_overrides(_model_config())
   tc = _train_config(cfg)
   mesh = make_mesh(parse_mesh(FLAGS.mesh))
   validate_mesh(cfg, mesh, tc.batch_size, tc.seq_len)
@@ -247,9 +257,7 @@ def cmd_train() -> None:
   if pidx == 0:                       # one writer; every host writes its checkpoint shards
     with open(os.path.join(FLAGS.workdir, "train_config.json"), "w") as f:
       json.dump(dataclasses.asdict(tc), f, indent=1)
-  from sharding import expert
-  with expert.capacity_factor(FLAGS.ep_capacity):    # traced inside: the first step compiles
-    result = train.run(cfg, tc, FLAGS.workdir, mesh, train_iter, evals, ckpt=ckpt)
+  result = train.run(cfg, tc, FLAGS.workdir, mesh, train_iter, evals, ckpt=ckpt)
   print(f"done: step {result.get('step')} loss {result.get('loss', float('nan')):.4f} "
         f"eval_loss {result.get('eval_loss', float('nan')):.4f} in "
         f"{result.get('wall_time', 0):.0f}s; checkpoints and metrics.jsonl in {FLAGS.workdir}")
@@ -283,7 +291,7 @@ def cmd_generate() -> None:
   tok = tokenizers.get_tokenizer(FLAGS.tokenizer or "byte")
   graphdef, params, rest = steps.graphdef, state["params"], state["rest"]
   if FLAGS.quant == "mxfp4":
-    from k3_jax.quant import pack_state
+    from k3_jax.serve.pack import pack_state
     graphdef, params, rest = pack_state(graphdef, params, rest)
   engine = Engine(cfg, graphdef, params, rest)
   ids = tok.encode(FLAGS.prompt)
@@ -308,10 +316,9 @@ def cmd_compile() -> None:
   if not FLAGS.topology:
     raise ValueError("compile needs --topology, e.g. --topology=v5p-128 or v5p:4x4x4")
   target = resolve_target(FLAGS.topology, FLAGS.slices)
-  cfg = _model_config()
+  cfg = _execution_overrides(_model_config(), gmm=FLAGS.gmm)
   rep = compile_step(cfg, target, FLAGS.step, FLAGS.mesh, FLAGS.global_batch, FLAGS.seq_len,
-                     cache_len=FLAGS.cache_len, gmm=FLAGS.gmm, quant=FLAGS.quant,
-                     ep_capacity=FLAGS.ep_capacity)
+                     cache_len=FLAGS.cache_len, quant=FLAGS.quant)
   if FLAGS.json:
     print(json.dumps(rep))
     return
@@ -325,8 +332,7 @@ def cmd_compile() -> None:
 
 
 def compile_step(cfg, target, step: str, mesh_spec: str, global_batch=None, seq_len=None,
-                 cache_len=None, gmm: str = "ragged_dot", quant: str = "none",
-                 ep_capacity: float | None = None) -> dict:
+                 cache_len=None, quant: str = "none") -> dict:
   """Lower and compile the real `step` of `cfg` for `target` with abstract inputs; the report
   of sharding.aot.compile_report plus what was compiled. Composes train/model (the step)
   with sharding (devices, mesh, AOT) -- sharding never imports train or serve."""
@@ -337,10 +343,10 @@ def compile_step(cfg, target, step: str, mesh_spec: str, global_batch=None, seq_
   from k3_jax import train
   from k3_jax.config import ConfigError
   from k3_jax.model import create_model, decode_step, prefill
-  from k3_jax.ops.moe import use_gmm
-  from sharding import aot, expert
+  from sharding import aot
   from sharding.mesh import make_mesh, parse_mesh, validate_mesh
-  from sharding.rules import activation_rules, tree_shardings
+  from sharding.install import activation_rules
+  from sharding.rules import tree_shardings
   from sharding.topology import target_devices
 
   mesh = make_mesh(parse_mesh(mesh_spec), target_devices(target))
@@ -351,67 +357,66 @@ def compile_step(cfg, target, step: str, mesh_spec: str, global_batch=None, seq_
   report = {"config": cfg.name, "step": step, "topology": target.topology,
             "target": target.name, "num_slices": target.num_slices, "chips": target.chips,
             "mesh": {k: int(v) for k, v in mesh.shape.items()}, "global_batch": batch,
-            "seq_len": seq, "ep_capacity": ep_capacity}
-  with use_gmm(gmm), expert.capacity_factor(ep_capacity):
-    if step == "train":
-      tc = dataclasses.replace(tc, batch_size=batch, seq_len=seq)
-      steps = train.build_steps(cfg, tc, mesh)
-      state = aot.with_shardings(steps.abstract_state, steps.state_shardings)
-      tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=steps.batch_sharding)
-      mask = jax.ShapeDtypeStruct((batch, seq), jnp.float32, sharding=steps.batch_sharding)
-      args = (state, {"inputs": tokens, "targets": tokens, "segment_ids": tokens,
-                      "loss_mask": mask})
-      report.update(remat=tc.remat, grad_accum=tc.grad_accum, optimizer=tc.optimizer)
-      _, rep = aot.compile_report(steps.train, args, target.chip_hbm_bytes)
-      return {**report, **rep}
-    # serving steps: parameters in their stored format, caches sharded on the batch
-    length = cache_len or seq
-    if step == "decode" and length > cfg.max_seq_len:
-      raise ConfigError(f"cache_len={length} exceeds max_seq_len={cfg.max_seq_len}")
-    graphdef, params, rest = _serving_params(cfg, quant)
-    p_sh, r_sh = tree_shardings(params, mesh), tree_shardings(rest, mesh)
-    cache = jax.eval_shape(lambda: create_model(cfg, mode="abstract").init_cache(batch, length))
-    cache_dim = lambda path: (None if path[0].key == "pos" else
-                              1 if path[0].key == "units" else 0)
-    c_sh = aot.batch_shardings(cache, mesh, cache_dim)
-    report.update(cache_len=length, quant=quant)
-    if step == "decode":
-      def run(params, rest, cache, token):
-        with activation_rules(mesh):
-          return decode_step(nnx.merge(graphdef, params, rest), cache, token)
-      tok = jax.ShapeDtypeStruct((batch,), jnp.int32)
-      tok_sh = aot.batch_shardings(tok, mesh, 0)
-      fn = jax.jit(run, in_shardings=(p_sh, r_sh, c_sh, tok_sh),
-                   out_shardings=(aot.batch_shardings(
-                       jax.ShapeDtypeStruct((batch, cfg.vocab_size), jnp.float32), mesh, 0),
-                       c_sh), donate_argnums=(2,))
-      args = (aot.with_shardings(params, p_sh), aot.with_shardings(rest, r_sh),
-              aot.with_shardings(cache, c_sh), jax.ShapeDtypeStruct(tok.shape, tok.dtype,
-                                                                     sharding=tok_sh))
-    else:
-      def run(params, rest, tokens):
-        with activation_rules(mesh):
-          logits, cache = prefill(nnx.merge(graphdef, params, rest), tokens, length)
-        return logits[:, -1], cache          # the next-token logits and the filled cache
-      toks = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
-      t_sh = aot.batch_shardings(toks, mesh, 0)
-      fn = jax.jit(run, in_shardings=(p_sh, r_sh, t_sh),
-                   out_shardings=(aot.batch_shardings(
-                       jax.ShapeDtypeStruct((batch, cfg.vocab_size), jnp.float32), mesh, 0),
-                       c_sh))
-      args = (aot.with_shardings(params, p_sh), aot.with_shardings(rest, r_sh),
-              jax.ShapeDtypeStruct(toks.shape, toks.dtype, sharding=t_sh))
-    _, rep = aot.compile_report(fn, args, target.chip_hbm_bytes)
+            "seq_len": seq, "ep_capacity": cfg.moe.ep_capacity or None, "gmm": cfg.moe.gmm}
+  if step == "train":
+    tc = dataclasses.replace(tc, batch_size=batch, seq_len=seq)
+    steps = train.build_steps(cfg, tc, mesh)
+    state = aot.with_shardings(steps.abstract_state, steps.state_shardings)
+    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=steps.batch_sharding)
+    mask = jax.ShapeDtypeStruct((batch, seq), jnp.float32, sharding=steps.batch_sharding)
+    args = (state, {"inputs": tokens, "targets": tokens, "segment_ids": tokens,
+                    "loss_mask": mask})
+    report.update(remat=tc.remat, grad_accum=tc.grad_accum, optimizer=tc.optimizer)
+    _, rep = aot.compile_report(steps.train, args, target.chip_hbm_bytes)
     return {**report, **rep}
+  # serving steps: parameters in their stored format, caches sharded on the batch
+  length = cache_len or seq
+  if step == "decode" and length > cfg.max_seq_len:
+    raise ConfigError(f"cache_len={length} exceeds max_seq_len={cfg.max_seq_len}")
+  graphdef, params, rest = _serving_params(cfg, quant)
+  p_sh, r_sh = tree_shardings(params, mesh), tree_shardings(rest, mesh)
+  cache = jax.eval_shape(lambda: create_model(cfg, mode="abstract").init_cache(batch, length))
+  cache_dim = lambda path: (None if path[0].key == "pos" else
+                            1 if path[0].key == "units" else 0)
+  c_sh = aot.batch_shardings(cache, mesh, cache_dim)
+  report.update(cache_len=length, quant=quant)
+  if step == "decode":
+    def run(params, rest, cache, token):
+      with activation_rules(mesh):
+        return decode_step(nnx.merge(graphdef, params, rest), cache, token)
+    tok = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    tok_sh = aot.batch_shardings(tok, mesh, 0)
+    fn = jax.jit(run, in_shardings=(p_sh, r_sh, c_sh, tok_sh),
+                 out_shardings=(aot.batch_shardings(
+                     jax.ShapeDtypeStruct((batch, cfg.vocab_size), jnp.float32), mesh, 0),
+                     c_sh), donate_argnums=(2,))
+    args = (aot.with_shardings(params, p_sh), aot.with_shardings(rest, r_sh),
+            aot.with_shardings(cache, c_sh), jax.ShapeDtypeStruct(tok.shape, tok.dtype,
+                                                                   sharding=tok_sh))
+  else:
+    def run(params, rest, tokens):
+      with activation_rules(mesh):
+        logits, cache = prefill(nnx.merge(graphdef, params, rest), tokens, length)
+      return logits[:, -1], cache          # the next-token logits and the filled cache
+    toks = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+    t_sh = aot.batch_shardings(toks, mesh, 0)
+    fn = jax.jit(run, in_shardings=(p_sh, r_sh, t_sh),
+                 out_shardings=(aot.batch_shardings(
+                     jax.ShapeDtypeStruct((batch, cfg.vocab_size), jnp.float32), mesh, 0),
+                     c_sh))
+    args = (aot.with_shardings(params, p_sh), aot.with_shardings(rest, r_sh),
+            jax.ShapeDtypeStruct(toks.shape, toks.dtype, sharding=t_sh))
+  _, rep = aot.compile_report(fn, args, target.chip_hbm_bytes)
+  return {**report, **rep}
 
 
 def _serving_params(cfg, quant: str):
   """(graphdef, abstract params, abstract rest) of the model as served: quant="mxfp4" packs
-  the routed experts to MXFP4 MXArrays (k3_jax.quant), "none" keeps the param dtype."""
+  the routed experts to MXFP4 MXArrays (k3_jax.serve.pack), "none" keeps the param dtype."""
   import jax
   from k3_jax import train
   from k3_jax.model import create_model
-  from k3_jax.quant import pack_routed_experts
+  from k3_jax.serve.pack import pack_routed_experts
   out = {}
 
   def f():

@@ -27,9 +27,9 @@ class KDAConfig:
   gate_rank: int = 0            # output gate: 0 = full rank (K3); r > 0 = low rank d -> r -> H*V
   decay_rank: int = 0           # rank of the decay logit projection; 0 = head_dim
   chunk_size: int = 64
-  backend: str = "auto"         # "reference" (k3_jax.ops) | "pallas" (pallas_kernels) | "auto":
-                                # pallas when compiling for TPU, else reference (chosen when
-                                # the layer is traced; see KDA._backend)
+  backend: str = "auto"         # execution only: "reference" (k3_jax.ops) | "pallas"
+                                # (pallas_kernels) | "auto": pallas when compiling for TPU,
+                                # else reference (k3_jax.ops.kda.resolve_backend)
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,12 @@ class MoEConfig:
                                     # Balancing), "sign" (DeepSeek-V3 fixed step), "none"
   balance_rate: float = 1e-3        # step of the "sign" update
   qb_bins: int = 0                  # 0: exact quantiles; > 0: pooled histogram of this many bins
+  gmm: str = "auto"                 # execution only: routed-expert grouped matmul, "ragged_dot"
+                                    # (TPU/GPU) | "tiled" (plain JAX) | "auto" (by the compile
+                                    # target: tiled for CPU, else ragged_dot)
+  ep_capacity: float = 0.0          # execution only: expert-parallel capacity factor c (at most
+                                    # ceil(c n k / P) rows per device pair, the rest dropped;
+                                    # sharding/expert.py); 0 = dropless
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,13 @@ class QuantConfig:
 
 
 QAT_MODES = ("none", "mxfp4_mxfp8")
+KDA_BACKENDS = ("auto", "reference", "pallas")
+GMM_KINDS = ("auto", "ragged_dot", "tiled")
+
+# Fields that choose how the model executes (kernels, buffer bounds), not what it computes
+# up to numerics: changing one changes the traced program but never the parameters, so a
+# checkpoint made with one value resumes with another (k3_jax/checkpoint/manager.py).
+EXECUTION_FIELDS = ("kda.backend", "moe.gmm", "moe.ep_capacity")
 
 
 @dataclass(frozen=True)
@@ -195,8 +208,8 @@ def validate(cfg: ModelConfig) -> ModelConfig:
   _require(k.g_min < 0, "kda.g_min", k.g_min, "must be negative (log of the smallest decay)")
   _require(k.gate_rank >= 0 and k.decay_rank >= 0, "kda.gate_rank/decay_rank",
            (k.gate_rank, k.decay_rank), "must be >= 0")
-  _require(k.backend in ("auto", "reference", "pallas"), "kda.backend", k.backend,
-           "must be 'auto', 'reference' or 'pallas'")
+  _require(k.backend in KDA_BACKENDS, "kda.backend", k.backend,
+           f"must be one of {', '.join(map(repr, KDA_BACKENDS))}")
   m = cfg.mla
   for f in ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
     _require(getattr(m, f) > 0, f"mla.{f}", getattr(m, f), "must be positive")
@@ -220,6 +233,10 @@ def validate(cfg: ModelConfig) -> ModelConfig:
   _require(e.balance != "qb" or e.top_k < e.num_experts, "moe.top_k", e.top_k,
            "Quantile Balancing needs top_k < num_experts (its cutoff is the (k+1)-th expert)")
   _require(e.qb_bins >= 0, "moe.qb_bins", e.qb_bins, "must be >= 0 (0 = exact)")
+  _require(e.gmm in GMM_KINDS, "moe.gmm", e.gmm,
+           f"must be one of {', '.join(map(repr, GMM_KINDS))}")
+  _require(e.ep_capacity >= 0, "moe.ep_capacity", e.ep_capacity,
+           "must be >= 0 (0 = dropless; c > 0 bounds the expert-parallel buffers)")
   _require(cfg.quant.qat in QAT_MODES, "quant.qat", cfg.quant.qat,
            f"must be one of {', '.join(map(repr, QAT_MODES))}")
   if cfg.quant.qat != "none":
@@ -304,6 +321,15 @@ def to_dict(obj: Any) -> dict:
   return dataclasses.asdict(obj)
 
 
+def without_execution_fields(d: dict) -> dict:
+  """A config dict (`to_dict`) without its EXECUTION_FIELDS: what identifies the model."""
+  out = {k: dict(v) if isinstance(v, dict) else v for k, v in d.items()}
+  for path in EXECUTION_FIELDS:
+    group, name = path.split(".")
+    out.get(group, {}).pop(name, None)
+  return out
+
+
 def from_dict(d: dict) -> ModelConfig:
   sub = {"kda": KDAConfig, "mla": MLAConfig, "moe": MoEConfig, "attn_res": AttnResConfig,
          "quant": QuantConfig}
@@ -324,6 +350,6 @@ def jnp_dtype(name: str):
 
 
 __all__ = ["ConfigError", "KDAConfig", "MLAConfig", "MoEConfig", "AttnResConfig", "QuantConfig",
-           "QAT_MODES", "ModelConfig",
+           "QAT_MODES", "KDA_BACKENDS", "GMM_KINDS", "EXECUTION_FIELDS", "ModelConfig",
            "TrainConfig", "MeshConfig", "validate", "validate_train", "apply_overrides",
-           "to_dict", "from_dict", "jnp_dtype"]
+           "to_dict", "without_execution_fields", "from_dict", "jnp_dtype"]

@@ -12,15 +12,17 @@ the installed mesh's devices, which may be compile-only TPU devices on a CPU hos
 choose kernels for the target rather than for the host.
 
 Ops that need explicit collectives on a sharded mesh (expert-parallel MoE dispatch, context-
-parallel KDA and MLA) are installed the same way, by name, with `use_parallel_ops`; a layer
-calls `parallel_op(name, reference)(...)`, which is the reference op unless `sharding/`
-installed a mesh-parallel version with the same signature for the active mesh.
+parallel KDA and MLA) are installed the same way, as one typed `ParallelOps` record, with
+`use_parallel_ops`; a layer calls `parallel_ops().<op> or reference`, i.e. the reference op
+unless `sharding/` installed a mesh-parallel version with the same signature for the active
+mesh.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from typing import Callable
 
 import jax
@@ -46,23 +48,46 @@ def use_resolver(resolver: Callable):
     _RESOLVER.reset(token)
 
 
-_PARALLEL_OPS: contextvars.ContextVar[dict] = contextvars.ContextVar("k3_parallel_ops",
-                                                                    default={})
+@dataclasses.dataclass(frozen=True)
+class ParallelOps:
+  """Mesh-parallel versions of ops, one field per op; None = run the reference (the
+  partitioner handles it). Each takes the mesh-bound arguments of its reference:
+
+    moe_dispatch      k3_jax.ops.moe.moe_dispatch(x, weights, expert_ids, w_gate, w_up,
+                      w_down, activation, beta1, beta2, gmm), plus capacity_factor
+                      (None = dropless; the expert-parallel buffer bound)
+    chunk_kda         k3_jax.ops.kda.chunk.chunk_kda(q, k, v, g, beta, scale, initial_state,
+                      output_final_state, chunk_size, segment_ids), plus local_fn (the
+                      per-shard chunked KDA: reference or kernel)
+    short_conv        k3_jax.ops.conv.short_conv(x, weight, segment_ids, cache)
+    latent_attention  k3_jax.ops.attention.latent_attention(q_nope, q_rope, c_kv, k_r,
+                      w_kvb, scale, dtype, q_segment_ids, kv_segment_ids, q_offset)
+  """
+  moe_dispatch: Callable | None = None
+  chunk_kda: Callable | None = None
+  short_conv: Callable | None = None
+  latent_attention: Callable | None = None
+
+
+_PARALLEL_OPS: contextvars.ContextVar[ParallelOps] = contextvars.ContextVar(
+    "k3_parallel_ops", default=ParallelOps())
 
 
 @contextlib.contextmanager
-def use_parallel_ops(ops: dict[str, Callable]):
-  token = _PARALLEL_OPS.set(dict(ops))
+def use_parallel_ops(ops: ParallelOps):
+  if not isinstance(ops, ParallelOps):
+    raise TypeError(f"use_parallel_ops takes a ParallelOps, got {type(ops).__name__}")
+  token = _PARALLEL_OPS.set(ops)
   try:
     yield
   finally:
     _PARALLEL_OPS.reset(token)
 
 
-def parallel_op(name: str, default: Callable) -> Callable:
-  """The mesh-parallel version of op `name` installed for the active mesh, else `default`
-  (the single-device reference, which the installed version must equal)."""
-  return _PARALLEL_OPS.get().get(name, default)
+def parallel_ops() -> ParallelOps:
+  """The mesh-parallel ops installed for the active mesh (fields None where there are none;
+  an installed op must equal its single-device reference)."""
+  return _PARALLEL_OPS.get()
 
 
 def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:

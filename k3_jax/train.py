@@ -27,7 +27,8 @@ from k3_jax.model import K3Model, create_model
 from k3_jax.ops.balance import load_stats
 from k3_jax.optim.muon import decay_mask, per_head_muon
 from k3_jax.optim.qk_clip import qk_clip
-from sharding.rules import activation_rules, logical_to_spec, tree_shardings
+from sharding.install import activation_rules
+from sharding.rules import logical_to_spec, tree_shardings
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "loss_mask")
 

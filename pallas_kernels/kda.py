@@ -1,6 +1,6 @@
 """Pallas TPU kernels for chunked Kimi Delta Attention (KDA): forward and backward.
 
-`chunk_kda` has the signature and semantics of `k3_jax.ops.kda.chunk_kda`
+`chunk_kda` has the signature and semantics of `k3_jax.ops.kda.chunk_kda` (reference: k3_jax/ops/kda/chunk.py)
 (plus `interpret`, `store_states`) and is differentiable through a
 `jax.custom_vjp` whose backward is a Pallas kernel too.
 
@@ -84,10 +84,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from k3_jax.ops.kda import _G_CLAMP, _default_scale, _doc_index
-
-_TILE = 16       # level-1 tiles (token pairs in different tiles)
-_SUB_TILE = 4    # level-2 sub-tiles (token pairs inside a tile)
+from k3_jax.ops.kda.common import (G_CLAMP, SUB_TILE, TILE, check_chunk_shapes, default_scale,
+                                   doc_index)
 _HI = jax.lax.Precision.HIGHEST
 _F32 = jnp.float32
 
@@ -155,8 +153,8 @@ def _masked_exp(mask, x):
 
 
 def _tiles(C):
-  t1 = math.gcd(C, _TILE)
-  t2 = math.gcd(t1, _SUB_TILE)
+  t1 = math.gcd(C, TILE)
+  t2 = math.gcd(t1, SUB_TILE)
   return t1, t2
 
 
@@ -549,7 +547,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None,
               interpret=False, store_states=False):
   """Chunked KDA as Pallas TPU kernels; differentiable (custom_vjp).
 
-  Same signature and results as `k3_jax.ops.kda.chunk_kda` (same g clamp at
+  Same signature and results as `k3_jax.ops.kda.chunk_kda` (reference: k3_jax/ops/kda/chunk.py) (same g clamp at
   -16, same segment semantics), plus:
     interpret     run the kernels in the Pallas interpreter (CPU tests).
     store_states  keep every chunk's incoming FP32 state from the forward for
@@ -562,23 +560,10 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None,
   [B, H, K, V] float32 or None). On TPU, chunk_size should be a multiple of
   16 (BF16 block tiling); any T works (padded to a multiple of chunk_size).
   """
-  B, T, H, K = q.shape
-  V = v.shape[-1]
+  B, T, H, K, V = check_chunk_shapes(q, k, v, g, beta, initial_state, segment_ids,
+                                     chunk_size)
   C = int(chunk_size)
-  if C <= 0:
-    raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-  for name, x, shape in (("k", k, (B, T, H, K)), ("g", g, (B, T, H, K)),
-                         ("v", v, (B, T, H, V)), ("beta", beta, (B, T, H))):
-    if tuple(x.shape) != shape:
-      raise ValueError(f"{name} has shape {tuple(x.shape)}, expected {shape} "
-                       f"(from q {tuple(q.shape)} and v)")
-  if initial_state is not None and tuple(initial_state.shape) != (B, H, K, V):
-    raise ValueError(f"initial_state has shape {tuple(initial_state.shape)}, "
-                     f"expected {(B, H, K, V)}")
-  if segment_ids is not None and tuple(segment_ids.shape) != (B, T):
-    raise ValueError(f"segment_ids has shape {tuple(segment_ids.shape)}, "
-                     f"expected {(B, T)}")
-  scale = float(_default_scale(scale, K))
+  scale = float(default_scale(scale, K))
   N = -(-T // C)
   if not interpret and N > 1:
     # A (C, X) block must span whole (sublane, 128) tiles: 8 rows for 4-byte,
@@ -601,7 +586,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None,
   qk = to_kernel(q)
   kk = to_kernel(k)
   vk = to_kernel(v)
-  g32 = to_kernel(jnp.maximum(g.astype(_F32), _G_CLAMP))      # [B, H, Tp, K]
+  g32 = to_kernel(jnp.maximum(g.astype(_F32), G_CLAMP))      # [B, H, Tp, K]
   G = jnp.cumsum(g32.reshape(B, H, N, C, K), axis=3).reshape(B, H, Tp, K)
   bk = to_kernel(beta[..., None])                             # [B, H, Tp, 1]
   if initial_state is None:
@@ -610,7 +595,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None,
     s0 = initial_state.astype(_F32)
   segc = segr = None
   if segment_ids is not None:
-    doc = _doc_index(segment_ids)                             # [B, T]
+    doc = doc_index(segment_ids)                              # [B, T]
     if pad:
       doc = jnp.pad(doc, ((0, 0), (0, pad)), mode="edge")
     doc = doc.reshape(B, N, C)

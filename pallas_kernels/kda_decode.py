@@ -31,6 +31,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from k3_jax.ops.kda.common import check_decode_shapes, default_scale
+
 # A state block is at most this many bytes: 1 MiB = 16 heads of 128 x 128 FP32. Pallas
 # double-buffers the state block in and out (4 copies) and the per-head temporaries add
 # about as much again: Mosaic reports ~6.5 MiB of scoped VMEM for 16 heads, inside the
@@ -86,15 +88,8 @@ def kda_decode_step(q, k, v, g, beta, state, scale=None, interpret=False):
   The new state is written into the state's buffer (aliased): donate `state` under jit to
   avoid a copy. Not differentiable (decode is inference only).
   """
-  b, h, k_dim = q.shape
-  v_dim = v.shape[-1]
-  for name, x, want in (("q", q, (b, h, k_dim)), ("k", k, (b, h, k_dim)),
-                        ("g", g, (b, h, k_dim)), ("v", v, (b, h, v_dim)),
-                        ("beta", beta, (b, h)), ("state", state, (b, h, k_dim, v_dim))):
-    if x.shape != want:
-      raise ValueError(f"kda_decode_step: {name} has shape {x.shape}, expected {want} "
-                       f"(from q [B, H, K] = {q.shape} and v [B, H, V] = {v.shape})")
-  scale = k_dim ** -0.5 if scale is None else float(scale)
+  b, h, k_dim, v_dim = check_decode_shapes(q, k, v, g, beta, state)
+  scale = float(default_scale(scale, k_dim))
   hb = head_block(h, k_dim, v_dim)
   vec = lambda d: pl.BlockSpec((1, hb, d), lambda i, j: (i, j, 0))
   state_spec = pl.BlockSpec((1, hb, k_dim, v_dim), lambda i, j: (i, j, 0, 0))

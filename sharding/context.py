@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from k3_jax.layers import mla as mla_layer
+from k3_jax.ops import attention as attn_ops
 from k3_jax.ops import conv as conv_ops
 from k3_jax.ops import kda as kda_ops
 from sharding.rules import RULES, logical_to_spec
@@ -63,7 +63,7 @@ def _split_ok(mesh: Mesh, t: int, min_local: int = 1) -> bool:
 
 def kcp_chunk_kda(mesh: Mesh, q, k, v, g, beta, scale=None, initial_state=None,
                   output_final_state=False, chunk_size=64, segment_ids=None,
-                  local_fn=kda_ops.chunk_kda):
+                  local_fn=kda_ops.chunk_kda_reference):
   """`chunk_kda` with the time axis split over the mesh's sequence axis (KCP).
 
   Shapes and semantics as `k3_jax.ops.kda.chunk_kda`: q, k, g [B, T, H, K]; v [B, T, H, V];
@@ -194,14 +194,14 @@ def _conv_local(x, weight, *rest, seq, p, has_seg, has_cache):
 
 def cp_latent_attention(mesh: Mesh, q_nope, q_rope, c_kv, k_r, w_kvb, scale, dtype,
                         q_segment_ids=None, kv_segment_ids=None, q_offset=0):
-  """`k3_jax.layers.mla.latent_attention` with queries and latents split over the sequence
+  """`k3_jax.ops.attention.latent_attention` with queries and latents split over the sequence
   axis: c_kv [B, T, R], k_r [B, T, P] (and the key segment ids) are all-gathered, each shard
   attends its queries at global positions (offset + local) over all T keys.
   Returns (o [B, T, H, V], max_logit [H] over all shards)."""
   b, t = q_nope.shape[:2]
   if (not _split_ok(mesh, t) or c_kv.shape[1] != t or q_offset != 0
       or (q_segment_ids is None) != (kv_segment_ids is None)):
-    return mla_layer.latent_attention(q_nope, q_rope, c_kv, k_r, w_kvb, scale, dtype,
+    return attn_ops.latent_attention(q_nope, q_rope, c_kv, k_r, w_kvb, scale, dtype,
                                       q_segment_ids, kv_segment_ids, q_offset)
   seq = sequence_axes(mesh)
   head_spec = _spec(mesh, q_nope.shape, ("batch", "seq", "heads", None))
@@ -229,7 +229,7 @@ def _mla_local(q_nope, q_rope, c_kv, k_r, w_kvb, *rest, seq, reduce_axes, scale,
   gather = lambda a: jax.lax.all_gather(a, seq, axis=1, tiled=True)
   q_seg, kv_seg = (rest[0], gather(rest[1])) if has_seg else (None, None)
   offset = jax.lax.axis_index(seq) * t
-  o, max_logit = mla_layer.latent_attention(q_nope, q_rope, gather(c_kv), gather(k_r), w_kvb,
+  o, max_logit = attn_ops.latent_attention(q_nope, q_rope, gather(c_kv), gather(k_r), w_kvb,
                                             scale, dtype, q_seg, kv_seg, offset)
   max_logit = jax.lax.pmax(jax.lax.stop_gradient(max_logit), reduce_axes)
   return o, max_logit

@@ -1,7 +1,7 @@
 """Expert parallelism: the routed-expert FFN inside `shard_map` over the expert mesh axis.
 
 Same signature and result as `k3_jax.ops.moe.moe_dispatch` (after the mesh argument), so
-the MoE layer reaches it through `partitioning.parallel_op("moe_dispatch", ...)` when the
+the MoE layer reaches it through `partitioning.parallel_ops().moe_dispatch` when the
 active mesh has an expert axis > 1. Routing, the load counts and the balancing-bias update
 stay outside, in the global (GSPMD) view, so they see the global batch exactly as on one
 device (QB's quantile over all tokens; the histogram variant's counts are summed by the
@@ -24,8 +24,9 @@ The receive buffer holds P cap rows (the worst case); rows past the real ones ar
 that `ragged_dot` skips (the tiled CPU gmm computes and discards them).
 
 Memory: the dropless worst case is P times the expected n k rows per device, and every
-[rows, F] intermediate of the local FFN scales with it. `capacity_factor` c (an argument,
-or `with capacity_factor(c):` around tracing) bounds the rows per (source, destination) at
+[rows, F] intermediate of the local FFN scales with it. `capacity_factor` c (an argument:
+the MoE layer passes the config's moe.ep_capacity, a static part of the traced program)
+bounds the rows per (source, destination) at
 ceil(c n k / P), so the buffer holds c times the balanced load; a source's rows for one
 destination beyond that (its highest-numbered experts' rows, deterministically) are dropped:
 they contribute 0 to the combine. With Quantile Balancing the per-expert load of a batch is
@@ -34,8 +35,6 @@ close to n k / E, so c around 1.5-2 rarely drops; None (the default) never drops
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import math
 
@@ -51,23 +50,6 @@ from sharding.rules import RULES
 # "ragged_reference": the ragged bookkeeping with an all-gather emulation of
 # ragged_all_to_all, so the CPU tests check the offsets the TPU path uses.
 EXCHANGES = ("auto", "ragged", "all_to_all", "ragged_reference")
-
-_CAPACITY: contextvars.ContextVar[float | None] = contextvars.ContextVar("k3_ep_capacity",
-                                                                       default=None)
-
-
-@contextlib.contextmanager
-def capacity_factor(factor: float | None):
-  """Within this context, expert-parallel dispatch traced without an explicit
-  capacity_factor uses `factor` (None: dropless)."""
-  if factor is not None and not factor > 0:
-    raise ValueError(f"capacity_factor={factor} must be positive (or None for dropless)")
-  token = _CAPACITY.set(factor)
-  try:
-    yield
-  finally:
-    _CAPACITY.reset(token)
-
 
 def _axes(mesh: Mesh, logical: str) -> tuple[str, ...]:
   return tuple(a for a in RULES[logical] if mesh.shape[a] > 1)
@@ -101,9 +83,9 @@ def expert_parallel_dispatch(mesh: Mesh, x: jax.Array, weights: jax.Array,
   `moe_dispatch` (each expert output is rounded to x.dtype before its trip back).
   exchange: "ragged" (ragged_all_to_all; TPU), "all_to_all" (fixed buffers; any backend) or
   "auto" (ragged on TPU meshes). gmm: the local grouped matmul; default ragged_dot on TPU,
-  the tiled plain-JAX gmm elsewhere. capacity_factor: None (dropless; default from the
-  `capacity_factor` context) or c > 0: at most ceil(c n k / P) rows per (source,
-  destination), the rest dropped (see the module docstring).
+  the tiled plain-JAX gmm elsewhere. capacity_factor: None (dropless) or c > 0: at most
+  ceil(c n k / P) rows per (source, destination), the rest dropped (see the module
+  docstring).
   """
   if exchange not in EXCHANGES:
     raise ValueError(f"exchange={exchange!r}: expected one of {EXCHANGES}")
@@ -123,8 +105,9 @@ def expert_parallel_dispatch(mesh: Mesh, x: jax.Array, weights: jax.Array,
   tok = token_axes(mesh, n_total)
   tok_spec = P(tok or None, None)
   w_spec = P(ex, None, None)
-  if capacity_factor is None:
-    capacity_factor = _CAPACITY.get()
+  if capacity_factor is not None and not capacity_factor > 0:
+    raise ValueError(f"capacity_factor={capacity_factor} must be positive (or None for "
+                     "dropless)")
   body = functools.partial(_local_dispatch, ex=ex, p=p, exchange=exchange, gmm=gmm,
                            capacity=capacity_factor,
                            activation=activation, beta1=beta1, beta2=beta2)

@@ -1,4 +1,6 @@
 """The one table mapping logical axis names to mesh axes, and the resolver that applies it.
+A leaf of sharding/: installing the rules (and the mesh-parallel ops) into model code is
+sharding/install.py.
 
 Resolution of one array: each logical axis maps to zero or more mesh axes; a mesh axis
 already used by an earlier dimension is dropped (activations: "batch" takes data+fsdp, so
@@ -8,13 +10,10 @@ not divide the dimension are dropped (the dimension is replicated over them).
 
 from __future__ import annotations
 
-import contextlib
-
 import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from k3_jax import partitioning
 
 MESH_AXES = ("data", "fsdp", "expert", "sequence", "tensor")
 
@@ -74,22 +73,6 @@ def logical_to_spec(shape: tuple[int, ...], axes: tuple[str | None, ...], mesh: 
 
 def named_sharding(mesh: Mesh, shape, axes) -> NamedSharding:
   return NamedSharding(mesh, logical_to_spec(tuple(shape), tuple(axes), mesh))
-
-
-@contextlib.contextmanager
-def activation_rules(mesh: Mesh):
-  """Within this context, model code's `constrain` calls shard activations on `mesh`; its
-  kernels run per shard of `mesh` (sharding/kernels.py); and its `parallel_op` calls get the
-  mesh's explicit-collective ops (expert-parallel MoE, context-parallel KDA and MLA) where the
-  mesh has those axes."""
-  from sharding import context, expert, kernels   # they import this module
-  ops = {**expert.parallel_ops(mesh), **context.parallel_ops(mesh)}
-  with partitioning.use_resolver(lambda shape, axes: named_sharding(mesh, shape, axes)), \
-       partitioning.use_kernel_sharding(
-           lambda fn, i, o: kernels.shard_map_kernel(mesh, fn, i, o),
-           kernels.mesh_platform(mesh)), \
-       partitioning.use_parallel_ops(ops):
-    yield
 
 
 def _is_var(x) -> bool:

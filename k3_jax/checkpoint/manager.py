@@ -4,7 +4,8 @@ Layout: <workdir>/checkpoints/<step>/{state,data} and <workdir>/checkpoints/mode
 Orbax writes each step to a temporary directory and renames it when complete, so a crash
 mid-save never damages the last good checkpoint; `max_to_keep` older ones are retained.
 A workdir whose checkpoints were made for a different model config is refused, never
-overwritten.
+overwritten; execution-only fields (config.EXECUTION_FIELDS: kernel backend, grouped matmul,
+expert-parallel capacity) may differ, since they do not change the parameters.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import os
 import jax
 import orbax.checkpoint as ocp
 
-from k3_jax.config import ModelConfig, from_dict, to_dict
+from k3_jax.config import ModelConfig, from_dict, to_dict, without_execution_fields
 
 
 class CheckpointMismatch(ValueError):
@@ -50,7 +51,7 @@ class CheckpointManager:
     if os.path.exists(cfg_path):
       with open(cfg_path) as f:
         saved = json.load(f)
-      diff = _config_diff(saved, wanted)
+      diff = _config_diff(without_execution_fields(saved), without_execution_fields(wanted))
       if diff:
         raise CheckpointMismatch(
             f"{self.directory} holds checkpoints of a different model config "

@@ -12,7 +12,6 @@ Cache (decode): {'state': [B, H, K, V] f32, 'conv_q'/'conv_k'/'conv_v': [B, W-1,
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -25,7 +24,7 @@ from k3_jax.layers.linear import Linear
 from k3_jax.ops import conv as conv_ops
 from k3_jax.ops import kda as kda_ops
 from k3_jax.ops.norms import rms_norm
-from k3_jax.partitioning import constrain, parallel_op, shard_kernel, target_platform
+from k3_jax.partitioning import constrain, parallel_ops
 
 
 def decay_bias_init(init: Init, shape, g_min: float | None) -> jax.Array:
@@ -89,7 +88,7 @@ class KDA(nnx.Module):
       y, new = conv_ops.short_conv_step(flat[:, 0], w, cache)
       y = y[:, None]
     else:
-      conv = parallel_op("short_conv", conv_ops.short_conv)          # halo'd on a sequence mesh
+      conv = parallel_ops().short_conv or conv_ops.short_conv         # halo'd on a sequence mesh
       y, new = conv(flat, w, segment_ids=segment_ids, cache=cache)
     return jax.nn.silu(y.astype(jnp.float32)).reshape(b, t, h, k), new
 
@@ -108,55 +107,6 @@ class KDA(nnx.Module):
     return {"state": jnp.zeros((batch, h, k, k), jnp.float32),
             "conv_q": conv, "conv_k": conv, "conv_v": conv}
 
-  # ----- the delta rule: reference ops or Pallas kernels -------------------------
-  def _backend(self) -> str:
-    """kda.backend, with "auto" resolved for the platform this call is compiled for."""
-    if self.c.backend != "auto":
-      return self.c.backend
-    return "pallas" if target_platform() == "tpu" else "reference"
-
-  def _chunk(self, q, k, v, g, beta, segment_ids, state):
-    """(o [B, T, H, V], final state or None): the chunked delta rule from `state` (or zeros)."""
-    kw = dict(chunk_size=self.c.chunk_size, output_final_state=state is not None)
-    kcp = parallel_op("chunk_kda", None)       # context parallel (KCP) on a sequence mesh
-    if self._backend() == "reference":
-      return (kcp or kda_ops.chunk_kda)(q, k, v, g, beta, initial_state=state,
-                                        segment_ids=segment_ids, **kw)
-    from pallas_kernels import kda as pallas_kda  # lazy: only the Pallas backend needs it
-    if kcp is not None:
-      # KCP already runs per shard inside shard_map: the kernel is its local chunk op.
-      local = functools.partial(pallas_kda.chunk_kda, interpret=target_platform() != "tpu")
-      return kcp(q, k, v, g, beta, initial_state=state, segment_ids=segment_ids,
-                 local_fn=local, **kw)
-    tok, vec = ("batch", None, "heads", None), ("batch", None, "heads")
-    arrays, axes = [q, k, v, g, beta], [tok, tok, tok, tok, vec]
-    for x, a in ((state, ("batch", "heads", None, None)), (segment_ids, ("batch", None))):
-      if x is not None:
-        arrays.append(x)
-        axes.append(a)
-    has_state, has_seg = state is not None, segment_ids is not None
-
-    def per_shard(q, k, v, g, beta, *rest):
-      s0 = rest[0] if has_state else None
-      seg = rest[-1] if has_seg else None
-      o, sf = pallas_kda.chunk_kda(q, k, v, g, beta, initial_state=s0, segment_ids=seg,
-                                   interpret=target_platform() != "tpu", **kw)
-      return (o, sf) if has_state else o
-
-    out_axes = (tok, ("batch", "heads", None, None)) if has_state else tok
-    out = shard_kernel(per_shard, axes, out_axes)(*arrays)
-    return out if has_state else (out, None)
-
-  def _decode_step(self, q, k, v, g, beta, state):
-    """One token: (o [B, H, V], new state [B, H, K, V])."""
-    if self._backend() == "reference":
-      return kda_ops.kda_decode_step(q, k, v, g, beta, state)
-    from pallas_kernels import kda_decode  # lazy: only the Pallas backend needs it
-    vec, st = ("batch", "heads", None), ("batch", "heads", None, None)
-    step = lambda *a: kda_decode.kda_decode_step(*a, interpret=target_platform() != "tpu")
-    return shard_kernel(step, [vec, vec, vec, vec, ("batch", "heads"), st], (vec, st))(
-        q, k, v, g, beta, state)
-
   # ----- forward --------------------------------------------------------------
   def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None,
                cache: dict | None = None) -> tuple[jax.Array, dict | None]:
@@ -172,12 +122,14 @@ class KDA(nnx.Module):
     beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))          # [B, T, H]
     g = self._decay(x)                                                 # [B, T, H, K] f32
     if cache is not None and t == 1:
-      o, state = self._decode_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
-                                   cache["state"])
+      o, state = kda_ops.decode_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
+                                     cache["state"], backend=self.c.backend)
       o = o[:, None]
     else:
-      o, state = self._chunk(q, k, v, g, beta, segment_ids,
-                             None if cache is None else cache["state"])
+      o, state = kda_ops.chunk_kda(q, k, v, g, beta, chunk_size=self.c.chunk_size,
+                                   initial_state=None if cache is None else cache["state"],
+                                   output_final_state=cache is not None,
+                                   segment_ids=segment_ids, backend=self.c.backend)
     o = rms_norm(o.astype(jnp.float32), self.o_norm[...], self.eps)     # [B, T, H, V]
     o = jax.nn.sigmoid(self._gate(x).astype(jnp.float32)) * o
     y = self.o_proj(o.astype(self.dtype))

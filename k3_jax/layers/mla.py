@@ -22,30 +22,7 @@ from k3_jax.layers.init import Init
 from k3_jax.layers.linear import Linear
 from k3_jax.layers.norm import RMSNorm
 from k3_jax.ops import attention as attn_ops
-from k3_jax.partitioning import constrain, parallel_op
-
-
-def latent_attention(q_nope, q_rope, c_kv, k_r, w_kvb, scale: float, dtype,
-                     q_segment_ids=None, kv_segment_ids=None, q_offset=0):
-  """Plain-form MLA attention (training): expand the latent KV with W_kvb and attend.
-
-  q_nope [B, T, H, n], q_rope [B, T, H, p] at positions q_offset + [0, T); c_kv [B, S, R],
-  k_r [B, S, p] (shared by all heads) at positions [0, S); w_kvb [R, H, n + v]; segment
-  ids [B, T] / [B, S] or None. Causal by position (and same segment).
-  Returns (o [B, T, H, v] in dtype, max_logit [H])."""
-  b, t, _, n = q_nope.shape
-  s = c_kv.shape[1]
-  kv = jax.lax.dot_general(c_kv.astype(dtype), w_kvb.astype(dtype), (((2,), (0,)), ((), ())),
-                           preferred_element_type=jnp.float32).astype(dtype)  # [B, S, H, n + v]
-  k_nope, v = kv[..., :n], kv[..., n:]
-  k = jnp.concatenate(
-      [k_nope, jnp.broadcast_to(k_r[:, :, None, :], k_nope.shape[:3] + (k_r.shape[-1],))],
-      axis=-1)
-  q = jnp.concatenate([q_nope, q_rope], axis=-1)
-  q_pos = jnp.broadcast_to(q_offset + jnp.arange(t)[None], (b, t))
-  kv_pos = jnp.broadcast_to(jnp.arange(s)[None], (b, s))
-  mask = attn_ops.causal_mask(q_pos, kv_pos, q_segment_ids, kv_segment_ids)
-  return attn_ops.attention(q, k, v, scale, mask)
+from k3_jax.partitioning import constrain, parallel_ops
 
 
 class MLA(nnx.Module):
@@ -106,7 +83,7 @@ class MLA(nnx.Module):
     c_kv, k_r = self._latent(x)
     if cache is None:
       q_nope, q_rope = (constrain(a, ("batch", "seq", "heads", None)) for a in (q_nope, q_rope))
-      attend = parallel_op("latent_attention", latent_attention)     # sequence-parallel on a mesh
+      attend = parallel_ops().latent_attention or attn_ops.latent_attention  # sequence-parallel
       o, max_logit = attend(q_nope, q_rope, c_kv, k_r, self.kv_b.w[...], self.scale,
                             self.dtype, segment_ids, segment_ids)
       return self._output(x, o), None, max_logit

@@ -7,9 +7,9 @@
     u = sum_j p_j E_j(z)              (dropless grouped matmul)
     y = Shared(x) + W_up RMSNorm(u)   (RMSNorm and W_up only with a latent)
 
-Routed experts may run quantized (k3_jax/quant.py): fake-quantized MXFP4 weights and MXFP8
-inputs with quant.qat = "mxfp4_mxfp8", or from packed MXFP4 weights after
-`quant.pack_routed_experts` (serving).
+Routed experts may run quantized (k3_jax/ops/mx_gmm.py): fake-quantized MXFP4 weights and
+MXFP8 inputs with quant.qat = "mxfp4_mxfp8", or from packed MXFP4 weights after
+`k3_jax.serve.pack.pack_routed_experts` (serving).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3_jax import quant
 from k3_jax.config import ModelConfig, jnp_dtype
 from k3_jax.layers.ffn import GatedFFN
 from k3_jax.layers.init import Init
@@ -27,7 +26,8 @@ from k3_jax.layers.linear import Linear
 from k3_jax.layers.norm import RMSNorm
 from k3_jax.ops import balance as balance_ops
 from k3_jax.ops import moe as moe_ops
-from k3_jax.partitioning import mesh_installed, parallel_op, target_platform
+from k3_jax.ops import mx_gmm
+from k3_jax.partitioning import mesh_installed, parallel_ops, target_platform
 
 
 class RouterBias(nnx.Variable):
@@ -77,26 +77,26 @@ class MoE(nnx.Module):
     return bias
 
   def _packed(self) -> bool:
-    """Serving from packed MXFP4 weights (k3_jax.quant.pack_routed_experts)?"""
-    return isinstance(self.w_gate.get_value(), quant.MXArray)
+    """Serving from packed MXFP4 weights (k3_jax.serve.pack.pack_routed_experts)?"""
+    return isinstance(self.w_gate.get_value(), mx_gmm.MXArray)
 
   def _expert_weights(self):
     """(w_gate, w_up, w_down): packed MXArrays, MXFP4 fake-quantized (QAT), or plain."""
-    ws = [getattr(self, n).get_value() for n in quant.EXPERT_WEIGHTS]
+    ws = [getattr(self, n).get_value() for n in mx_gmm.EXPERT_WEIGHTS]
     if self._packed():
       return ws
     if self.qat:
-      return [quant.qat_weight(w, self.dtype) for w in ws]
+      return [mx_gmm.qat_weight(w, self.dtype) for w in ws]
     return [w.astype(self.dtype) for w in ws]
 
   def _gmm(self, local: bool):
     """The grouped matmul for this call. local: it runs on whole local arrays (no mesh, or
     inside the expert-parallel shard_map), so a Pallas kernel may be called directly."""
     platform = target_platform()
-    base = moe_ops.default_gmm(platform=platform)
+    base = moe_ops.default_gmm(self.cfg.gmm, platform=platform)
     if self._packed():
-      return quant.packed_gmm(base, kernel=local and platform == "tpu")
-    return quant.qat_gmm(base) if self.qat else base
+      return mx_gmm.packed_gmm(base, kernel=local and platform == "tpu")
+    return mx_gmm.qat_gmm(base) if self.qat else base
 
   def __call__(self, x: jax.Array, train: bool = False) -> tuple[jax.Array, dict]:
     """x [B, T, D] -> (y [B, T, D], aux): aux['expert_load'] [E] tokens per expert and, when
@@ -108,10 +108,14 @@ class MoE(nnx.Module):
     weights, ids = moe_ops.select_experts(scores, self.bias[...], m.top_k,
                                           m.routed_scaling_factor, m.n_group, m.topk_group)
     z = self.down(xf) if m.latent_dim else xf                          # [N, L]
-    ep = parallel_op("moe_dispatch", None)                            # expert-parallel on a mesh
-    u = (ep or moe_ops.moe_dispatch)(
-        z.astype(self.dtype), weights, ids, *self._expert_weights(), activation=self.kind,
-        beta1=self.beta1, beta2=self.beta2, gmm=self._gmm(ep is not None or not mesh_installed()))
+    ep = parallel_ops().moe_dispatch                                   # expert-parallel on a mesh
+    args = (z.astype(self.dtype), weights, ids, *self._expert_weights())
+    kw = dict(activation=self.kind, beta1=self.beta1, beta2=self.beta2,
+              gmm=self._gmm(ep is not None or not mesh_installed()))
+    if ep is not None:
+      u = ep(*args, capacity_factor=m.ep_capacity or None, **kw)
+    else:
+      u = moe_ops.moe_dispatch(*args, **kw)                            # [N, L]
     y = self.up(self.norm(u)) if m.latent_dim else u                   # [N, D]
     if m.num_shared_experts:
       y = y + self.shared(xf)

@@ -1,4 +1,5 @@
-"""Softmax attention references for Gated MLA: masks, plain and weight-absorbed forms.
+"""Softmax attention references for Gated MLA: masks, plain and weight-absorbed forms, and
+the plain-form latent attention (expand the latent KV, then attend).
 
 Logits, softmax and accumulation in FP32. Both forms also return each head's maximum
 pre-softmax logit over the batch (what QK-Clip watches), taken from logits they compute
@@ -57,3 +58,26 @@ def absorbed_attention(q_latent: jax.Array, q_rope: jax.Array, c_kv: jax.Array,
   o = jnp.einsum("bhts,bsr->bthr", p, c_kv.astype(jnp.float32),
                  preferred_element_type=jnp.float32)
   return o, max_logit
+
+
+def latent_attention(q_nope, q_rope, c_kv, k_r, w_kvb, scale: float, dtype,
+                     q_segment_ids=None, kv_segment_ids=None, q_offset=0):
+  """Plain-form MLA attention (training): expand the latent KV with W_kvb and attend.
+
+  q_nope [B, T, H, n], q_rope [B, T, H, p] at positions q_offset + [0, T); c_kv [B, S, R],
+  k_r [B, S, p] (shared by all heads) at positions [0, S); w_kvb [R, H, n + v]; segment
+  ids [B, T] / [B, S] or None. Causal by position (and same segment).
+  Returns (o [B, T, H, v] in dtype, max_logit [H])."""
+  b, t, _, n = q_nope.shape
+  s = c_kv.shape[1]
+  kv = jax.lax.dot_general(c_kv.astype(dtype), w_kvb.astype(dtype), (((2,), (0,)), ((), ())),
+                           preferred_element_type=jnp.float32).astype(dtype)  # [B, S, H, n + v]
+  k_nope, v = kv[..., :n], kv[..., n:]
+  k = jnp.concatenate(
+      [k_nope, jnp.broadcast_to(k_r[:, :, None, :], k_nope.shape[:3] + (k_r.shape[-1],))],
+      axis=-1)
+  q = jnp.concatenate([q_nope, q_rope], axis=-1)
+  q_pos = jnp.broadcast_to(q_offset + jnp.arange(t)[None], (b, t))
+  kv_pos = jnp.broadcast_to(jnp.arange(s)[None], (b, s))
+  mask = causal_mask(q_pos, kv_pos, q_segment_ids, kv_segment_ids)
+  return attention(q, k, v, scale, mask)

@@ -22,12 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-
-def _doc_index(segment_ids: jax.Array) -> jax.Array:
-  """[B, T] -> document number per token (0 first, +1 at every id change)."""
-  change = segment_ids[:, 1:] != segment_ids[:, :-1]
-  change = jnp.concatenate([jnp.zeros_like(change[:, :1]), change], axis=1)
-  return jnp.cumsum(change.astype(jnp.int32), axis=1)
+from k3_jax.ops.segments import doc_index
 
 
 def short_conv(x, weight, segment_ids=None, cache=None):
@@ -48,7 +43,7 @@ def short_conv(x, weight, segment_ids=None, cache=None):
     y = sum(w[j] * xp[:, j:j + T] for j in range(W))              # [B, T, D]
     new_cache = xp[:, T:]
   else:
-    doc = _doc_index(segment_ids)                                 # [B, T]
+    doc = doc_index(segment_ids)                                 # [B, T]
     docp = jnp.concatenate([jnp.zeros((B, W - 1), doc.dtype), doc], axis=1)  # cache = doc 0
     y = sum(jnp.where((docp[:, j:j + T] == doc)[..., None], w[j] * xp[:, j:j + T], 0.0)
             for j in range(W))

@@ -17,13 +17,12 @@ and masks; it is the baseline for tests and benchmarks.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
+from k3_jax.config import GMM_KINDS
 from k3_jax.ops.activations import glu
 
 # gmm(lhs [M, K], rhs [G, K, N], group_sizes [G] int32) -> [M, N]; rows of lhs
@@ -73,38 +72,18 @@ def tiled_gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
   return out.reshape(num_tiles * t, n)[dest]
 
 
-# What "auto" means when set: lets a command force the grouped matmul (e.g. `main.py compile
-# --gmm`); otherwise "auto" follows the compile target's platform.
-_AUTO_GMM: contextvars.ContextVar[str | None] = contextvars.ContextVar("k3_auto_gmm",
-                                                                      default=None)
-
-
-@contextlib.contextmanager
-def use_gmm(kind: str):
-  """Within this context, default_gmm("auto") resolves to `kind`."""
-  if kind not in GMM_KINDS:
-    raise ValueError(f"unknown grouped matmul {kind!r}; expected one of {GMM_KINDS}")
-  token = _AUTO_GMM.set(None if kind == "auto" else kind)
-  try:
-    yield
-  finally:
-    _AUTO_GMM.reset(token)
-
-
 def default_gmm(kind: str = "auto", platform: str | None = None) -> GroupedMatmul:
   """"ragged_dot" (native on TPU and GPU), "tiled" (plain JAX, for XLA:CPU), or "auto":
-  what `use_gmm` set, else tiled when compiling for CPU and ragged_dot otherwise. `platform`
-  is the compile target (e.g. "tpu" for an ahead-of-time TPU compile from a CPU host);
-  None = JAX's default backend."""
+  tiled when compiling for CPU and ragged_dot otherwise (the model passes moe.gmm).
+  `platform` is the compile target (e.g. "tpu" for an ahead-of-time TPU compile from a CPU
+  host); None = JAX's default backend."""
   if kind == "auto":
-    kind = _AUTO_GMM.get() or (
-        "tiled" if (platform or jax.default_backend()) == "cpu" else "ragged_dot")
+    kind = "tiled" if (platform or jax.default_backend()) == "cpu" else "ragged_dot"
   if kind not in GMM_KINDS:
     raise ValueError(f"unknown grouped matmul {kind!r}; expected one of {GMM_KINDS}")
   return tiled_gmm if kind == "tiled" else ragged_dot_gmm
 
 
-GMM_KINDS = ("auto", "ragged_dot", "tiled")
 
 
 def router_scores(x: jax.Array, w_router: jax.Array) -> jax.Array:

@@ -1,4 +1,23 @@
-"""Grouped matmul with MXFP4 expert weights: the plain-JAX reference.
+"""Grouped matmuls with MX-format routed experts (K3_SPEC section 7): the plain-JAX
+reference of the MXFP4 kernel, and the MoE layer's QAT / packed grouped-matmul hooks.
+
+What is quantized (everything else stays in the model's dtype):
+- routed-expert weights w_gate, w_up [E, L, F] and w_down [E, F, L] -> MXFP4, blocks of 32
+  along the contraction axis (axis -2 of each: L for gate/up, F for down);
+- the activations entering each routed-expert matmul (the latent rows z before gate/up, the
+  GLU hidden h before down) -> MXFP8 E4M3, blocks of 32 along their last (contraction) axis.
+  Project choice: both matmul inputs of the expert, as MX hardware consumes them.
+
+Training (`quant.qat = "mxfp4_mxfp8"`) fake-quantizes both (straight-through gradients):
+`qat_weight`, `qat_gmm`. Serving converts the trained weights once to `MXArray`s
+(`pack_weight`; the model-level tools are in k3_jax/serve/pack.py, 4.25 bits per weight in
+memory) and the MoE layer runs `packed_gmm`, which dequantizes each expert's weights inside
+the grouped matmul; it computes the same values as the QAT forward, since
+dequantize(quantize(w)) is what QAT multiplies with. On TPU, where the grouped matmul runs
+on local arrays, the Pallas kernel that reads the packed codes directly
+(pallas_kernels/mxfp4_gmm.py) takes its place (`packed_gmm(..., kernel=True)`).
+
+The reference:
 
 `mxfp4_gmm(lhs, rhs, group_sizes)` has the semantics of the Pallas kernel
 `pallas_kernels.mxfp4_gmm.mxfp4_gmm` (same signature, minus the kernel's tiling and
@@ -21,7 +40,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from k3_jax.ops.mx import MXArray, dequantize
+from k3_jax.ops.moe import GroupedMatmul
+from k3_jax.ops.mx import MXArray, dequantize, fake_quantize, quantize
+
+WEIGHT_FMT = "mxfp4"
+ACT_FMT = "mxfp8_e4m3"
+EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")     # the MoE layer's routed-expert weights
+WEIGHT_AXIS = -2        # contraction axis of [.., E, L, F] and [.., E, F, L] expert weights
 
 
 def mxfp4_gmm(lhs: jax.Array | MXArray, rhs: MXArray, group_sizes: jax.Array, *,
@@ -47,4 +72,45 @@ def mxfp4_gmm(lhs: jax.Array | MXArray, rhs: MXArray, group_sizes: jax.Array, *,
   return out.astype(out_dtype)
 
 
-__all__ = ["mxfp4_gmm"]
+def qat_weight(w: jax.Array, dtype) -> jax.Array:
+  """A routed-expert weight as QAT sees it: MXFP4 fake-quantized along its contraction axis
+  (from the master weight), then cast to the compute dtype (exact: E2M1 x 2^k fits BF16)."""
+  return fake_quantize(w, WEIGHT_FMT, WEIGHT_AXIS).astype(dtype)
+
+
+def qat_gmm(base: GroupedMatmul) -> GroupedMatmul:
+  """Grouped matmul whose lhs rows are MXFP8 (E4M3) fake-quantized along the contraction
+  axis first; the rhs is passed through (already fake-quantized by `qat_weight`)."""
+  def gmm(lhs, rhs, group_sizes):
+    return base(fake_quantize(lhs, ACT_FMT, -1), rhs, group_sizes)
+  return gmm
+
+
+def packed_gmm(base: GroupedMatmul, kernel: bool = False) -> GroupedMatmul:
+  """Grouped matmul over a packed MXFP4 rhs (MXArray [E, K, N] blocked along K): the lhs is
+  MXFP8 fake-quantized as in QAT, the rhs dequantized to the lhs dtype, then `base`.
+
+  kernel=True: the TPU Pallas kernel instead (pallas_kernels/mxfp4_gmm.py: it reads the
+  packed codes from HBM and dequantizes tiles in VMEM; lhs quantized to MXFP8 E4M3, the same
+  values). The caller passes it only where the call runs on whole local arrays (one device,
+  or inside the expert-parallel shard_map), since a Mosaic kernel cannot be partitioned."""
+  if kernel:
+    from pallas_kernels.mxfp4_gmm import mxfp4_gmm as kernel_mxfp4_gmm  # lazy: TPU serving
+
+    def kernel_gmm(lhs, rhs: MXArray, group_sizes):
+      return kernel_mxfp4_gmm(quantize(lhs, ACT_FMT, -1), rhs, group_sizes,
+                              preferred_element_type=lhs.dtype)
+    return kernel_gmm
+
+  def gmm(lhs, rhs: MXArray, group_sizes):
+    return base(fake_quantize(lhs, ACT_FMT, -1), dequantize(rhs, lhs.dtype), group_sizes)
+  return gmm
+
+
+def pack_weight(w: jax.Array) -> MXArray:
+  """One routed-expert weight (any leading axes, e.g. stacked layers) -> packed MXFP4."""
+  return quantize(w, WEIGHT_FMT, WEIGHT_AXIS)
+
+
+__all__ = ["mxfp4_gmm", "WEIGHT_FMT", "ACT_FMT", "EXPERT_WEIGHTS", "WEIGHT_AXIS",
+           "qat_weight", "qat_gmm", "packed_gmm", "pack_weight", "MXArray"]

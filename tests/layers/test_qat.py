@@ -1,4 +1,4 @@
-"""MXFP4 / MXFP8 routed experts (k3_jax/quant.py, layers/moe.py): QAT forward and its
+"""MXFP4 / MXFP8 routed experts (ops/mx_gmm.py, serve/pack.py, layers/moe.py): QAT forward and its
 straight-through gradients, packed serving weights equal to the QAT forward, greedy
 generation from packed weights, and the abstract serving-byte count.
 
@@ -15,7 +15,8 @@ import pytest
 from flax import nnx
 
 import configs
-from k3_jax import quant
+from k3_jax.ops.mx_gmm import EXPERT_WEIGHTS
+from k3_jax.serve import pack
 from k3_jax.config import ConfigError, apply_overrides, validate
 from k3_jax.layers.init import Init
 from k3_jax.layers.moe import MoE
@@ -56,7 +57,7 @@ def test_qat_config_validation():
 
 def _expert_grads(grads):
   flat = nnx.to_flat_state(grads)
-  return {p: v.get_value() for p, v in flat if p[-1] in quant.EXPERT_WEIGHTS}
+  return {p: v.get_value() for p, v in flat if p[-1] in EXPERT_WEIGHTS}
 
 
 def test_qat_forward_close_and_gradients_flow():
@@ -87,10 +88,10 @@ def test_qat_forward_close_and_gradients_flow():
 def test_packed_forward_equals_qat_forward_and_is_packed():
   _, (qg, qp, qr), x, _ = layers()
   layer = nnx.merge(qg, qp, qr)
-  quant.pack_moe(layer)
+  pack.pack_moe(layer)
   pg, pp, pr = nnx.split(layer, nnx.Param, ...)
   packed = [v.get_value() for path, v in nnx.to_flat_state(pp)
-            if path[-1] in quant.EXPERT_WEIGHTS]
+            if path[-1] in EXPERT_WEIGHTS]
   assert len(packed) == 3 and all(isinstance(w, MXArray) and w.fmt == "mxfp4" and
                                   w.axis == -2 for w in packed)
   for w in packed:
@@ -108,13 +109,13 @@ def test_generate_from_packed_weights_matches_fake_quant():
   qg, qp, qr = nnx.split(create_model(qat, seed=0), nnx.Param, ...)
   prompt = [5, 17, 99, 3, 250, 8]
   ref = list(Engine(qat, qg, qp, qr).generate(prompt, 6))
-  out = list(Engine(qat, *quant.pack_state(qg, qp, qr)).generate(prompt, 6))
+  out = list(Engine(qat, *pack.pack_state(qg, qp, qr)).generate(prompt, 6))
   assert out == ref and len(out) == 6
 
 
 def test_serving_weight_bytes_abstract():
   cfg = validate(apply_overrides(configs.get("k3_tiny"), WIDE))
-  out = quant.serving_weight_bytes(cfg)
+  out = pack.serving_weight_bytes(cfg)
   assert out["bits_per_routed_weight"] == 4.25
   assert out["total_bytes"] == sum(out["by_part"].values())
   assert out["total_bytes"] == out["routed_expert_bytes"] + out["other_bf16_bytes"]
@@ -122,7 +123,7 @@ def test_serving_weight_bytes_abstract():
   n_moe = cfg.num_layers - len(cfg.dense_layers)
   assert out["routed_expert_params"] == n_moe * m.num_experts * 3 * 32 * 32
   with pytest.raises(ValueError, match="multiple of 32"):      # k3_tiny's latent width 16
-    quant.serving_weight_bytes(configs.get("k3_tiny"))
+    pack.serving_weight_bytes(configs.get("k3_tiny"))
 
 
 def test_packed_moe_on_tpu_expert_mesh_lowers_to_the_mxfp4_kernel():
@@ -131,12 +132,12 @@ def test_packed_moe_on_tpu_expert_mesh_lowers_to_the_mxfp4_kernel():
   same layer lowered for the CPU keeps dequantize + grouped matmul (no Mosaic call).
   Lowering only (no TPU compile) keeps this cheap; compiling is `main.py compile --quant`."""
   from sharding.mesh import make_mesh, parse_mesh
-  from sharding.rules import activation_rules
+  from sharding.install import activation_rules
   from sharding.topology import topology_devices
   wide = ["moe.latent_dim=256", "moe.expert_intermediate=256", "dtype=bfloat16"]
   cfg = validate(apply_overrides(configs.get("k3_tiny"), wide))
   layer = MoE(cfg, init=Init(0, "numpy"))
-  quant.pack_moe(layer)
+  pack.pack_moe(layer)
   g, p, r = nnx.split(layer, nnx.Param, ...)
   x = jax.ShapeDtypeStruct((4, 16, cfg.d_model), jnp.bfloat16)
 

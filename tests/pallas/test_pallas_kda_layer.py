@@ -22,9 +22,10 @@ from k3_jax.config import apply_overrides
 from k3_jax.layers.init import Init
 from k3_jax.layers.kda import KDA
 from k3_jax.ops import moe as moe_ops
+from k3_jax.ops.kda import resolve_backend
 from sharding.kernels import kernel_specs
 from sharding.mesh import make_mesh, parse_mesh
-from sharding.rules import activation_rules
+from sharding.install import activation_rules
 from sharding.topology import topology_devices
 
 CFG = configs.get("k3_tiny")
@@ -47,16 +48,15 @@ def test_kernel_specs_split_names_alike():
 
 
 def test_auto_backend_follows_the_compile_target():
-  layer = KDA(CFG, init=Init(0))
   assert CFG.kda.backend == "auto"
-  assert layer._backend() == "reference"                   # CPU host, no mesh
+  assert resolve_backend("auto") == "reference"             # CPU host, no mesh
   with activation_rules(_cpu_mesh()):
-    assert layer._backend() == "reference"
+    assert resolve_backend("auto") == "reference"
   tpu = make_mesh(parse_mesh("fsdp:4"), devices=topology_devices("v5p:2x2x1"))
   with activation_rules(tpu):
-    assert layer._backend() == "pallas"
-  forced = KDA(apply_overrides(CFG, ["kda.backend=pallas"]), init=Init(0))
-  assert forced._backend() == "pallas"
+    assert resolve_backend("auto") == "pallas"
+    assert resolve_backend("reference") == "reference"
+  assert resolve_backend("pallas") == "pallas"
   # The MoE grouped matmul follows the same target.
   assert moe_ops.default_gmm(platform="tpu") is moe_ops.ragged_dot_gmm
   assert moe_ops.default_gmm(platform="cpu") is moe_ops.tiled_gmm

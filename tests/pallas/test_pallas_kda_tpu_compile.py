@@ -20,7 +20,7 @@ from k3_jax.config import apply_overrides
 from k3_jax.layers.init import Init
 from k3_jax.layers.kda import KDA
 from sharding.mesh import make_mesh, parse_mesh
-from sharding.rules import activation_rules
+from sharding.install import activation_rules
 from sharding.topology import topology_devices
 
 TOPOLOGY = "v5p:2x2x1"        # 4 chips: batch over data, heads over tensor

@@ -26,7 +26,7 @@ from jax.experimental.pallas import tpu as pltpu
 from k3_jax.ops import mx
 from k3_jax.ops.moe import ragged_dot_gmm
 from k3_jax.ops.mx_gmm import mxfp4_gmm as reference
-from k3_jax.quant import packed_gmm
+from k3_jax.ops.mx_gmm import packed_gmm
 from pallas_kernels.mxfp4_gmm import (Tiling, group_metadata, mxfp4_gmm,
                                       rhs_fetches)
 
@@ -108,7 +108,7 @@ def test_kernel_matches_reference(data, kind):
     _assert_close(out, ref, _abs_bound(lhs, w, sizes), sizes, L,
                   bf16_out=out.dtype == jnp.bfloat16)
     if kind == "mxfp8_to_f32":
-      # Drop-in for the serving path: k3_jax.quant.packed_gmm (MXFP8 fake-quantized float32
+      # Drop-in for the serving path: k3_jax.ops.mx_gmm.packed_gmm (MXFP8 fake-quantized float32
       # activations, dequantized weights, ragged_dot) computes the same numbers.
       serving = packed_gmm(ragged_dot_gmm)(x, w, sizes)
       _assert_close(out, serving, _abs_bound(lhs, w, sizes), sizes, L, bf16_out=False)

@@ -17,7 +17,7 @@ from k3_jax.ops import conv as conv_ops
 from k3_jax.ops import kda as kda_ops
 from sharding import context
 from sharding.mesh import make_mesh, parse_mesh
-from sharding.rules import activation_rules
+from sharding.install import activation_rules
 
 CFG = configs.get("k3_tiny")
 B, T = 2, 32

@@ -15,7 +15,7 @@ from k3_jax.layers.moe import MoE
 from k3_jax.ops import moe as moe_ops
 from sharding import expert
 from sharding.mesh import make_mesh, parse_mesh
-from sharding.rules import activation_rules
+from sharding.install import activation_rules
 
 N, D, F, E, K = 32, 8, 16, 8, 2
 
@@ -194,9 +194,9 @@ def test_ep_capacity_drops_exactly_the_overflow(data, exchange):
   cap = -(-n_loc * K // 4)
   kept = _kept_pairs(d["ids"], 8, 4, cap)
   assert 0 < (~kept).sum() < kept.size                      # some, not all, pairs dropped
-  with expert.capacity_factor(1.0):
-    got = jax.jit(lambda *a: expert.expert_parallel_dispatch(mesh, *a, exchange=exchange))(
-        d["x"], d["weights"], d["ids"], d["w_gate"], d["w_up"], d["w_down"])
+  got = jax.jit(lambda *a: expert.expert_parallel_dispatch(mesh, *a, exchange=exchange,
+                                                           capacity_factor=1.0))(
+      d["x"], d["weights"], d["ids"], d["w_gate"], d["w_up"], d["w_down"])
   want = moe_ops.moe_dispatch(d["x"], jnp.where(kept, d["weights"], 0.0), d["ids"],
                               d["w_gate"], d["w_up"], d["w_down"])
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -1,32 +1,7 @@
-"""Kimi Delta Attention (KDA): reference implementations in plain JAX.
-
-Layout follows flash-linear-attention:
-  q, k  [B, T, H, K]   queries / keys (usually L2-normalized)
-  v     [B, T, H, V]   values
-  g     [B, T, H, K]   per-channel log decay, g <= 0 (alpha = exp(g))
-  beta  [B, T, H]      delta-rule write strength in [0, 1]
-  state [B, H, K, V]   float32
-
-Per head and per token (see K3_SPEC.md section 2):
-  S   <- Diag(exp(g_t)) S                     (decay the state rows)
-  S   <- S + beta_t k_t (v_t - k_t^T S)^T      (delta-rule write)
-  o_t  = S^T (q_t * scale)
-
-Two equivalent forms:
-  recurrent_kda  a lax.scan over tokens (the definition; also decode).
-  chunk_kda      the chunkwise-parallel WY/UT form: dense work inside chunks of
-                 C tokens, a lax.scan over chunks carrying only the state.
-
-Packed sequences: `segment_ids` [B, T] (int). A new document starts at token t
-whenever segment_ids[t] != segment_ids[t-1]; the state is reset to zero before
-such a token, so no information crosses a document boundary. `initial_state`
-applies only to the first document of each row (tokens before the first
-change); the final state is the state after the last token, i.e. the state of
-the last document.
-
-All internal math is in float32 whatever the input dtype; outputs have v's
-dtype, states are float32. Decays must satisfy g <= 0 (the stable chunk form
-relies on the cumulative log decay being non-increasing within a chunk).
+"""KDA in chunkwise-parallel (WY / UT transform) form, in plain JAX: dense work inside
+chunks of C tokens, a lax.scan over chunks carrying only the state. Same results as
+naive.recurrent_kda up to float32 reassociation and the decay clamp (common.G_CLAMP).
+Shapes and semantics: see k3_jax/ops/kda/__init__.py.
 """
 
 from __future__ import annotations
@@ -36,166 +11,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-# Tokens per checkpointed block in recurrent_kda: the backward pass keeps one
-# state per block (not per token) and recomputes the block's states.
-_RECURRENT_BLOCK = 64
-
-
-# --------------------------------------------------------------------------
-# Small helpers: gates and normalization.
-# --------------------------------------------------------------------------
-
-
-def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
-  """x / sqrt(sum(x^2, -1) + eps), computed in float32, returned in x.dtype."""
-  x32 = x.astype(jnp.float32)
-  inv = jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps)
-  return (x32 * inv).astype(x.dtype)
-
-
-def kda_gate_lower_bound(z: jax.Array, a_log: jax.Array,
-                         g_min: float = -5.0) -> jax.Array:
-  """K3 decay: g = g_min * sigmoid(exp(a_log) * z), in (g_min, 0).
-
-  z [..., H, K] decay logits; a_log [H] per-head log scale. Returns float32.
-  """
-  a = jnp.exp(a_log.astype(jnp.float32))[:, None]                 # [H, 1]
-  return g_min * jax.nn.sigmoid(a * z.astype(jnp.float32))        # [..., H, K]
-
-
-def kda_gate_softplus(z: jax.Array, a_log: jax.Array) -> jax.Array:
-  """Kimi-Linear decay: g = -exp(a_log) * softplus(z), in (-inf, 0).
-
-  z [..., H, K] decay logits; a_log [H] per-head log scale. Returns float32.
-  """
-  a = jnp.exp(a_log.astype(jnp.float32))[:, None]                 # [H, 1]
-  return -a * jax.nn.softplus(z.astype(jnp.float32))              # [..., H, K]
-
-
-def _default_scale(scale, k_dim):
-  return k_dim ** -0.5 if scale is None else scale
-
-
-def _doc_index(segment_ids: jax.Array) -> jax.Array:
-  """Document number of each token: 0 for the first document, +1 per change.
-
-  segment_ids [B, T] -> [B, T] int32. A change is segment_ids[t] != [t-1].
-  """
-  change = segment_ids[:, 1:] != segment_ids[:, :-1]              # [B, T-1]
-  change = jnp.concatenate(
-      [jnp.zeros_like(change[:, :1]), change], axis=1)            # [B, T]
-  return jnp.cumsum(change.astype(jnp.int32), axis=1)
-
-
-def _pad_time(x: jax.Array, pad: int, axis: int = 1, mode: str = "constant"):
-  if pad == 0:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, pad)
-  return jnp.pad(x, widths, mode=mode)
-
-
-# --------------------------------------------------------------------------
-# Recurrent form (definition) and decode step.
-# --------------------------------------------------------------------------
-
-
-def _delta_step(state, q, k, v, g, beta):
-  """One token, float32. state [B, H, K, V]; q, k, g [B, H, K]; v [B, H, V];
-  beta [B, H]. q already scaled. Returns (new_state, o [B, H, V])."""
-  state = jnp.exp(g)[..., None] * state                           # decay rows
-  pred = jnp.einsum("bhk,bhkv->bhv", k, state)                    # k^T S
-  delta = beta[..., None] * (v - pred)                            # [B, H, V]
-  state = state + k[..., None] * delta[..., None, :]              # += k delta^T
-  o = jnp.einsum("bhk,bhkv->bhv", q, state)                       # S^T q
-  return state, o
-
-
-def kda_decode_step(q, k, v, g, beta, state, scale=None):
-  """One decode step.
-
-  q, k, g [B, H, K]; v [B, H, V]; beta [B, H]; state [B, H, K, V] float32.
-  Returns (o [B, H, V] in v.dtype, new_state [B, H, K, V] float32).
-  """
-  f32 = lambda x: x.astype(jnp.float32)
-  scale = _default_scale(scale, q.shape[-1])
-  new_state, o = _delta_step(f32(state), f32(q) * scale, f32(k), f32(v),
-                             f32(g), f32(beta))
-  return o.astype(v.dtype), new_state
-
-
-def recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None,
-                  output_final_state=False, segment_ids=None):
-  """KDA by a scan over tokens (the reference definition).
-
-  q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H];
-  initial_state [B, H, K, V] (float32, zeros if None);
-  segment_ids [B, T] int or None: the state is reset to zero before every token
-  whose id differs from the previous token's (initial_state only reaches the
-  first document).
-  Returns (o [B, T, H, V] in v.dtype, final_state [B, H, K, V] f32 or None).
-
-  The scan runs over blocks of _RECURRENT_BLOCK tokens, each block a
-  rematerialized inner scan, so reverse-mode autodiff stores one state per
-  block instead of one per token. Padding tokens (k = v = g = beta = 0) leave
-  the state unchanged.
-  """
-  B, T, H, K = q.shape
-  V = v.shape[-1]
-  scale = _default_scale(scale, K)
-  out_dtype = v.dtype
-  f32 = lambda x: x.astype(jnp.float32)
-  q, k, v, g, beta = f32(q) * scale, f32(k), f32(v), f32(g), f32(beta)
-  if initial_state is None:
-    state0 = jnp.zeros((B, H, K, V), jnp.float32)
-  else:
-    state0 = f32(initial_state)
-  if segment_ids is None:
-    reset = jnp.zeros((B, T), jnp.bool_)
-  else:
-    doc = _doc_index(segment_ids)                                 # [B, T]
-    reset = jnp.concatenate(
-        [jnp.zeros((B, 1), jnp.bool_), doc[:, 1:] != doc[:, :-1]], axis=1)
-
-  blk = min(_RECURRENT_BLOCK, T)
-  n_blk = -(-T // blk)
-  pad = n_blk * blk - T
-  # [B, T, ...] -> [n_blk, blk, B, ...] (time-major for the scans)
-  def to_blocks(x):
-    x = _pad_time(x, pad)
-    x = x.reshape((B, n_blk, blk) + x.shape[2:])
-    return jnp.moveaxis(x, (1, 2), (0, 1))
-  xs = tuple(to_blocks(x) for x in (q, k, v, g, beta, reset))
-
-  def token_step(state, inp):
-    q_t, k_t, v_t, g_t, b_t, r_t = inp
-    state = jnp.where(r_t[:, None, None, None], 0.0, state)       # doc boundary
-    return _delta_step(state, q_t, k_t, v_t, g_t, b_t)
-
-  @jax.checkpoint
-  def block_step(state, inp):
-    return jax.lax.scan(token_step, state, inp)
-
-  final_state, o = jax.lax.scan(block_step, state0, xs)           # o [n, blk, B, H, V]
-  o = jnp.moveaxis(o, (0, 1), (1, 2)).reshape(B, n_blk * blk, H, V)[:, :T]
-  return o.astype(out_dtype), (final_state if output_final_state else None)
-
-
-# --------------------------------------------------------------------------
-# Chunkwise-parallel form.
-# --------------------------------------------------------------------------
-
-# chunk_kda clamps the per-step log decay at this value: a channel decayed by
-# exp(-16) ~ 1.1e-7 in one step is (to float32 precision, eps = 6e-8) already
-# erased, so the clamp changes outputs and states by at most ~1e-7 of the
-# state's magnitude, and gradients w.r.t. g below the clamp (true size ~e^g)
-# become 0. It bounds the log decay over a _SUB_TILE of tokens by
-# 16 * _SUB_TILE = 64, so exp(+-64) stays far inside float32 range (also in
-# the backward pass), which lets every score block be a dense matmul with no
-# pairwise [C, C, K] exponent tensor.
-_G_CLAMP = -16.0
-_TILE = 16       # level-1 tiles: off-diagonal tile pairs of a chunk
-_SUB_TILE = 4    # level-2 sub-tiles: everything inside a tile
+from k3_jax.ops.kda.common import (G_CLAMP, SUB_TILE, TILE, check_chunk_shapes,
+                                   default_scale, doc_index, pad_time)
 
 
 def _tile_scores(q, k, G, Gprev, with_diag):
@@ -210,7 +27,7 @@ def _tile_scores(q, k, G, Gprev, with_diag):
   With m_i = Gprev at tile i's first token (one reference per row tile):
     exp(G_r - G_s) = exp(G_r - m_i) * exp(m_i - G_s).
   The first factor is <= 1; the second is <= 1 for s in an earlier tile, at
-  most exp(16 t) (the _G_CLAMP bound; callers use t <= 4 here) for s in tile
+  most exp(16 t) (the G_CLAMP bound; callers use t <= 4 here) for s in tile
   i, and masked to 0 before exp for later tiles. Nothing overflows, and a
   factor underflowing to 0 means the exact product is below float32 range.
   Cost: n key matrices [K, n t] per block, one batched matmul.
@@ -249,8 +66,8 @@ def _intra_chunk_scores(q, k, G, Gprev):
   inside a tile, incl. the diagonal); both by _tile_scores.
   """
   *lead, C, K = q.shape
-  t1 = math.gcd(C, _TILE)
-  t2 = math.gcd(t1, _SUB_TILE)
+  t1 = math.gcd(C, TILE)
+  t2 = math.gcd(t1, SUB_TILE)
   n1, n2 = C // t1, t1 // t2
   # Level 2: inside each tile.
   sub = lambda x: x.reshape(*lead, n1, n2, t2, K)
@@ -343,8 +160,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None,
 
   Shapes and semantics as recurrent_kda. Any T: the sequence is padded to a
   multiple of chunk_size with k = v = q = g = beta = 0 (state unchanged) and
-  the outputs are sliced back. g is clamped at _G_CLAMP = -16 per step (a
-  decay of 1e-7, i.e. a full erase in float32; see _G_CLAMP).
+  the outputs are sliced back. g is clamped at G_CLAMP = -16 per step (a
+  decay of 1e-7, i.e. a full erase in float32; see G_CLAMP).
 
   Per chunk, with G the in-chunk cumulative log decay [C, K] and the state S
   at the chunk start (q already scaled):
@@ -366,10 +183,10 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None,
   last token is in doc_prev, and sums k_s Vnew_s only over s in the last
   token's document.
   """
-  B, T, H, K = q.shape
-  V = v.shape[-1]
+  B, T, H, K, V = check_chunk_shapes(q, k, v, g, beta, initial_state, segment_ids,
+                                     chunk_size)
   C = chunk_size
-  scale = _default_scale(scale, K)
+  scale = default_scale(scale, K)
   out_dtype = v.dtype
   n = -(-T // C)
   pad = n * C - T
@@ -377,12 +194,12 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None,
 
   # [B, T, H, X] -> [N, B, H, C, X]
   def to_chunks(x):
-    x = _pad_time(f32(x), pad)
+    x = pad_time(f32(x), pad)
     x = x.reshape((B, n, C, H) + x.shape[3:])
     return jnp.moveaxis(x, (1, 2), (0, 3))
   q = to_chunks(q) * scale                                        # [N, B, H, C, K]
   k, v = to_chunks(k), to_chunks(v)
-  g = to_chunks(jnp.maximum(f32(g), _G_CLAMP))
+  g = to_chunks(jnp.maximum(f32(g), G_CLAMP))
   beta = to_chunks(beta)                                          # [N, B, H, C]
 
   hi = jax.lax.Precision.HIGHEST
@@ -401,7 +218,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None,
   decay_last = jnp.exp(G_last[..., 0, :])                         # [N, B, H, K]
 
   if segment_ids is not None:
-    doc = _pad_time(_doc_index(segment_ids), pad, mode="edge")    # [B, Tp]
+    doc = pad_time(doc_index(segment_ids), pad, mode="edge")    # [B, Tp]
     doc = jnp.moveaxis(doc.reshape(B, n, C), 1, 0)[:, :, None]    # [N, B, 1, C]
     doc_prev = jnp.concatenate(
         [jnp.zeros_like(doc[:1, ..., -1]), doc[:-1, ..., -1]], axis=0)  # [N, B, 1]
@@ -440,3 +257,6 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None,
        + jnp.matmul(Aqk, v_new, precision=hi))                    # [N, B, H, C, V]
   o = jnp.moveaxis(o, (0, 3), (1, 2)).reshape(B, n * C, H, V)[:, :T]
   return o.astype(out_dtype), (final_state if output_final_state else None)
+
+
+__all__ = ["chunk_kda"]

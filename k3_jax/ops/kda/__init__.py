@@ -1,0 +1,122 @@
+"""Kimi Delta Attention (KDA), flash-linear-attention style: one API, several forms.
+
+Layout:
+  q, k  [B, T, H, K]   queries / keys (usually L2-normalized)
+  v     [B, T, H, V]   values
+  g     [B, T, H, K]   per-channel log decay, g <= 0 (alpha = exp(g))
+  beta  [B, T, H]      delta-rule write strength in [0, 1]
+  state [B, H, K, V]   float32
+
+Per head and per token (see K3_SPEC.md section 2):
+  S   <- Diag(exp(g_t)) S                     (decay the state rows)
+  S   <- S + beta_t k_t (v_t - k_t^T S)^T      (delta-rule write)
+  o_t  = S^T (q_t * scale)
+
+Packed sequences: `segment_ids` [B, T] (int). A new document starts at token t whenever
+segment_ids[t] != segment_ids[t-1]; the state is reset to zero before such a token, so no
+information crosses a document boundary. `initial_state` applies only to the first document
+of each row; the final state is the state after the last token (of the last document).
+All internal math is float32; outputs have v's dtype, states are float32.
+
+The package:
+  common.py   constants (G_CLAMP, TILE, SUB_TILE, BACKENDS), default_scale, doc_index,
+              pad_time, shape checks: everything the forms and the kernels share
+  gate.py     the decay gates and l2_normalize
+  naive.py    recurrent_kda (a scan over tokens: the definition) and kda_decode_step
+  chunk.py    the chunkwise-parallel (WY / UT) form in plain JAX
+  pallas_kernels/kda.py, kda_decode.py: the same signatures as Pallas TPU kernels
+
+and the entry points here, `chunk_kda(..., backend=)` and `decode_step(..., backend=)`:
+backend "reference" (the plain-JAX forms), "pallas" (the kernels; interpret mode when not
+compiling for TPU) or "auto" (pallas when the compile target, partitioning.target_platform(),
+is TPU). They also place the call on the installed mesh: a kernel runs per shard
+(partitioning.shard_kernel), and on a mesh with a sequence axis the chunked form runs
+context parallel (partitioning.parallel_ops().chunk_kda) with the chosen form per shard.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from k3_jax.ops.kda.chunk import chunk_kda as chunk_kda_reference
+from k3_jax.ops.kda.common import (BACKENDS, G_CLAMP, SUB_TILE, TILE, check_chunk_shapes,
+                                   check_decode_shapes, default_scale, doc_index)
+from k3_jax.ops.kda.gate import kda_gate_lower_bound, kda_gate_softplus, l2_normalize
+from k3_jax.ops.kda.naive import kda_decode_step, recurrent_kda
+from k3_jax.partitioning import parallel_ops, shard_kernel, target_platform
+
+_TOK = ("batch", None, "heads", None)           # [B, T, H, X]: kernels see the whole time axis
+_VEC = ("batch", None, "heads")                 # [B, T, H]
+_STATE = ("batch", "heads", None, None)         # [B, H, K, V]
+
+
+def resolve_backend(backend: str) -> str:
+  """"reference" or "pallas"; "auto" is pallas when compiling for TPU."""
+  if backend not in BACKENDS:
+    raise ValueError(f"KDA backend={backend!r}: expected one of {BACKENDS}")
+  if backend != "auto":
+    return backend
+  return "pallas" if target_platform() == "tpu" else "reference"
+
+
+def _interpret() -> bool:
+  return target_platform() != "tpu"
+
+
+def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+              chunk_size=64, segment_ids=None, backend: str = "reference"):
+  """Chunked KDA by `backend` on the installed mesh (or one device).
+
+  q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; initial_state [B, H, K, V] or None;
+  segment_ids [B, T] int or None. Returns (o [B, T, H, V] in v.dtype, final state
+  [B, H, K, V] f32, or None unless output_final_state). Equals naive.recurrent_kda up to
+  float32 reassociation and the per-step decay clamp at G_CLAMP."""
+  check_chunk_shapes(q, k, v, g, beta, initial_state, segment_ids, chunk_size)
+  pallas = resolve_backend(backend) == "pallas"
+  if pallas:
+    from pallas_kernels import kda as pallas_kda    # lazy: only the Pallas backend needs it
+    local = functools.partial(pallas_kda.chunk_kda, interpret=_interpret())
+  else:
+    local = chunk_kda_reference
+  kw = dict(scale=scale, chunk_size=chunk_size, output_final_state=output_final_state)
+  kcp = parallel_ops().chunk_kda          # context parallel (KCP) on a sequence mesh
+  if kcp is not None:                     # it runs `local` per shard inside its shard_map
+    return kcp(q, k, v, g, beta, initial_state=initial_state, segment_ids=segment_ids,
+               local_fn=local, **kw)
+  if not pallas:                          # plain JAX: the partitioner splits it
+    return local(q, k, v, g, beta, initial_state=initial_state, segment_ids=segment_ids, **kw)
+  # A Mosaic kernel cannot be partitioned: run it per shard of the installed mesh.
+  has_state, has_seg = initial_state is not None, segment_ids is not None
+  arrays, axes = [q, k, v, g, beta], [_TOK, _TOK, _TOK, _TOK, _VEC]
+  for x, a in ((initial_state, _STATE), (segment_ids, ("batch", None))):
+    if x is not None:
+      arrays.append(x)
+      axes.append(a)
+
+  def per_shard(q, k, v, g, beta, *rest):
+    s0 = rest[0] if has_state else None
+    seg = rest[-1] if has_seg else None
+    o, sf = local(q, k, v, g, beta, initial_state=s0, segment_ids=seg, **kw)
+    return (o, sf) if output_final_state else o
+
+  out = shard_kernel(per_shard, axes, (_TOK, _STATE) if output_final_state else _TOK)(*arrays)
+  return out if output_final_state else (out, None)
+
+
+def decode_step(q, k, v, g, beta, state, scale=None, backend: str = "reference"):
+  """One token by `backend`: q, k, g [B, H, K]; v [B, H, V]; beta [B, H]; state
+  [B, H, K, V] f32. Returns (o [B, H, V] in v.dtype, new state [B, H, K, V] f32)."""
+  check_decode_shapes(q, k, v, g, beta, state)
+  if resolve_backend(backend) == "reference":
+    return kda_decode_step(q, k, v, g, beta, state, scale)
+  from pallas_kernels import kda_decode          # lazy: only the Pallas backend needs it
+  vec = ("batch", "heads", None)
+  step = lambda *a: kda_decode.kda_decode_step(*a, scale=scale, interpret=_interpret())
+  return shard_kernel(step, [vec, vec, vec, vec, ("batch", "heads"), _STATE], (vec, _STATE))(
+      q, k, v, g, beta, state)
+
+
+__all__ = ["chunk_kda", "decode_step", "resolve_backend", "chunk_kda_reference",
+           "recurrent_kda", "kda_decode_step", "l2_normalize", "kda_gate_lower_bound",
+           "kda_gate_softplus", "G_CLAMP", "TILE", "SUB_TILE", "BACKENDS", "default_scale",
+           "doc_index"]
