@@ -2,7 +2,7 @@
 mesh's sequence axis (K3_SPEC sections 2 and 10).
 
 Each op has the signature of its single-device reference (after the mesh argument) and is
-reached from the layers through `partitioning.parallel_op` when the active mesh has a
+reached from the layers through `partitioning.parallel_ops()` when the active mesh has a
 sequence axis > 1. Sequence lengths the axis does not divide (or too short for the conv
 halo) fall back to the reference, which the partitioner still runs correctly.
 

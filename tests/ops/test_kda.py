@@ -256,3 +256,35 @@ def test_gates_and_l2_normalize():
   y = kda.l2_normalize(x)
   assert y.dtype == jnp.bfloat16
   np.testing.assert_allclose(jnp.linalg.norm(y.astype(jnp.float32), axis=-1), 1.0, rtol=1e-2)
+
+
+def test_one_entry_point_all_backends_and_shape_checks():
+  """chunk_kda / decode_step(backend=...): "reference" is the plain-JAX chunked form itself,
+  "pallas" (the kernels, interpret mode on this CPU host) agrees with it at the module
+  tolerance (1e-4 of the largest entry), "auto" resolves to the reference off TPU. A
+  mis-shaped argument is refused by every backend with its name."""
+  T = 16
+  q, k, v, g, beta = _inputs(T, seed=5, with_state=False)[:5]
+  s0 = jax.random.normal(jax.random.PRNGKey(9), (B, H, K, V)) * 0.1
+  kw = dict(initial_state=s0, output_final_state=True, chunk_size=16)
+  ref_o, ref_s = kda.chunk_kda_reference(q, k, v, g, beta, **kw)
+  o, s = kda.chunk_kda(q, k, v, g, beta, backend="reference", **kw)
+  np.testing.assert_array_equal(o, ref_o)
+  np.testing.assert_array_equal(s, ref_s)
+  assert kda.resolve_backend("auto") == "reference"
+  po, ps = jax.jit(functools.partial(kda.chunk_kda, backend="pallas", **kw))(q, k, v, g, beta)
+  _close(po, ref_o)
+  _close(ps, ref_s)
+  step_ref = kda.decode_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], s0)
+  step_pal = kda.decode_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], s0,
+                             backend="pallas")
+  for a, r in zip(step_pal, step_ref):
+    _close(a, r)
+  for backend in ("reference", "pallas"):
+    with pytest.raises(ValueError, match="beta"):
+      kda.chunk_kda(q, k, v, g, beta[:, :-1], backend=backend)
+    with pytest.raises(ValueError, match="state"):
+      kda.decode_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], s0[:, :1],
+                      backend=backend)
+  with pytest.raises(ValueError, match="backend"):
+    kda.chunk_kda(q, k, v, g, beta, backend="triton")

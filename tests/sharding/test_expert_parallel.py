@@ -200,3 +200,43 @@ def test_ep_capacity_drops_exactly_the_overflow(data, exchange):
   want = moe_ops.moe_dispatch(d["x"], jnp.where(kept, d["weights"], 0.0), d["ids"],
                               d["w_gate"], d["w_up"], d["w_down"])
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_ep_capacity_is_a_config_field_jit_sees():
+  """moe.ep_capacity reaches the traced program through the layer's config: ONE jitted
+  function applied to the same layer under two capacities gives two programs (no stale
+  trace), the dropless one equal to the single-device layer, the bounded one equal to the
+  dispatch called with that capacity directly (same routing, same rows dropped)."""
+  from k3_jax.config import apply_overrides
+  cfg = configs.get("k3_tiny")
+  mesh = make_mesh(parse_mesh("expert:4,data:2"))
+  x = jax.random.normal(jax.random.key(1), (4, 8, cfg.d_model), jnp.float32)
+
+  def layer(capacity):
+    m = MoE(apply_overrides(cfg, [f"moe.ep_capacity={capacity}"]), init=Init(1))
+    m.bias.value = jnp.linspace(-2.0, 2.0, cfg.moe.num_experts)   # very uneven routing
+    return m
+
+  @nnx.jit
+  def forward(m, x):
+    with activation_rules(mesh):
+      return m(x)[0]
+
+  dropless, bounded = forward(layer(0.0), x), forward(layer(1.0), x)
+  np.testing.assert_allclose(dropless, layer(0.0)(x)[0], rtol=1e-5, atol=1e-6)
+  assert float(jnp.max(jnp.abs(bounded - dropless))) > 1e-3     # rows were dropped
+
+  # The same bounded result from the dispatch given capacity_factor=1 explicitly.
+  m = layer(1.0)
+  xf = x.reshape(-1, cfg.d_model)
+  weights, ids = moe_ops.select_experts(moe_ops.router_scores(xf, m.router[...]), m.bias[...],
+                                        cfg.moe.top_k, cfg.moe.routed_scaling_factor)
+  z = m.down(xf) if cfg.moe.latent_dim else xf
+  u = jax.jit(lambda *a: expert.expert_parallel_dispatch(
+      mesh, *a, activation=m.kind, beta1=m.beta1, beta2=m.beta2,
+      gmm=moe_ops.default_gmm(platform="cpu"), capacity_factor=1.0))(
+          z, weights, ids, *m._expert_weights())
+  y = m.up(m.norm(u)) if cfg.moe.latent_dim else u
+  if cfg.moe.num_shared_experts:
+    y = y + m.shared(xf)
+  np.testing.assert_allclose(bounded, y.reshape(x.shape), rtol=1e-5, atol=1e-6)

@@ -1,0 +1,91 @@
+"""Execution-only config fields (kda.backend, moe.gmm, moe.ep_capacity): validated by name,
+seen by jit (they are part of the traced program, not context variables), and not part of a
+checkpoint's model identity (resuming under another backend works; another architecture is
+still refused). Also the typed parallel-op record of k3_jax/partitioning.py."""
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import configs
+from k3_jax import partitioning
+from k3_jax.checkpoint.manager import CheckpointManager, CheckpointMismatch
+from k3_jax.config import EXECUTION_FIELDS, ConfigError, apply_overrides, validate
+from k3_jax.layers.init import Init
+from k3_jax.layers.moe import MoE
+
+CFG = configs.get("k3_tiny")
+
+
+@pytest.mark.parametrize("override, field", [("moe.gmm=cuda", "moe.gmm"),
+                                             ("moe.ep_capacity=-1", "moe.ep_capacity"),
+                                             ("kda.backend=triton", "kda.backend")])
+def test_bad_execution_values_name_the_field(override, field):
+  with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+    validate(apply_overrides(CFG, [override]))
+
+
+def test_resume_under_other_execution_fields(tmp_path):
+  """A checkpoint saved with the defaults restores, bit for bit, into a manager opened with
+  --override=kda.backend=pallas (and the other execution fields changed); the saved
+  model_config.json is left as it was; an architecture change is still refused."""
+  state = {"w": jnp.arange(12.0).reshape(3, 4), "step": jnp.asarray(3, jnp.int32)}
+  mgr = CheckpointManager(str(tmp_path), CFG)
+  mgr.save(3, state, {"pos": 7})
+  mgr.wait()
+  mgr.close()
+  cfg_path = os.path.join(tmp_path, "checkpoints", "model_config.json")
+  saved_text = open(cfg_path).read()
+
+  other = validate(apply_overrides(CFG, ["kda.backend=pallas", "moe.gmm=ragged_dot",
+                                         "moe.ep_capacity=1.25"]))
+  assert set(EXECUTION_FIELDS) == {"kda.backend", "moe.gmm", "moe.ep_capacity"}
+  resumed = CheckpointManager(str(tmp_path), other)            # no CheckpointMismatch
+  assert resumed.latest_step() == 3
+  rep = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  got, data = resumed.restore(jax.eval_shape(lambda: state), {"w": rep, "step": rep})
+  np.testing.assert_array_equal(got["w"], state["w"])
+  assert int(got["step"]) == 3 and data == {"pos": 7}
+  resumed.close()
+  assert open(cfg_path).read() == saved_text                    # not overwritten
+  assert json.loads(saved_text)["kda"]["backend"] == "auto"
+  with pytest.raises(CheckpointMismatch, match="kda.num_heads"):
+    CheckpointManager(str(tmp_path), apply_overrides(other, ["kda.num_heads=2"]))
+
+
+def test_gmm_field_changes_the_traced_program_not_the_result():
+  """moe.gmm picks the grouped matmul at trace time from the config: "ragged_dot" lowers
+  to the ragged_dot primitive, "tiled" to plain einsums; both compute the same layer output
+  (tolerance: float32 reassociation of the same sums, 1e-5 relative)."""
+  x = jax.random.normal(jax.random.key(0), (2, 8, CFG.d_model), jnp.float32)
+  outs = {}
+  for kind in ("tiled", "ragged_dot"):
+    layer = MoE(apply_overrides(CFG, [f"moe.gmm={kind}"]), init=Init(3))
+    graphdef, state = nnx.split(layer)
+    f = lambda state, x: nnx.merge(graphdef, state)(x)[0]
+    prims = str(jax.make_jaxpr(f)(state, x))
+    assert ("ragged_dot" in prims) == (kind == "ragged_dot"), kind
+    outs[kind] = f(state, x)
+  np.testing.assert_allclose(outs["ragged_dot"], outs["tiled"], rtol=1e-5, atol=1e-6)
+
+
+def test_parallel_ops_is_a_typed_record():
+  assert partitioning.parallel_ops() == partitioning.ParallelOps()      # nothing installed
+  fields = {f.name for f in dataclasses.fields(partitioning.ParallelOps)}
+  assert fields == {"moe_dispatch", "chunk_kda", "short_conv", "latent_attention"}
+  with pytest.raises(TypeError):
+    partitioning.ParallelOps(chunk_kdaa=lambda *a: a)                  # a misspelt op
+  with pytest.raises(TypeError, match="ParallelOps"):
+    with partitioning.use_parallel_ops({"chunk_kda": None}):
+      pass
+  op = lambda *a, **k: "installed"
+  with partitioning.use_parallel_ops(partitioning.ParallelOps(short_conv=op)):
+    assert partitioning.parallel_ops().short_conv is op
+    assert partitioning.parallel_ops().chunk_kda is None
+  assert partitioning.parallel_ops().short_conv is None
