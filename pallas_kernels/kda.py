@@ -1,7 +1,8 @@
 """Pallas TPU kernels for chunked Kimi Delta Attention (KDA): forward and backward.
 
-`chunk_kda` has the signature and semantics of `k3_jax.ops.kda.chunk_kda` (reference: k3_jax/ops/kda/chunk.py)
-(plus `interpret`, `store_states`) and is differentiable through a
+`chunk_kda` has the signature and semantics of the reference
+`k3_jax.ops.kda.chunk.chunk_kda` (plus `interpret`, `store_states`); the entry point
+`k3_jax.ops.kda.chunk_kda(..., backend="pallas")` calls it. It is differentiable through a
 `jax.custom_vjp` whose backward is a Pallas kernel too.
 
 Layout. The public API takes q, k, g [B, T, H, K], v [B, T, H, V], beta
@@ -547,8 +548,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None,
               interpret=False, store_states=False):
   """Chunked KDA as Pallas TPU kernels; differentiable (custom_vjp).
 
-  Same signature and results as `k3_jax.ops.kda.chunk_kda` (reference: k3_jax/ops/kda/chunk.py) (same g clamp at
-  -16, same segment semantics), plus:
+  Same signature and results as the reference `k3_jax.ops.kda.chunk.chunk_kda` (same g
+  clamp at -16, same segment semantics), plus:
     interpret     run the kernels in the Pallas interpreter (CPU tests).
     store_states  keep every chunk's incoming FP32 state from the forward for
                   the backward (True) or recompute them in the backward

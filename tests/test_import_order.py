@@ -8,6 +8,7 @@ Parsing only (ast): nothing is imported, so the test takes well under a second.
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -47,6 +48,11 @@ BELOW = {
 }
 
 
+@functools.lru_cache(maxsize=None)
+def parse(path: str) -> ast.Module:
+  return ast.parse((ROOT / path).read_text(), filename=path)
+
+
 def project_files() -> list[str]:
   out = []
   for src in SOURCES:
@@ -75,7 +81,7 @@ def module_file(dotted: str, files: set[str]) -> str | None:
 def imports_of(path: str, files: set[str]) -> set[str]:
   """Project files `path` imports, anywhere in it. `from a.b import c` counts as an import
   of module a.b.c when that is a module, else of a.b (the module the name comes from)."""
-  tree = ast.parse((ROOT / path).read_text(), filename=path)
+  tree = parse(path)
   package = path.rsplit("/", 1)[0].replace("/", ".") if "/" in path else ""
   out = set()
   for node in ast.walk(tree):
@@ -99,10 +105,11 @@ def imports_of(path: str, files: set[str]) -> set[str]:
   return out
 
 
-def import_graph() -> dict[str, set[str]]:
+@functools.lru_cache(maxsize=None)
+def import_graph() -> dict[str, frozenset[str]]:
   files = project_files()
   fset = set(files)
-  return {f: imports_of(f, fset) for f in files}
+  return {f: frozenset(imports_of(f, fset)) for f in files}
 
 
 def upward_edges(graph) -> list[str]:
@@ -158,6 +165,22 @@ def test_every_import_points_down_the_declared_order():
 def test_no_import_cycles():
   found = cycles(import_graph())
   assert not found, "import cycles:\n  " + "\n  ".join(" <-> ".join(c) for c in found)
+
+
+def private_imports(path: str) -> list[str]:
+  """`from <project module> import _name` in `path`: a private name used across modules."""
+  tree = parse(path)
+  roots = {s.split("/")[0].removesuffix(".py") for s in SOURCES}
+  return [f"{path}: from {n.module} import {a.name}" for n in ast.walk(tree)
+          if isinstance(n, ast.ImportFrom) and n.module and n.module.split(".")[0] in roots
+          for a in n.names if a.name.startswith("_")]
+
+
+def test_no_private_names_cross_modules():
+  """Kernels and parallel ops share what they need through public names (e.g.
+  k3_jax/ops/kda/common.py), never another module's private helpers."""
+  bad = [line for f in project_files() for line in private_imports(f)]
+  assert not bad, "private names imported across modules:\n  " + "\n  ".join(bad)
 
 
 def test_the_checker_sees_violations():

@@ -19,7 +19,6 @@ last document.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from k3_jax.ops.segments import doc_index
