@@ -55,8 +55,9 @@ def test_resume_under_other_execution_fields(tmp_path):
   resumed.close()
   assert open(cfg_path).read() == saved_text                    # not overwritten
   assert json.loads(saved_text)["kda"]["backend"] == "auto"
+  assert CFG.kda.num_heads != 4
   with pytest.raises(CheckpointMismatch, match="kda.num_heads"):
-    CheckpointManager(str(tmp_path), apply_overrides(other, ["kda.num_heads=2"]))
+    CheckpointManager(str(tmp_path), apply_overrides(other, ["kda.num_heads=4"]))
 
 
 def test_gmm_field_changes_the_traced_program_not_the_result():
@@ -89,3 +90,31 @@ def test_parallel_ops_is_a_typed_record():
     assert partitioning.parallel_ops().short_conv is op
     assert partitioning.parallel_ops().chunk_kda is None
   assert partitioning.parallel_ops().short_conv is None
+
+
+@pytest.mark.slow
+def test_training_resumes_on_the_pallas_backend(tmp_path):
+  """End to end: 2 steps on the reference backend, then the run resumes from its checkpoint
+  with kda.backend=pallas (the kernels, interpret mode here) for steps 3-4; its losses equal
+  an uninterrupted reference run's to 1e-4 relative (the kernel and the reference chunk
+  form reassociate the same float32 sums differently; the module tolerance of
+  tests/pallas/test_pallas_kda_layer.py)."""
+  from k3_jax import train
+  from k3_jax.data import mqar
+  from sharding.mesh import make_mesh, parse_mesh
+  tc = dataclasses.replace(configs.get_train("k3_tiny"), steps=4, batch_size=2, seq_len=32,
+                           checkpoint_every=2, eval_every=100, log_every=1)
+  mesh = make_mesh(parse_mesh(""), devices=jax.devices()[:1])
+  it = lambda: mqar.mqar_dataset(tc.batch_size, tc.seq_len, CFG.vocab_size, num_kv_pairs=4,
+                                 seed=3)
+  pallas = validate(apply_overrides(CFG, ["kda.backend=pallas"]))
+  full, part = str(tmp_path / "full"), str(tmp_path / "part")
+  quiet = lambda s: None
+  train.run(CFG, tc, full, mesh, it(), [], ckpt=CheckpointManager(full, CFG), log=quiet)
+  train.run(CFG, tc, part, mesh, it(), [], ckpt=CheckpointManager(part, CFG), log=quiet,
+            stop_after=2)
+  train.run(pallas, tc, part, mesh, it(), [], ckpt=CheckpointManager(part, pallas), log=quiet)
+  read = lambda d: [json.loads(l) for l in open(os.path.join(d, "metrics.jsonl"))]
+  want, got = read(full), read(part)
+  assert [r["step"] for r in got] == [1, 2, 3, 4]
+  np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in want], rtol=1e-4)

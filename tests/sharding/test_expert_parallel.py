@@ -205,8 +205,9 @@ def test_ep_capacity_drops_exactly_the_overflow(data, exchange):
 def test_ep_capacity_is_a_config_field_jit_sees():
   """moe.ep_capacity reaches the traced program through the layer's config: ONE jitted
   function applied to the same layer under two capacities gives two programs (no stale
-  trace), the dropless one equal to the single-device layer, the bounded one equal to the
-  dispatch called with that capacity directly (same routing, same rows dropped)."""
+  trace): the bounded one equals the dispatch called with that capacity directly (same
+  routing, same rows dropped) and differs from the dropless one (which the test above
+  checks against one device)."""
   from k3_jax.config import apply_overrides
   cfg = configs.get("k3_tiny")
   mesh = make_mesh(parse_mesh("expert:4,data:2"))
@@ -223,7 +224,6 @@ def test_ep_capacity_is_a_config_field_jit_sees():
       return m(x)[0]
 
   dropless, bounded = forward(layer(0.0), x), forward(layer(1.0), x)
-  np.testing.assert_allclose(dropless, layer(0.0)(x)[0], rtol=1e-5, atol=1e-6)
   assert float(jnp.max(jnp.abs(bounded - dropless))) > 1e-3     # rows were dropped
 
   # The same bounded result from the dispatch given capacity_factor=1 explicitly.
