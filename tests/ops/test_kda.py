@@ -285,7 +285,7 @@ def test_one_entry_point_all_backends_and_shape_checks():
     with pytest.raises(ValueError, match="beta"):
       kda.chunk_kda(q, k, v, g, beta[:, :-1], backend=backend)
     with pytest.raises(ValueError, match="state"):
-      kda.decode_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], s0[:, :1],
+      kda.decode_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], s0[..., :1],
                       backend=backend)
   with pytest.raises(ValueError, match="backend"):
     kda.chunk_kda(q, k, v, g, beta, backend="triton")
