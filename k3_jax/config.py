@@ -13,7 +13,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-class ConfigError(ValueError):
+class UserError(ValueError):
+  """Bad input from the user (a flag, a file, a prompt): the command line prints the message
+  without a traceback. Real bugs raise anything else and keep their traceback."""
+
+
+class ConfigError(UserError):
   """A configuration value breaks a rule; the message names field, value and rule."""
 
 

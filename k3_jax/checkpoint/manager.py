@@ -15,10 +15,10 @@ import os
 import jax
 import orbax.checkpoint as ocp
 
-from k3_jax.config import ModelConfig, from_dict, to_dict
+from k3_jax.config import ModelConfig, UserError, from_dict, to_dict
 
 
-class CheckpointMismatch(ValueError):
+class CheckpointMismatch(UserError):
   """The workdir holds checkpoints of a different model configuration."""
 
 

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3_jax.config import ModelConfig
+from k3_jax.config import ModelConfig, UserError
 from k3_jax.model import check_tokens, decode_step, prefill
 from k3_jax.serve.sampling import sample
 
@@ -37,15 +37,15 @@ class Engine:
     """Yields up to max_new_tokens sampled token ids for one prompt."""
     prompt = check_tokens(prompt_ids, self.cfg).reshape(1, -1)
     if prompt.shape[1] == 0:
-      raise ValueError("the prompt is empty: give at least one token")
+      raise UserError("the prompt is empty: give at least one token")
     total = prompt.shape[1] + max_new_tokens
     if total > self.cfg.max_seq_len:
-      raise ValueError(f"prompt ({prompt.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) "
+      raise UserError(f"prompt ({prompt.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) "
                        f"exceeds max_seq_len={self.cfg.max_seq_len}")
     if not 0.0 < top_p <= 1.0:
-      raise ValueError(f"top_p={top_p} must lie in (0, 1]")
+      raise UserError(f"top_p={top_p} must lie in (0, 1]")
     if temperature < 0:
-      raise ValueError(f"temperature={temperature} must be >= 0")
+      raise UserError(f"temperature={temperature} must be >= 0")
     logits, cache = self._prefill(self.params, self.rest, jnp.asarray(prompt, jnp.int32), total)
     key = jax.random.key(seed)
     key, sub = jax.random.split(key)
