@@ -59,6 +59,15 @@ def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
 
 # ----- state ----------------------------------------------------------------------
 
+def lr_metrics(tc: TrainConfig, step) -> dict:
+  """The learning rates applied at `step` (0-based): lr_adamw always (the whole model under
+  adamw, the non-matrix parameters under muon), lr_muon under muon (the matrices)."""
+  out = {"lr_adamw": lr_schedule(tc)(step)}
+  if tc.optimizer == "muon":
+    out["lr_muon"] = lr_schedule(tc, tc.muon_lr)(step)
+  return out
+
+
 def split_model(model: K3Model):
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   return graphdef, params, rest
@@ -158,9 +167,7 @@ def train_step(graphdef, optimizer, cfg: ModelConfig, tc: TrainConfig, state: di
   new_state = {"step": state["step"] + 1, "params": params, "rest": rest,
                "opt_state": opt_state}
   metrics = {"loss": loss_sum / denom, "grad_norm": optax.global_norm(grads),
-             "tokens": count, "lr_adamw": lr_schedule(tc)(state["step"])}
-  if tc.optimizer == "muon":
-    metrics["lr_muon"] = lr_schedule(tc, tc.muon_lr)(state["step"])
+             "tokens": count, **lr_metrics(tc, state["step"])}
   if n_mla:
     metrics["max_logit"] = max_logit.max()
     if clip:
