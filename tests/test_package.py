@@ -4,6 +4,7 @@ gives importable packages and the `k3` script, and no module edits sys.path."""
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -47,9 +48,15 @@ def test_no_module_edits_sys_path():
 def test_pip_install_target_imports_and_runs_k3(tmp_path):
   """`pip install .` (no deps, no network: the installed setuptools builds it) into a plain
   folder; from elsewhere, the packages import from there and the `k3` script answers."""
-  target = tmp_path / "site"
+  src, target = tmp_path / "src", tmp_path / "site"
+  # A copy of what the package is built from (setuptools writes build/ beside its source).
+  src.mkdir()
+  for name in ("pyproject.toml", "README.md", "main.py"):
+    shutil.copy(ROOT / name, src / name)
+  for name in ("k3_jax", "configs", "sharding", "pallas_kernels"):
+    shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
   r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
-                      "--no-build-isolation", "--target", str(target), str(ROOT)],
+                      "--no-build-isolation", "--target", str(target), str(src)],
                      capture_output=True, text=True, timeout=300, cwd=tmp_path)
   assert r.returncode == 0, r.stderr[-2000:]
   env = dict(os.environ, PYTHONPATH=str(target), JAX_PLATFORMS="cpu")
