@@ -78,6 +78,10 @@ flags.DEFINE_integer("max_new_tokens", 200, "tokens to sample")
 flags.DEFINE_float("temperature", 0.0, "sampling temperature; 0 = greedy")
 flags.DEFINE_float("top_p", 1.0, "nucleus sampling: sample from the smallest set of tokens "
                    "whose probability reaches top_p")
+flags.DEFINE_float("frequency_penalty", 0.0, "lower each token's logit by this much per time "
+                   "it was generated so far (breaks runs of one token, e.g. whitespace)")
+flags.DEFINE_float("presence_penalty", 0.0, "lower the logit of every token generated so far "
+                   "by this much, once")
 flags.DEFINE_enum("expert_format", "dense", ["dense", "mxfp4"], "routed-expert weight format: "
                   "dense (as stored) | mxfp4 (packed MXFP4, 4.25 bits; generate converts the "
                   "checkpoint at load, activations MXFP8 as in QAT)")
@@ -166,7 +170,9 @@ def cmd_generate() -> None:
   from k3_jax.serve.restore import restore_for_inference, stream_completion
   restored = restore_for_inference(FLAGS.workdir, FLAGS.expert_format, FLAGS.tokenizer)
   pieces = stream_completion(restored, FLAGS.prompt, FLAGS.max_new_tokens, FLAGS.temperature,
-                             FLAGS.top_p, seed=FLAGS.seed or 0)
+                             FLAGS.top_p, seed=FLAGS.seed or 0,
+                             frequency_penalty=FLAGS.frequency_penalty,
+                             presence_penalty=FLAGS.presence_penalty)
   sys.stdout.write(FLAGS.prompt)
   sys.stdout.flush()
   for piece in pieces:
@@ -274,7 +280,8 @@ COMMANDS: dict[str, Command] = {
     "generate": Command(cmd_generate, "load the latest checkpoint in --workdir and stream a "
                         "completion of --prompt",
                         ("workdir", "prompt", "max_new_tokens", "temperature", "top_p", "seed",
-                         "tokenizer", "expert_format")),
+                         "frequency_penalty", "presence_penalty", "tokenizer",
+                         "expert_format")),
     "info": Command(cmd_info, "layer plan and parameter counts (abstract, nothing allocated)",
                     (*MODEL_FLAGS, "json", "serving_bytes", "param_groups", "optimizer")),
     "compile": Command(cmd_compile, "ahead-of-time compile the train / prefill / decode step "

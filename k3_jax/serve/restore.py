@@ -71,14 +71,17 @@ def restore_for_inference(workdir: str, expert_format: str = "dense",
 
 
 def stream_completion(restored: Restored, prompt: str, max_new_tokens: int,
-                      temperature: float = 0.0, top_p: float = 1.0,
-                      seed: int = 0) -> Iterator[str]:
+                      temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+                      frequency_penalty: float = 0.0,
+                      presence_penalty: float = 0.0) -> Iterator[str]:
   """Text pieces of the completion of `prompt` as they are sampled (stops at EOS)."""
   tok = restored.tokenizer
   stream = tok.stream_decoder()
   stop = () if tok.eos_id is None else (tok.eos_id,)
   for tid in restored.engine.generate(tok.encode(prompt), max_new_tokens, temperature, top_p,
-                                      seed=seed, stop_ids=stop):
+                                      seed=seed, stop_ids=stop,
+                                      frequency_penalty=frequency_penalty,
+                                      presence_penalty=presence_penalty):
     if tid in stop:
       break
     piece = stream.add(tid)

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3_jax.serve.sampling import sample
+from k3_jax.serve.sampling import penalize, sample
 
 # Probabilities chosen so no cumulative sum lies near the tested top_p values.
 PROBS = np.array([0.05, 0.40, 0.01, 0.15, 0.25, 0.03, 0.10, 0.01])
@@ -52,3 +52,14 @@ def test_top_p_one_is_plain_sampling_with_the_same_key():
 def test_tiny_top_p_and_zero_temperature_are_greedy():
   assert set(_draw(0.01).tolist()) == {1}
   assert set(_draw(0.9, temperature=0.0).tolist()) == {1}
+
+
+def test_penalties_lower_the_logits_of_generated_tokens():
+  logits = jnp.asarray([[2.0, 1.0, 0.5, -1.0]])                       # [B=1, V=4]
+  counts = jnp.asarray([[3, 0, 1, 0]])
+  out = np.asarray(penalize(logits, counts, frequency_penalty=0.5, presence_penalty=0.25))
+  # token 0: 2 - 3 * 0.5 - 0.25; token 2: 0.5 - 0.5 - 0.25; never-generated tokens unchanged
+  np.testing.assert_allclose(out, [[0.25, 1.0, -0.25, -1.0]], rtol=0, atol=1e-6)
+  np.testing.assert_array_equal(np.asarray(penalize(logits, counts)), np.asarray(logits))
+  # A penalty large enough turns a run of one token into another choice under greedy.
+  assert int(sample(jax.random.key(0), penalize(logits, counts, 1.0), 0.0)[0]) == 1
