@@ -34,6 +34,8 @@ _quiet_platform()
 
 from absl import app, flags  # noqa: E402
 
+from k3_jax.config import EXPERT_FORMATS  # noqa: E402  (plain data: no jax import)
+
 FLAGS = flags.FLAGS
 
 # ---- flags, grouped; each command lists the groups / flags it reads (COMMANDS below) ----
@@ -82,7 +84,7 @@ flags.DEFINE_float("frequency_penalty", 0.0, "lower each token's logit by this m
                    "it was generated so far (breaks runs of one token, e.g. whitespace)")
 flags.DEFINE_float("presence_penalty", 0.0, "lower the logit of every token generated so far "
                    "by this much, once")
-flags.DEFINE_enum("expert_format", "dense", ["dense", "mxfp4"], "routed-expert weight format: "
+flags.DEFINE_enum("expert_format", "dense", list(EXPERT_FORMATS), "routed-expert weight format: "
                   "dense (as stored) | mxfp4 (packed MXFP4, 4.25 bits; generate converts the "
                   "checkpoint at load, activations MXFP8 as in QAT)")
 # info

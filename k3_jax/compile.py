@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3_jax import train
-from k3_jax.config import ConfigError, ModelConfig, TrainConfig
+from k3_jax.config import EXPERT_FORMATS, ConfigError, ModelConfig, TrainConfig
 from k3_jax.model import create_model, decode_step, prefill
 from k3_jax.ops.moe import use_gmm
 from k3_jax.quant import pack_routed_experts
@@ -25,7 +25,6 @@ from sharding.rules import activation_rules, tree_shardings
 from sharding.topology import Target, target_devices
 
 STEPS = ("train", "prefill", "decode")
-EXPERT_FORMATS = ("dense", "mxfp4")   # routed experts as stored (param dtype) | packed MXFP4
 
 
 def compile_step(cfg: ModelConfig, tc: TrainConfig, target: Target, step: str,

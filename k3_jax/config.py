@@ -22,6 +22,11 @@ class ConfigError(UserError):
   """A configuration value breaks a rule; the message names field, value and rule."""
 
 
+# How routed-expert weights are served (generate, compile): as stored (the param dtype) or
+# packed MXFP4 MXArrays (4.25 bits per weight).
+EXPERT_FORMATS = ("dense", "mxfp4")
+
+
 @dataclass(frozen=True)
 class KDAConfig:
   num_heads: int = 4

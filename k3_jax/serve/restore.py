@@ -12,13 +12,11 @@ import jax
 
 from k3_jax import train
 from k3_jax.checkpoint.manager import CheckpointManager, saved_config
-from k3_jax.config import ModelConfig, TrainConfig, UserError
+from k3_jax.config import EXPERT_FORMATS, ModelConfig, TrainConfig, UserError
 from k3_jax.data import tokenizers
 from k3_jax.quant import pack_state
 from k3_jax.serve.engine import Engine
 from sharding.mesh import make_mesh
-
-EXPERT_FORMATS = ("dense", "mxfp4")
 
 
 @dataclasses.dataclass
