@@ -1,19 +1,24 @@
-"""K3 in JAX: one command line.
+"""K3 in JAX: the command line. It parses flags, calls library functions and prints.
 
   python main.py train     [--config=k3_small] [--steps=N] [--workdir=runs/default] ...
-  python main.py generate  --workdir=runs/default --prompt="def " [--temperature=0.8 --top_p=0.95]
-  python main.py info      --config=k3 [--json] [--quant=mxfp4] [--optimizer]
+  python main.py generate  --workdir=runs/default --prompt="def " [--temperature=0.7 --top_p=0.9]
+  python main.py info      --config=k3 [--json] [--serving_bytes] [--param_groups]
   python main.py compile   --config=k3 --topology=v5p-4096 --mesh=fsdp:256,expert:8
                            [--step=train|prefill|decode] [--global_batch=N --seq_len=N] [--json]
 
-`python main.py <command> --help` lists every flag.
+`python main.py <command> --help` lists that command's flags. Installed (`pip install .`),
+the same CLI is the `k3` script. A new command: write its library function, a `cmd_<name>`
+here that calls it and prints, its flags (in a group below), and one COMMANDS entry.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import glob
+import json
 import os
 import sys
+from typing import Callable
 
 
 def _quiet_platform() -> None:
@@ -29,63 +34,85 @@ _quiet_platform()
 
 from absl import app, flags  # noqa: E402
 
-COMMANDS = ("train", "generate", "info", "compile")
+from k3_jax.config import EXPERT_FORMATS  # noqa: E402  (plain data: no jax import)
 
 FLAGS = flags.FLAGS
+
+# ---- flags, grouped; each command lists the groups / flags it reads (COMMANDS below) ----
+# model: which config
 flags.DEFINE_string("config", "k3_small", "model preset: k3, k3_small, k3_tiny, kimi_linear_48b")
 flags.DEFINE_multi_string("override", [], "config override field=value, e.g. kda.num_heads=4 "
                           "(repeatable)")
-flags.DEFINE_string("workdir", "runs/default", "where checkpoints and metrics.jsonl go")
+# training job (train; compile --step=train reads the ones that shape the step)
+flags.DEFINE_string("workdir", "runs/default", "train: where checkpoints, train_config.json and "
+                    "metrics.jsonl go; generate: the run to load")
 flags.DEFINE_integer("steps", None, "training steps (default: the preset's)")
 flags.DEFINE_integer("batch_size", None, "global batch size in sequences")
-flags.DEFINE_integer("seq_len", None, "training sequence length")
+flags.DEFINE_integer("seq_len", None, "sequence length in tokens")
 flags.DEFINE_integer("grad_accum", None, "micro-batches per step")
+flags.DEFINE_enum("optimizer", None, ["muon", "adamw"], "muon (Per-Head Muon on matrices + "
+                  "AdamW on the rest) | adamw (default: the preset's)")
 flags.DEFINE_float("learning_rate", None, "peak AdamW learning rate (the whole model with "
                    "--optimizer=adamw; the non-matrix parameters with --optimizer=muon)")
 flags.DEFINE_float("muon_lr", None, "peak Muon learning rate (matrix parameters, "
                    "--optimizer=muon)")
-flags.DEFINE_string("optimizer", None, "train: muon (Per-Head Muon + AdamW) | adamw; default: "
-                    "the preset's. info: --optimizer alone (or =muon|adamw) prints every "
-                    "parameter's optimizer group and batch axes")
-flags.DEFINE_string("remat", None, "none | block (recompute each scanned unit) | layer "
-                    "(block, and each layer on its own within it) | dots (keep matmuls)")
+flags.DEFINE_enum("remat", None, ["none", "block", "layer", "dots"], "none | block "
+                  "(recompute each scanned unit) | layer (block, and each layer on its own "
+                  "within it) | dots (keep matmuls)")
 flags.DEFINE_integer("eval_every", None, "evaluate every N steps")
 flags.DEFINE_integer("checkpoint_every", None, "checkpoint every N steps")
-flags.DEFINE_integer("seed", None, "random seed (init and data order)")
+flags.DEFINE_integer("seed", None, "random seed (train: init and data order; generate: "
+                     "sampling, default 0)")
 flags.DEFINE_string("dataset", None, "stdlib (default) | mqar | path to .txt/.jsonl/folder")
-flags.DEFINE_string("tokenizer", None, "byte (default) | path to a tiktoken BPE file")
+flags.DEFINE_string("tokenizer", None, "byte | path to a tiktoken BPE file (train default: "
+                    "byte; generate default: the run's)")
 flags.DEFINE_string("mesh", "", "mesh axes, e.g. data:2,fsdp:4 (default: fsdp over all devices)")
-flags.DEFINE_boolean("json", False, "info: print one JSON object")
-flags.DEFINE_enum("quant", "none", ["none", "mxfp4"],
-                  "info: also report serving weight bytes with routed experts packed MXFP4 "
-                  "(the rest BF16); generate: run the routed experts from packed MXFP4 weights "
-                  "(converted from the checkpoint at load; activations MXFP8 as in QAT); compile "
-                  "decode/prefill: the routed-expert weight format")
-flags.DEFINE_string("prompt", "", "generate: the prompt text")
-flags.DEFINE_integer("max_new_tokens", 200, "generate: tokens to sample")
-flags.DEFINE_float("temperature", 0.0, "generate: 0 = greedy")
-flags.DEFINE_float("top_p", 1.0, "generate: nucleus sampling mass")
-# multi-host (train): auto-detected on a TPU pod; these set it explicitly
+flags.DEFINE_float("ep_capacity", None, "expert-parallel capacity factor c (rows per "
+                   "source-destination bounded at c*n*k/P; default dropless)")
+# multi-host training: auto-detected on a TPU pod; these set it explicitly
 flags.DEFINE_string("coordinator_address", None, "multi-host: host:port of process 0 "
                     "(default: auto-detected on TPU pods)")
 flags.DEFINE_integer("num_processes", None, "multi-host: number of processes")
 flags.DEFINE_integer("process_id", None, "multi-host: this process's index")
+# generate
+flags.DEFINE_string("prompt", "", "the prompt text")
+flags.DEFINE_integer("max_new_tokens", 200, "tokens to sample")
+flags.DEFINE_float("temperature", 0.0, "sampling temperature; 0 = greedy")
+flags.DEFINE_float("top_p", 1.0, "nucleus sampling: sample from the smallest set of tokens "
+                   "whose probability reaches top_p")
+flags.DEFINE_float("frequency_penalty", 0.0, "lower each token's logit by this much per time "
+                   "it was generated so far (breaks runs of one token, e.g. whitespace)")
+flags.DEFINE_float("presence_penalty", 0.0, "lower the logit of every token generated so far "
+                   "by this much, once")
+flags.DEFINE_enum("expert_format", "dense", list(EXPERT_FORMATS), "routed-expert weight format: "
+                  "dense (as stored) | mxfp4 (packed MXFP4, 4.25 bits; generate converts the "
+                  "checkpoint at load, activations MXFP8 as in QAT)")
+# info
+flags.DEFINE_boolean("json", False, "print one JSON object")
+flags.DEFINE_boolean("serving_bytes", False, "also report the weight bytes served with the "
+                     "routed experts packed MXFP4 (the rest BF16)")
+flags.DEFINE_boolean("param_groups", False, "print every parameter's optimizer group and batch "
+                     "axes (under --optimizer, default the preset's)")
 # compile: ahead-of-time compilation for a TPU target, from any machine
-flags.DEFINE_string("topology", None, "compile: Cloud TPU name (v5p-4096, v5e-256, v6e-256) "
-                    "or explicit topology (v5p:8x16x16); 'N*NAME' for N slices")
-flags.DEFINE_integer("slices", 1, "compile: number of slices of --topology (data axis spans "
-                     "them)")
-flags.DEFINE_enum("step", "train", ["train", "prefill", "decode"], "compile: which step")
-flags.DEFINE_integer("global_batch", None, "compile: global batch in sequences (default: "
+flags.DEFINE_string("topology", None, "Cloud TPU name (v5p-4096, v5e-256, v6e-256) or explicit "
+                    "topology (v5p:8x16x16); 'N*NAME' for N slices")
+flags.DEFINE_integer("slices", 1, "number of slices of --topology (data axis spans them)")
+flags.DEFINE_enum("step", "train", ["train", "prefill", "decode"], "which step to compile")
+flags.DEFINE_integer("global_batch", None, "global batch in sequences (default: "
                      "--batch_size or the preset's)")
-flags.DEFINE_integer("cache_len", None, "compile prefill/decode: cache length in tokens "
+flags.DEFINE_integer("cache_len", None, "prefill/decode: cache length in tokens "
                      "(default: --seq_len)")
-flags.DEFINE_enum("gmm", "ragged_dot", ["ragged_dot", "tiled"], "compile: MoE grouped matmul "
-                  "lowered for the target (ragged_dot on TPU); sets moe.gmm")
-flags.DEFINE_float("ep_capacity", None, "compile/train: expert-parallel capacity factor c "
-                   "(rows per source-destination bounded at c*n*k/P; default dropless); "
-                   "sets moe.ep_capacity")
+flags.DEFINE_enum("gmm", "ragged_dot", ["ragged_dot", "tiled"], "MoE grouped matmul lowered "
+                  "for the target (ragged_dot on TPU); sets moe.gmm")
 
+MODEL_FLAGS = ("config", "override")
+TRAIN_CONFIG_FLAGS = ("steps", "batch_size", "seq_len", "grad_accum", "optimizer",
+                      "learning_rate", "muon_lr", "remat", "eval_every", "checkpoint_every",
+                      "seed", "dataset", "tokenizer")
+MULTIHOST_FLAGS = ("coordinator_address", "num_processes", "process_id")
+
+
+# ---- helpers that read flags ----
 
 def _model_config():
   import configs
@@ -103,56 +130,87 @@ def _execution_overrides(cfg, gmm: str | None = None):
 
 
 def _train_config(cfg):
-  import dataclasses
+  """The preset's TrainConfig with every train flag that was given."""
   import configs
   from k3_jax.config import validate_train
-  tc = configs.get_train(FLAGS.config)
-  names = ("steps", "batch_size", "seq_len", "grad_accum", "learning_rate", "muon_lr",
-           "optimizer", "remat", "eval_every", "checkpoint_every", "seed", "dataset", "tokenizer")
-  given = {n: getattr(FLAGS, n) for n in names if getattr(FLAGS, n) is not None}
-  if given.get("optimizer") == _PRESET_OPTIMIZER:
-    del given["optimizer"]
-  return validate_train(dataclasses.replace(tc, **given), cfg)
+  given = {n: getattr(FLAGS, n) for n in TRAIN_CONFIG_FLAGS if getattr(FLAGS, n) is not None}
+  return validate_train(dataclasses.replace(configs.get_train(FLAGS.config), **given), cfg)
 
 
-_PRESET_OPTIMIZER = "preset"      # what a bare --optimizer becomes (see _bare_optimizer_flag)
+def _human(n: float) -> str:
+  for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+    if n >= div:
+      return f"{n / div:.2f}{unit}"
+  return str(int(n))
+
+
+def _bytes(n: float) -> str:
+  for unit, div in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+    if n >= div:
+      return f"{n / div:.2f} {unit}"
+  return f"{int(n)} B"
+
+
+# ---- commands ----
+
+def cmd_train() -> None:
+  import jax
+  from k3_jax import train
+  from k3_jax.checkpoint.manager import CheckpointManager
+  from k3_jax.data.datasets import train_data
+  from sharding.distributed import maybe_initialize
+  from sharding.mesh import make_mesh, parse_mesh, validate_mesh
+
+  maybe_initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+  cfg = _execution_overrides(_model_config())
+  tc = _train_config(cfg)
+  mesh = make_mesh(parse_mesh(FLAGS.mesh))
+  validate_mesh(cfg, mesh, tc.batch_size, tc.seq_len)
+  ckpt = CheckpointManager(FLAGS.workdir, cfg, keep=tc.keep_checkpoints)  # refuses a mismatch
+  train_iter, evals = train_data(cfg, tc, jax.process_index(), jax.process_count())
+  train.save_train_config(FLAGS.workdir, tc)
+  result = train.run(cfg, tc, FLAGS.workdir, mesh, train_iter, evals, ckpt=ckpt)
+  print(f"done: step {result.get('step')} loss {result.get('loss', float('nan')):.4f} "
+        f"eval_loss {result.get('eval_loss', float('nan')):.4f} in "
+        f"{result.get('wall_time', 0):.0f}s; checkpoints and metrics.jsonl in {FLAGS.workdir}")
+
+
+def cmd_generate() -> None:
+  from k3_jax.serve.restore import restore_for_inference, stream_completion
+  restored = restore_for_inference(FLAGS.workdir, FLAGS.expert_format, FLAGS.tokenizer)
+  pieces = stream_completion(restored, FLAGS.prompt, FLAGS.max_new_tokens, FLAGS.temperature,
+                             FLAGS.top_p, seed=FLAGS.seed or 0,
+                             frequency_penalty=FLAGS.frequency_penalty,
+                             presence_penalty=FLAGS.presence_penalty)
+  sys.stdout.write(FLAGS.prompt)
+  sys.stdout.flush()
+  for piece in pieces:
+    sys.stdout.write(piece)
+    sys.stdout.flush()
+  sys.stdout.write("\n")
 
 
 def cmd_info() -> None:
-  import json
-  from k3_jax.model import param_counts
   cfg = _model_config()
-  if FLAGS.optimizer is not None:
-    _optimizer_table(cfg)
+  if FLAGS.param_groups:
+    _print_param_groups(cfg)
     return
-  counts = param_counts(cfg)
-  prefix, reps, period = cfg.stack_plan()
-  kinds = cfg.layer_kinds()
-  pattern = "".join(("K" if m == "kda" else "M") + ("d" if f == "dense" else "")
-                    for m, f in kinds)
-  out = {"config": cfg.name, "layers": cfg.num_layers,
-         "kda_layers": sum(m == "kda" for m, _ in kinds),
-         "mla_layers": [i + 1 for i, (m, _) in enumerate(kinds) if m == "mla"],
-         "layer_pattern": pattern,
-         "scan": {"unscanned_prefix": prefix, "repeats": reps, "period": period,
-                  "unscanned_suffix": cfg.num_layers - prefix - reps * period},
-         **counts}
-  if FLAGS.quant == "mxfp4":
-    from k3_jax.serve.pack import serving_weight_bytes
-    out["serving_mxfp4"] = serving_weight_bytes(cfg)
+  from k3_jax.info import model_summary
+  out = model_summary(cfg, serving_bytes=FLAGS.serving_bytes)
   if FLAGS.json:
     print(json.dumps(out))
     return
   print(f"config        {cfg.name}")
   print(f"layers        {cfg.num_layers}: {out['kda_layers']} KDA, {len(out['mla_layers'])} MLA "
         f"(MLA at {', '.join(map(str, out['mla_layers']))})")
-  print(f"pattern       {pattern}   (K = KDA, M = MLA, d = dense FFN; others MoE)")
-  print(f"scan          {prefix} unscanned + {reps} x {period} scanned + "
-        f"{out['scan']['unscanned_suffix']} unscanned")
-  print(f"total params  {_human(counts['total_params'])} ({counts['total_params']:,})")
-  print(f"active params {_human(counts['active_params'])} ({counts['active_params']:,}) per token")
-  print(f"routed expert params {_human(counts['routed_expert_params'])}")
-  for k, v in counts["by_module"].items():
+  print(f"pattern       {out['layer_pattern']}   (K = KDA, M = MLA, d = dense FFN; others MoE)")
+  scan = out["scan"]
+  print(f"scan          {scan['unscanned_prefix']} unscanned + {scan['repeats']} x "
+        f"{scan['period']} scanned + {scan['unscanned_suffix']} unscanned")
+  print(f"total params  {_human(out['total_params'])} ({out['total_params']:,})")
+  print(f"active params {_human(out['active_params'])} ({out['active_params']:,}) per token")
+  print(f"routed expert params {_human(out['routed_expert_params'])}")
+  for k, v in out["by_module"].items():
     print(f"  {k:<12} {_human(v)}")
   if "serving_mxfp4" in out:
     sb = out["serving_mxfp4"]
@@ -163,18 +221,12 @@ def cmd_info() -> None:
       print(f"  {k:<14} {_bytes(v)}")
 
 
-def _optimizer_table(cfg) -> None:
-  """Every parameter's optimizer group and batch axes, from the abstract model (nothing is
-  allocated, so it works for k3)."""
-  import json
+def _print_param_groups(cfg) -> None:
   import math
-  from flax import nnx
-  from k3_jax.model import abstract_model
-  from k3_jax.optim.muon import ADAMW, GROUPS, param_groups
+  from k3_jax.info import optimizer_groups
+  from k3_jax.optim.muon import GROUPS
   tc = _train_config(cfg)
-  rows = param_groups(nnx.state(abstract_model(cfg), nnx.Param))
-  if tc.optimizer == "adamw":
-    rows = [(n, s, type(g)(ADAMW)) for n, s, g in rows]
+  rows = optimizer_groups(cfg, tc.optimizer)
   if FLAGS.json:
     print(json.dumps({"config": cfg.name, "optimizer": tc.optimizer, "params": [
         {"path": n, "shape": list(s), "group": g.group, "batch_axes": list(g.batch_axes)}
@@ -196,264 +248,121 @@ def _optimizer_table(cfg) -> None:
             f"({100 * count / total:.1f}%)")
 
 
-def _human(n: float) -> str:
-  for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-    if n >= div:
-      return f"{n / div:.2f}{unit}"
-  return str(int(n))
-
-
-def _bytes(n: float) -> str:
-  for unit, div in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-    if n >= div:
-      return f"{n / div:.2f} {unit}"
-  return f"{int(n)} B"
-
-
-def cmd_train() -> None:
-  import dataclasses
-  import json
-  import jax
-  from k3_jax import train
-  from k3_jax.checkpoint.manager import CheckpointManager
-  from k3_jax.data import pipeline, sources, tokenizers
-  from sharding.mesh import make_mesh, parse_mesh, validate_mesh
-
-  from sharding.distributed import maybe_initialize
-  maybe_initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
-  cfg = _execution_overrides(_model_config())
-  tc = _train_config(cfg)
-  mesh = make_mesh(parse_mesh(FLAGS.mesh))
-  validate_mesh(cfg, mesh, tc.batch_size, tc.seq_len)
-  ckpt = CheckpointManager(FLAGS.workdir, cfg, keep=tc.keep_checkpoints)  # refuses a mismatch
-  pidx, pcount = jax.process_index(), jax.process_count()
-  if tc.batch_size % pcount:
-    raise ValueError(f"batch_size={tc.batch_size} must be divisible by {pcount} processes")
-  per_host = tc.batch_size // pcount
-  if tc.dataset == "mqar":
-    from k3_jax.data import mqar
-    train_iter = mqar.mqar_dataset(per_host, tc.seq_len, cfg.vocab_size, num_kv_pairs=8,
-                                   seed=tc.seed, process_index=pidx)
-    eval_it = mqar.mqar_dataset(per_host, tc.seq_len, cfg.vocab_size, num_kv_pairs=8,
-                                seed=tc.seed + 10_000, process_index=pidx)
-    evals = [next(eval_it) for _ in range(tc.eval_batches)]
-  else:
-    tok = tokenizers.get_tokenizer(tc.tokenizer)
-    if tok.vocab_size > cfg.vocab_size:
-      raise ValueError(f"tokenizer vocabulary {tok.vocab_size} exceeds the model's "
-                       f"vocab_size={cfg.vocab_size}")
-    if tc.dataset == "stdlib":
-      train_docs, eval_docs = sources.stdlib_documents("train"), sources.stdlib_documents("eval")
-    else:
-      docs = sources.text_documents(tc.dataset)
-      n_eval = max(1, len(docs) // 50) if len(docs) > 1 else 0
-      train_docs, eval_docs = docs[n_eval:], docs[:n_eval]
-    train_iter = pipeline.make_dataset(train_docs, tok, tc.seq_len, per_host, seed=tc.seed,
-                                       process_index=pidx, process_count=pcount)
-    evals = (pipeline.eval_batches(eval_docs, tok, tc.seq_len, per_host, tc.eval_batches,
-                                   process_index=pidx, process_count=pcount)
-             if eval_docs else [])
-  os.makedirs(FLAGS.workdir, exist_ok=True)
-  if pidx == 0:                       # one writer; every host writes its checkpoint shards
-    with open(os.path.join(FLAGS.workdir, "train_config.json"), "w") as f:
-      json.dump(dataclasses.asdict(tc), f, indent=1)
-  result = train.run(cfg, tc, FLAGS.workdir, mesh, train_iter, evals, ckpt=ckpt)
-  print(f"done: step {result.get('step')} loss {result.get('loss', float('nan')):.4f} "
-        f"eval_loss {result.get('eval_loss', float('nan')):.4f} in "
-        f"{result.get('wall_time', 0):.0f}s; checkpoints and metrics.jsonl in {FLAGS.workdir}")
-
-
-def cmd_generate() -> None:
-  import jax
-  from k3_jax import train
-  from k3_jax.checkpoint.manager import CheckpointManager, saved_config
-  from k3_jax.data import tokenizers
-  from k3_jax.config import TrainConfig
-  from k3_jax.serve.engine import Engine
-  from sharding.mesh import make_mesh
-
-  cfg = saved_config(FLAGS.workdir)
-  if cfg is None:
-    raise FileNotFoundError(f"no checkpoints in {FLAGS.workdir}: train first "
-                            f"(python main.py train --workdir={FLAGS.workdir})")
-  tc = TrainConfig()
-  saved_tc = os.path.join(FLAGS.workdir, "train_config.json")
-  if os.path.exists(saved_tc):     # the optimizer decides the shape of the saved state
-    import json
-    with open(saved_tc) as f:
-      tc = TrainConfig(optimizer=json.load(f).get("optimizer", tc.optimizer))
-  ckpt = CheckpointManager(FLAGS.workdir, cfg)
-  if ckpt.latest_step() is None:
-    raise FileNotFoundError(f"{FLAGS.workdir} has a config but no completed checkpoint")
-  mesh = make_mesh(devices=jax.devices()[:1])
-  steps = train.build_steps(cfg, tc, mesh)
-  state, _ = ckpt.restore(steps.abstract_state, steps.state_shardings)
-  tok = tokenizers.get_tokenizer(FLAGS.tokenizer or "byte")
-  graphdef, params, rest = steps.graphdef, state["params"], state["rest"]
-  if FLAGS.quant == "mxfp4":
-    from k3_jax.serve.pack import pack_state
-    graphdef, params, rest = pack_state(graphdef, params, rest)
-  engine = Engine(cfg, graphdef, params, rest)
-  ids = tok.encode(FLAGS.prompt)
-  stream = tok.stream_decoder()
-  sys.stdout.write(FLAGS.prompt)
-  sys.stdout.flush()
-  stop = () if tok.eos_id is None else (tok.eos_id,)
-  for tid in engine.generate(ids, FLAGS.max_new_tokens, FLAGS.temperature, FLAGS.top_p,
-                             seed=FLAGS.seed or 0, stop_ids=stop):
-    if tid in stop:
-      break
-    sys.stdout.write(stream.add(tid))
-    sys.stdout.flush()
-  sys.stdout.write(stream.flush() + "\n")
-
-
 def cmd_compile() -> None:
   """Ahead-of-time compile one step for a TPU target and report per-chip memory."""
-  import json
+  from k3_jax.compile import compile_step
+  from k3_jax.config import ConfigError
   from sharding import aot
   from sharding.topology import resolve_target
   if not FLAGS.topology:
-    raise ValueError("compile needs --topology, e.g. --topology=v5p-128 or v5p:4x4x4")
+    raise ConfigError("compile needs --topology, e.g. --topology=v5p-128 or v5p:4x4x4")
   target = resolve_target(FLAGS.topology, FLAGS.slices)
   cfg = _execution_overrides(_model_config(), gmm=FLAGS.gmm)
-  rep = compile_step(cfg, target, FLAGS.step, FLAGS.mesh, FLAGS.global_batch, FLAGS.seq_len,
-                     cache_len=FLAGS.cache_len, quant=FLAGS.quant)
+  rep = compile_step(cfg, _train_config(cfg), target, FLAGS.step, FLAGS.mesh,
+                     FLAGS.global_batch, FLAGS.seq_len, cache_len=FLAGS.cache_len,
+                     expert_format=FLAGS.expert_format)
   if FLAGS.json:
     print(json.dumps(rep))
     return
-  print(f"{cfg.name} {rep['step']} step on {target.name} ({target.topology}"
-        f"{f' x {target.num_slices} slices' if target.num_slices > 1 else ''}, "
+  slices = f" x {target.num_slices} slices" if target.num_slices > 1 else ""
+  print(f"{cfg.name} {rep['step']} step on {target.name} ({target.topology}{slices}, "
         f"{target.chips} chips), mesh {rep['mesh']}, batch {rep['global_batch']} x "
-        f"{rep['seq_len']} tokens" + (f", cache {rep['cache_len']}" if rep.get('cache_len')
-                                      else "") + (f", remat {rep['remat']}" if rep.get('remat')
+        f"{rep['seq_len']} tokens" + (f", cache {rep['cache_len']}" if rep.get("cache_len")
+                                      else "") + (f", remat {rep['remat']}" if rep.get("remat")
                                                   else ""))
   print(aot.format_report(rep))
 
 
-def compile_step(cfg, target, step: str, mesh_spec: str, global_batch=None, seq_len=None,
-                 cache_len=None, quant: str = "none") -> dict:
-  """Lower and compile the real `step` of `cfg` for `target` with abstract inputs; the report
-  of sharding.aot.compile_report plus what was compiled. Composes train/model (the step)
-  with sharding (devices, mesh, AOT) -- sharding never imports train or serve."""
-  import dataclasses
-  import jax
-  import jax.numpy as jnp
-  from flax import nnx
-  from k3_jax import train
-  from k3_jax.config import ConfigError
-  from k3_jax.model import create_model, decode_step, prefill
-  from sharding import aot
-  from sharding.mesh import make_mesh, parse_mesh, validate_mesh
-  from sharding.install import activation_rules
-  from sharding.rules import tree_shardings
-  from sharding.topology import target_devices
-
-  mesh = make_mesh(parse_mesh(mesh_spec), target_devices(target))
-  tc = _train_config(cfg)
-  batch = global_batch or tc.batch_size
-  seq = seq_len or tc.seq_len
-  validate_mesh(cfg, mesh, batch, seq if step != "decode" else None)
-  report = {"config": cfg.name, "step": step, "topology": target.topology,
-            "target": target.name, "num_slices": target.num_slices, "chips": target.chips,
-            "mesh": {k: int(v) for k, v in mesh.shape.items()}, "global_batch": batch,
-            "seq_len": seq, "ep_capacity": cfg.moe.ep_capacity or None, "gmm": cfg.moe.gmm}
-  if step == "train":
-    tc = dataclasses.replace(tc, batch_size=batch, seq_len=seq)
-    steps = train.build_steps(cfg, tc, mesh)
-    state = aot.with_shardings(steps.abstract_state, steps.state_shardings)
-    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=steps.batch_sharding)
-    mask = jax.ShapeDtypeStruct((batch, seq), jnp.float32, sharding=steps.batch_sharding)
-    args = (state, {"inputs": tokens, "targets": tokens, "segment_ids": tokens,
-                    "loss_mask": mask})
-    report.update(remat=tc.remat, grad_accum=tc.grad_accum, optimizer=tc.optimizer)
-    _, rep = aot.compile_report(steps.train, args, target.chip_hbm_bytes)
-    return {**report, **rep}
-  # serving steps: parameters in their stored format, caches sharded on the batch
-  length = cache_len or seq
-  if step == "decode" and length > cfg.max_seq_len:
-    raise ConfigError(f"cache_len={length} exceeds max_seq_len={cfg.max_seq_len}")
-  graphdef, params, rest = _serving_params(cfg, quant)
-  p_sh, r_sh = tree_shardings(params, mesh), tree_shardings(rest, mesh)
-  cache = jax.eval_shape(lambda: create_model(cfg, mode="abstract").init_cache(batch, length))
-  cache_dim = lambda path: (None if path[0].key == "pos" else
-                            1 if path[0].key == "units" else 0)
-  c_sh = aot.batch_shardings(cache, mesh, cache_dim)
-  report.update(cache_len=length, quant=quant)
-  if step == "decode":
-    def run(params, rest, cache, token):
-      with activation_rules(mesh):
-        return decode_step(nnx.merge(graphdef, params, rest), cache, token)
-    tok = jax.ShapeDtypeStruct((batch,), jnp.int32)
-    tok_sh = aot.batch_shardings(tok, mesh, 0)
-    fn = jax.jit(run, in_shardings=(p_sh, r_sh, c_sh, tok_sh),
-                 out_shardings=(aot.batch_shardings(
-                     jax.ShapeDtypeStruct((batch, cfg.vocab_size), jnp.float32), mesh, 0),
-                     c_sh), donate_argnums=(2,))
-    args = (aot.with_shardings(params, p_sh), aot.with_shardings(rest, r_sh),
-            aot.with_shardings(cache, c_sh), jax.ShapeDtypeStruct(tok.shape, tok.dtype,
-                                                                   sharding=tok_sh))
-  else:
-    def run(params, rest, tokens):
-      with activation_rules(mesh):
-        logits, cache = prefill(nnx.merge(graphdef, params, rest), tokens, length)
-      return logits[:, -1], cache          # the next-token logits and the filled cache
-    toks = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
-    t_sh = aot.batch_shardings(toks, mesh, 0)
-    fn = jax.jit(run, in_shardings=(p_sh, r_sh, t_sh),
-                 out_shardings=(aot.batch_shardings(
-                     jax.ShapeDtypeStruct((batch, cfg.vocab_size), jnp.float32), mesh, 0),
-                     c_sh))
-    args = (aot.with_shardings(params, p_sh), aot.with_shardings(rest, r_sh),
-            jax.ShapeDtypeStruct(toks.shape, toks.dtype, sharding=t_sh))
-  _, rep = aot.compile_report(fn, args, target.chip_hbm_bytes)
-  return {**report, **rep}
+@dataclasses.dataclass(frozen=True)
+class Command:
+  run: Callable[[], None]
+  help: str
+  flags: tuple[str, ...]
 
 
-def _serving_params(cfg, quant: str):
-  """(graphdef, abstract params, abstract rest) of the model as served: quant="mxfp4" packs
-  the routed experts to MXFP4 MXArrays (k3_jax.serve.pack), "none" keeps the param dtype."""
-  import jax
-  from k3_jax import train
-  from k3_jax.model import create_model
-  from k3_jax.serve.pack import pack_routed_experts
-  out = {}
+COMMANDS: dict[str, Command] = {
+    "train": Command(cmd_train, "train --config for --steps, resuming from the latest "
+                     "checkpoint in --workdir",
+                     (*MODEL_FLAGS, "workdir", *TRAIN_CONFIG_FLAGS, "mesh", "ep_capacity",
+                      *MULTIHOST_FLAGS)),
+    "generate": Command(cmd_generate, "load the latest checkpoint in --workdir and stream a "
+                        "completion of --prompt",
+                        ("workdir", "prompt", "max_new_tokens", "temperature", "top_p", "seed",
+                         "frequency_penalty", "presence_penalty", "tokenizer",
+                         "expert_format")),
+    "info": Command(cmd_info, "layer plan and parameter counts (abstract, nothing allocated)",
+                    (*MODEL_FLAGS, "json", "serving_bytes", "param_groups", "optimizer")),
+    "compile": Command(cmd_compile, "ahead-of-time compile the train / prefill / decode step "
+                       "for a TPU target and report per-chip memory",
+                       (*MODEL_FLAGS, "topology", "slices", "step", "mesh", "global_batch",
+                        "seq_len", "cache_len", "gmm", "expert_format", "ep_capacity", "json",
+                        "batch_size", "grad_accum", "optimizer", "remat")),
+}
+_OUR_FLAGS = {name for cmd in COMMANDS.values() for name in cmd.flags}
 
-  def f():
-    model = create_model(cfg, mode="abstract")
-    if quant == "mxfp4":
-      pack_routed_experts(model)
-    g, params, rest = train.split_model(model)
-    out["graphdef"] = g
-    return params, rest
 
-  params, rest = jax.eval_shape(f)
-  return out["graphdef"], params, rest
+def command_help(name: str) -> str:
+  """The help text of one command: what it does and each of its flags with its default."""
+  cmd = COMMANDS[name]
+  lines = [f"python main.py {name} [flags]: {cmd.help}", "", "flags:"]
+  for f in cmd.flags:
+    fl = FLAGS[f]
+    default = "" if fl.default in (None, [], "") else f" (default: {fl.default_as_str})"
+    lines.append(f"  --{f}: {fl.help}{default}")
+  return "\n".join(lines)
+
+
+def usage() -> str:
+  width = max(map(len, COMMANDS))
+  return "\n".join(["usage: python main.py <command> [--flag=value ...]", "", "commands:",
+                    *(f"  {n:<{width}}  {c.help}" for n, c in COMMANDS.items()), "",
+                    "python main.py <command> --help lists the command's flags."])
+
+
+def _check_flags(command: str) -> None:
+  """Refuse flags given that the command does not read (they would be silently ignored)."""
+  foreign = sorted(n for n in _OUR_FLAGS - set(COMMANDS[command].flags) if FLAGS[n].present)
+  if foreign:
+    _usage_error(f"{', '.join('--' + n for n in foreign)}: not a flag of `{command}`",
+                 command)
+
+
+def _usage_error(message: str, command: str | None = None) -> None:
+  print(f"error: {message}\n\n{command_help(command) if command else usage()}",
+        file=sys.stderr)
+  sys.exit(2)
 
 
 def main(argv) -> None:
   from absl import logging
+  from k3_jax.config import UserError
   logging.set_verbosity(logging.WARNING)   # Orbax logs every save step at INFO
   if len(argv) < 2 or argv[1] not in COMMANDS:
     got = argv[1] if len(argv) > 1 else "nothing"
-    raise app.UsageError(f"expected a command, one of {', '.join(COMMANDS)}; got {got}")
+    _usage_error(f"expected a command, one of {', '.join(COMMANDS)}; got {got}")
   if len(argv) > 2:
-    raise app.UsageError(f"unexpected arguments {argv[2:]}: flags take the form --name=value")
-  from k3_jax.config import ConfigError
-  from k3_jax.checkpoint.manager import CheckpointMismatch
+    _usage_error(f"unexpected arguments {argv[2:]}: flags take the form --name=value", argv[1])
+  _check_flags(argv[1])
   try:
-    {"train": cmd_train, "generate": cmd_generate, "info": cmd_info,
-     "compile": cmd_compile}[argv[1]]()
-  except (ConfigError, CheckpointMismatch, FileNotFoundError, ValueError) as e:
+    COMMANDS[argv[1]].run()
+  except (UserError, FileNotFoundError) as e:   # config, input and checkpoint-mismatch errors
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
 
 
-def _bare_optimizer_flag(argv):
-  """`info --optimizer` (no value) means the preset's optimizer; absl needs a value."""
-  argv = [f"--optimizer={_PRESET_OPTIMIZER}" if a == "--optimizer" else a for a in argv]
-  return flags.FLAGS(argv)
+def _parse(argv):
+  """absl flag parsing, with `--help` per command (absl's --helpfull lists every flag)."""
+  if any(a in ("--help", "-h", "--helpshort", "-?") for a in argv[1:]):
+    cmd = next((a for a in argv[1:] if a in COMMANDS), None)
+    print(command_help(cmd) if cmd else usage())
+    sys.exit(0)
+  return FLAGS(argv)
+
+
+def run() -> None:
+  """Entry point (the `k3` console script)."""
+  app.run(main, flags_parser=_parse)
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=_bare_optimizer_flag)
+  run()

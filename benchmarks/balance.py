@@ -1,6 +1,6 @@
 """Expert balance over the first training steps: Quantile Balancing vs sign update vs none.
 
-    python benchmarks/balance.py [--steps=200] [--batch_size=4] [--seq_len=128] [--out=DIR]
+    python -m benchmarks.balance [--steps=200] [--batch_size=4] [--seq_len=128] [--out=DIR]
 
 Trains the same model (k3_small by default: 32 experts, top-2, 8 MoE layers) from the
 same initialisation on the same stdlib batches three times, changing only
@@ -15,11 +15,9 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -1,6 +1,6 @@
 """Throughput of the KDA reference ops: chunk_kda vs recurrent_kda.
 
-  python benchmarks/kda_ops.py [--quick] [--json out.json] [--runs N]
+  python -m benchmarks.kda_ops [--quick] [--json out.json] [--runs N]
 
 Measures tokens/s for the forward pass and forward+backward (jax.grad of a
 scalar of the outputs w.r.t. q, k, v, g, beta) at B=1, H=4, K=V=128, float32,
@@ -34,7 +34,6 @@ import os
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

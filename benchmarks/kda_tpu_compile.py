@@ -1,6 +1,6 @@
 """Pallas KDA kernels compiled for TPU v5e / v5p / v6e at K3 per-chip shapes, from a CPU host.
 
-  python benchmarks/kda_tpu_compile.py [--quick] [--gens v5e,v5p,v6e] [--json out.json]
+  python -m benchmarks.kda_tpu_compile [--quick] [--gens v5e,v5p,v6e] [--json out.json]
 
 Nothing runs: libtpu's compile-only devices (sharding.topology) let XLA and Mosaic compile
 for a 4-chip slice of each generation (v5e:2x2, v5p:2x2x1, v6e:2x2). Each kernel runs per
@@ -40,7 +40,6 @@ import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -1,6 +1,6 @@
 """Routed-expert compute: dropless grouped-matmul dispatch vs the dense baseline.
 
-  python benchmarks/moe.py [--quick] [--json out.json] [--runs N] [--tokens N]
+  python -m benchmarks.moe [--quick] [--json out.json] [--runs N] [--tokens N]
 
 For E in {16, 64, 256} experts and k in {2, 8, 16} experts per token (--quick:
 E=16, k=2 only), N=2048 tokens, expert input width Din=256, intermediate F=512,
@@ -33,11 +33,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -1,6 +1,6 @@
 """MXFP4 grouped matmul vs a BF16 grouped matmul, compiled for TPU v5e, v5p and v6e.
 
-  python benchmarks/mxfp4_gmm.py [--gens v5e,v5p,v6e] [--rows 4096] [--proj up,down]
+  python -m benchmarks.mxfp4_gmm [--gens v5e,v5p,v6e] [--rows 4096] [--proj up,down]
                                  [--kinds mxfp4,mxfp4+fp8,bf16] [--json out.json]
 
 Ahead-of-time compilation from this CPU machine (libtpu compile-only devices, no TPU
@@ -33,7 +33,6 @@ import os
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

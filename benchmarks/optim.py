@@ -1,6 +1,6 @@
 """Per-Head Muon vs AdamW: loss curves and optimizer-step time, in one run.
 
-    python benchmarks/optim.py [--config=k3_small] [--steps=120] [--batch_size=8]
+    python -m benchmarks.optim [--config=k3_small] [--steps=120] [--batch_size=8]
                                [--seq_len=256] [--muon_lr=X] [--learning_rate=X] [--out=DIR]
                                [--optimizers=muon,adamw] [--timing=all|update|none]
 
@@ -24,11 +24,9 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -13,8 +13,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-class ConfigError(ValueError):
+class UserError(ValueError):
+  """Bad input from the user (a flag, a file, a prompt): the command line prints the message
+  without a traceback. Real bugs raise anything else and keep their traceback."""
+
+
+class ConfigError(UserError):
   """A configuration value breaks a rule; the message names field, value and rule."""
+
+
+# How routed-expert weights are served (generate, compile): as stored (the param dtype) or
+# packed MXFP4 MXArrays (4.25 bits per weight).
+EXPERT_FORMATS = ("dense", "mxfp4")
 
 
 @dataclass(frozen=True)

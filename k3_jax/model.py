@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from k3_jax.config import ConfigError, ModelConfig, jnp_dtype
+from k3_jax.config import ConfigError, ModelConfig, UserError, jnp_dtype
 from k3_jax.layers import attn_res
 from k3_jax.layers.embed import Embed, LMHead
 from k3_jax.layers.ffn import GatedFFN
@@ -298,14 +298,14 @@ def check_tokens(tokens, cfg: ModelConfig) -> np.ndarray:
   """Host-side input validation, before any compute: ids in [0, vocab), length <= max."""
   arr = np.asarray(tokens)
   if arr.ndim not in (1, 2):
-    raise ValueError(f"tokens must have shape [T] or [B, T], got {arr.shape}")
+    raise UserError(f"tokens must have shape [T] or [B, T], got {arr.shape}")
   if not np.issubdtype(arr.dtype, np.integer):
-    raise ValueError(f"tokens must be integers, got dtype {arr.dtype}")
+    raise UserError(f"tokens must be integers, got dtype {arr.dtype}")
   if arr.shape[-1] > cfg.max_seq_len:
-    raise ValueError(f"sequence of {arr.shape[-1]} tokens exceeds max_seq_len={cfg.max_seq_len}")
+    raise UserError(f"sequence of {arr.shape[-1]} tokens exceeds max_seq_len={cfg.max_seq_len}")
   if arr.size and (arr.min() < 0 or arr.max() >= cfg.vocab_size):
     bad = arr[(arr < 0) | (arr >= cfg.vocab_size)].ravel()[:5].tolist()
-    raise ValueError(f"token ids outside the vocabulary [0, {cfg.vocab_size}): {bad}")
+    raise UserError(f"token ids outside the vocabulary [0, {cfg.vocab_size}): {bad}")
   return arr
 
 

@@ -60,6 +60,15 @@ def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
 
 # ----- state ----------------------------------------------------------------------
 
+def lr_metrics(tc: TrainConfig, step) -> dict:
+  """The learning rates applied at `step` (0-based): lr_adamw always (the whole model under
+  adamw, the non-matrix parameters under muon), lr_muon under muon (the matrices)."""
+  out = {"lr_adamw": lr_schedule(tc)(step)}
+  if tc.optimizer == "muon":
+    out["lr_muon"] = lr_schedule(tc, tc.muon_lr)(step)
+  return out
+
+
 def split_model(model: K3Model):
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   return graphdef, params, rest
@@ -159,7 +168,7 @@ def train_step(graphdef, optimizer, cfg: ModelConfig, tc: TrainConfig, state: di
   new_state = {"step": state["step"] + 1, "params": params, "rest": rest,
                "opt_state": opt_state}
   metrics = {"loss": loss_sum / denom, "grad_norm": optax.global_norm(grads),
-             "tokens": count, "lr": lr_schedule(tc)(state["step"])}
+             "tokens": count, **lr_metrics(tc, state["step"])}
   if n_mla:
     metrics["max_logit"] = max_logit.max()
     if clip:
@@ -317,9 +326,9 @@ def run(cfg: ModelConfig, tc: TrainConfig, workdir: str, mesh: Mesh,
       now = time.time()
       step_time = (now - window_t) / window_steps
       record = {"step": done, "loss": float(metrics["loss"]),
-                "grad_norm": float(metrics["grad_norm"]), "lr": float(metrics["lr"]),
+                "grad_norm": float(metrics["grad_norm"]),
                 "step_time": step_time, "tokens_per_sec": tokens_per_step / step_time}
-      for key in ("load_max_mean", "load_max_mean_avg", "zero_load_experts",
+      for key in ("lr_adamw", "lr_muon", "load_max_mean", "load_max_mean_avg", "zero_load_experts",
                   "zero_load_experts_avg", "max_logit", "qk_clipped_heads"):
         if key in metrics:
           record[key] = float(metrics[key])
@@ -340,11 +349,25 @@ def run(cfg: ModelConfig, tc: TrainConfig, workdir: str, mesh: Mesh,
   return last
 
 
+def save_train_config(workdir: str, tc: TrainConfig) -> None:
+  """<workdir>/train_config.json: the run's TrainConfig (generate reads its optimizer, which
+  shapes the saved state, and its tokenizer). Process 0 writes it, atomically."""
+  if jax.process_index() != 0:
+    return
+  os.makedirs(workdir, exist_ok=True)
+  path = os.path.join(workdir, "train_config.json")
+  with open(path + ".tmp", "w") as f:
+    json.dump(dataclasses.asdict(tc), f, indent=1)
+  os.replace(path + ".tmp", path)
+
+
 def _progress_line(r: dict, total: int, elapsed: float) -> str:
   parts = [f"step {r['step']:>5}/{total}", f"loss {r['loss']:.4f}"]
   if "eval_loss" in r:
     parts.append(f"eval {r['eval_loss']:.4f}")
-  parts += [f"grad {r['grad_norm']:.3f}", f"lr {r['lr']:.2e}",
+  lr = (f"lr muon {r['lr_muon']:.2e} adamw {r['lr_adamw']:.2e}" if "lr_muon" in r
+        else f"lr {r['lr_adamw']:.2e}")
+  parts += [f"grad {r['grad_norm']:.3f}", lr,
             f"{r['tokens_per_sec']:,.0f} tok/s", f"{elapsed:,.0f}s"]
   if "load_max_mean" in r:
     parts.insert(-2, f"load {r['load_max_mean']:.2f}")
@@ -352,4 +375,4 @@ def _progress_line(r: dict, total: int, elapsed: float) -> str:
 
 
 __all__ = ["make_optimizer", "lr_schedule", "init_state", "abstract_state", "train_step",
-           "eval_step", "build_steps", "run", "Steps"]
+           "eval_step", "build_steps", "run", "save_train_config", "Steps"]

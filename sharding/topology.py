@@ -20,6 +20,8 @@ import math
 import os
 import re
 
+from k3_jax.config import ConfigError
+
 GiB = 1024 ** 3
 
 # libtpu probes the GCE metadata server and the TPU_* environment when it
@@ -73,14 +75,14 @@ def resolve_target(name: str, num_slices: int = 1) -> Target:
   if m:
     num_slices, raw = num_slices * int(m.group(1)), m.group(2)
   if num_slices < 1:
-    raise ValueError(f"topology {name!r}: the number of slices must be >= 1")
+    raise ConfigError(f"topology {name!r}: the number of slices must be >= 1")
   topo = CLOUD_TOPOLOGIES.get(raw.lower())
   if topo is None:
     m = re.fullmatch(r"(v4|v5e|v5p|v6e):(\d+(?:x\d+){1,2})", raw.lower())
     if not m:
       known = ", ".join(sorted(CLOUD_TOPOLOGIES, key=lambda s: (s.split("-")[0],
                                                                 int(s.split("-")[1]))))
-      raise ValueError(f"topology {name!r} is neither a Cloud TPU name ({known}) nor an "
+      raise ConfigError(f"topology {name!r} is neither a Cloud TPU name ({known}) nor an "
                        f"explicit topology like 'v5p:8x16x16' or 'v5e:16x16'")
     topo = raw.lower()
   gen, grid = topo.split(":")

@@ -1,6 +1,6 @@
 """One process of a multi-process CPU job, for tests/test_multihost.py (not a test itself).
 
-  python tests/multihost_worker.py MODE NUM_PROCESSES PROCESS_ID PORT DEVICES_PER_PROCESS
+  PYTHONPATH=. python tests/multihost_worker.py MODE NUM_PROCESSES PROCESS_ID PORT DEVICES_PER_PROCESS
 
 Joins the job through sharding.distributed.maybe_initialize (skipped for 1 process), builds
 the same global mesh in every process, feeds THIS process's rows of fixed global batches
@@ -16,7 +16,6 @@ import sys
 MODE, NPROC, PID, PORT, NDEV = sys.argv[1], *map(int, sys.argv[2:6])
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={NDEV}"
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dataclasses  # noqa: E402
 

@@ -39,12 +39,17 @@ def test_unknown_override_field_is_named():
 
 def test_train_generate_and_refuse_other_config(tmp_path):
   wd = str(tmp_path / "run")
-  r = _main("train", "--config=k3_tiny", "--steps=3", "--eval_every=3", f"--workdir={wd}")
+  r = _main("train", "--config=k3_tiny", "--steps=3", "--eval_every=3", f"--workdir={wd}",
+            "--learning_rate=0.004")
   assert r.returncode == 0, r.stderr[-3000:]
   lines = [json.loads(l) for l in open(os.path.join(wd, "metrics.jsonl"))]
   assert [l["step"] for l in lines] == [1, 2, 3] and "eval_loss" in lines[-1]
+  # k3_tiny trains with AdamW alone: its rate is logged (warmup from 0, then <= the peak).
+  assert [l["lr_adamw"] for l in lines][0] == 0.0 and 0 < lines[-1]["lr_adamw"] <= 0.004
+  assert "lr_muon" not in lines[-1]
   assert "step     3/3" in r.stdout
   assert os.path.isdir(os.path.join(wd, "checkpoints", "3"))
+  assert json.load(open(os.path.join(wd, "train_config.json")))["learning_rate"] == 0.004
 
   r = _main("generate", f"--workdir={wd}", "--prompt=def ", "--max_new_tokens=8")
   assert r.returncode == 0, r.stderr[-3000:]
@@ -59,3 +64,17 @@ def test_train_generate_and_refuse_other_config(tmp_path):
 def test_generate_without_checkpoint_is_a_clear_error(tmp_path):
   r = _main("generate", f"--workdir={tmp_path}", "--prompt=x")
   assert r.returncode == 2 and "no checkpoints" in r.stderr
+
+
+def test_a_flag_of_another_command_is_refused():
+  r = _main("info", "--config=k3_tiny", "--temperature=0.5")
+  assert r.returncode == 2 and "--temperature: not a flag of `info`" in r.stderr
+  assert "--serving_bytes" in r.stderr            # followed by info's own flags
+
+
+def test_help_lists_the_command_flags():
+  r = _main("compile", "--help")
+  assert r.returncode == 0
+  flags = {l.split(":")[0].strip() for l in r.stdout.splitlines() if l.startswith("  --")}
+  assert {"--topology", "--step", "--expert_format", "--mesh"} <= flags
+  assert "--temperature" not in flags and "--prompt" not in flags

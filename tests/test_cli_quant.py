@@ -1,4 +1,4 @@
-"""`main.py info --quant=mxfp4` and `main.py generate --quant=mxfp4`, end to end."""
+"""`main.py info --serving_bytes` and `main.py generate --expert_format=mxfp4`, end to end."""
 
 import json
 import os
@@ -20,7 +20,7 @@ WIDE = ["--override=moe.latent_dim=32", "--override=moe.expert_intermediate=32"]
 
 
 def test_info_quant_reports_serving_bytes():
-  r = _main("info", "--config=k3_tiny", *WIDE, "--quant=mxfp4", "--json")
+  r = _main("info", "--config=k3_tiny", *WIDE, "--serving_bytes", "--json")
   assert r.returncode == 0, r.stderr
   sb = json.loads(r.stdout)["serving_mxfp4"]
   out = json.loads(r.stdout)
@@ -36,6 +36,6 @@ def test_generate_from_packed_checkpoint(tmp_path):
             "--steps=2", "--eval_every=2", f"--workdir={wd}")
   assert r.returncode == 0, r.stderr
   gen = lambda *a: _main("generate", f"--workdir={wd}", "--prompt=def ", "--max_new_tokens=8", *a)
-  ref, packed = gen(), gen("--quant=mxfp4")
+  ref, packed = gen(), gen("--expert_format=mxfp4")
   assert ref.returncode == 0 and packed.returncode == 0, packed.stderr
   assert packed.stdout == ref.stdout and packed.stdout.startswith("def ")

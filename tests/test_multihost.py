@@ -27,6 +27,7 @@ def _free_port() -> int:
 def _run(mode: str, nproc: int, ndev: int, timeout: int) -> dict:
   port = _free_port()
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
   procs = [subprocess.Popen([sys.executable, WORKER, mode, str(nproc), str(pid), str(port),
                              str(ndev)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True) for pid in range(nproc)]

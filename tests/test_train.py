@@ -114,8 +114,26 @@ def test_resume_continues_exactly(tmp_path):
   full, part = read(full_dir), read(part_dir)
   assert [r["step"] for r in part] == [1, 2, 3, 4]
   np.testing.assert_allclose([r["loss"] for r in full], [r["loss"] for r in part], rtol=1e-6)
-  for key in ("loss", "grad_norm", "lr", "tokens_per_sec", "step_time"):
+  for key in ("loss", "grad_norm", "lr_adamw", "tokens_per_sec", "step_time"):
     assert key in full[-1]
+  assert "lr_muon" not in full[-1]                  # TC trains with AdamW alone
+  # The logged rate is the schedule's at the step that was taken (step r["step"] - 1).
+  np.testing.assert_allclose([r["lr_adamw"] for r in full],
+                             [float(train.lr_schedule(tc)(r["step"] - 1)) for r in full],
+                             rtol=1e-6)
+
+
+def test_lr_metrics_log_each_optimizer_group_rate():
+  """Under muon both rates are logged, each the cosine schedule from its own peak (before,
+  one `lr` was AdamW's even under Muon); under adamw only lr_adamw."""
+  muon = dataclasses.replace(TC, optimizer="muon", muon_lr=0.02, learning_rate=0.004, steps=50)
+  for step in (0, 1, 10, 49):
+    m = train.lr_metrics(muon, step)
+    assert float(m["lr_adamw"]) == pytest.approx(float(train.lr_schedule(muon, 0.004)(step)))
+    assert float(m["lr_muon"]) == pytest.approx(float(train.lr_schedule(muon, 0.02)(step)))
+    if step:
+      assert float(m["lr_muon"]) == pytest.approx(5 * float(m["lr_adamw"]))
+  assert set(train.lr_metrics(dataclasses.replace(muon, optimizer="adamw"), 3)) == {"lr_adamw"}
 
 
 def test_checkpoint_of_another_config_is_refused(tmp_path):

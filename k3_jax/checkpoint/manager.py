@@ -16,10 +16,10 @@ import os
 import jax
 import orbax.checkpoint as ocp
 
-from k3_jax.config import ModelConfig, from_dict, to_dict, without_execution_fields
+from k3_jax.config import ModelConfig, UserError, from_dict, to_dict, without_execution_fields
 
 
-class CheckpointMismatch(ValueError):
+class CheckpointMismatch(UserError):
   """The workdir holds checkpoints of a different model configuration."""
 
 

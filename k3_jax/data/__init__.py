@@ -1,4 +1,5 @@
-"""Data: tokenizers, document sources, packed grain pipelines, synthetic MQAR.
+"""Data: tokenizers, document sources, packed grain pipelines, synthetic MQAR, and the
+training job's data assembled from a TrainConfig (datasets.train_data).
 
 Names are re-exported lazily, so `from k3_jax.data import ByteTokenizer` (e.g.
 in the server) does not pay for importing grain.
@@ -15,6 +16,7 @@ _EXPORTS = {
     "BATCH_KEYS": "pipeline", "DataIterator": "pipeline",
     "make_dataset": "pipeline", "eval_batches": "pipeline",
     "mqar_batch": "mqar", "mqar_dataset": "mqar",
+    "train_data": "datasets",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from k3_jax.config import UserError
+
 Batch = dict[str, np.ndarray]
 
 
@@ -35,16 +37,16 @@ def _check(batch_size: int, seq_len: int, vocab_size: int, num_kv_pairs: int,
            num_queries: int) -> None:
   keys, values = key_value_ranges(vocab_size)
   if batch_size < 1:
-    raise ValueError(f"batch_size={batch_size} must be >= 1")
+    raise UserError(f"batch_size={batch_size} must be >= 1")
   if num_kv_pairs < 1 or num_kv_pairs > len(keys):
-    raise ValueError(f"num_kv_pairs={num_kv_pairs} must be in [1, {len(keys)}] "
+    raise UserError(f"num_kv_pairs={num_kv_pairs} must be in [1, {len(keys)}] "
                      f"(distinct keys from vocab_size={vocab_size})")
   if not 1 <= num_queries <= num_kv_pairs:
-    raise ValueError(f"num_queries={num_queries} must be in [1, num_kv_pairs={num_kv_pairs}]")
+    raise UserError(f"num_queries={num_queries} must be in [1, num_kv_pairs={num_kv_pairs}]")
   if len(values) < 1:
-    raise ValueError(f"vocab_size={vocab_size} is too small for MQAR")
+    raise UserError(f"vocab_size={vocab_size} is too small for MQAR")
   if 2 * num_kv_pairs + 2 * num_queries > seq_len + 1:
-    raise ValueError(
+    raise UserError(
         f"seq_len={seq_len} too short: {num_kv_pairs} pairs and {num_queries} "
         f"queries need {2 * num_kv_pairs + 2 * num_queries - 1} positions")
 

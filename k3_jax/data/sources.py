@@ -19,6 +19,8 @@ import os
 import pathlib
 import sysconfig
 
+from k3_jax.config import UserError
+
 EVAL_FRACTION = 0.02
 _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests",
                         "idlelib", "turtledemo", "lib2to3", "__pycache__"})
@@ -90,7 +92,7 @@ def text_documents(path: str | os.PathLike) -> list[str]:
     docs = [text] if text else []
   if not docs:
     kinds = "/".join(_TEXT_SUFFIXES)
-    raise ValueError(f"data path {str(p)!r} holds no non-empty documents "
+    raise UserError(f"data path {str(p)!r} holds no non-empty documents "
                      f"(expected a .txt/.jsonl file or a folder of {kinds} files)")
   return docs
 
@@ -105,10 +107,10 @@ def _jsonl_texts(path: pathlib.Path) -> list[str]:
         record = json.loads(line)
         text = record["text"]
       except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ValueError(f"{path}:{line_no}: expected a JSON object with a "
+        raise UserError(f"{path}:{line_no}: expected a JSON object with a "
                          f"'text' field ({type(e).__name__}: {e})") from e
       if not isinstance(text, str):
-        raise ValueError(f"{path}:{line_no}: 'text' must be a string, "
+        raise UserError(f"{path}:{line_no}: 'text' must be a string, "
                          f"got {type(text).__name__}")
       if text:
         docs.append(text)

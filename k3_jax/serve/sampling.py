@@ -1,4 +1,5 @@
-"""Token sampling from logits: greedy, temperature, nucleus (top-p)."""
+"""Token sampling from logits: greedy, temperature, nucleus (top-p), and frequency /
+presence penalties on the tokens generated so far."""
 
 from __future__ import annotations
 
@@ -22,3 +23,13 @@ def sample(key: jax.Array, logits: jax.Array, temperature: float | jax.Array = 0
   scaled = jnp.where(scaled >= cutoff, scaled, -jnp.inf)
   sampled = jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
   return jnp.where(jnp.asarray(temperature) > 0, sampled, greedy)
+
+
+def penalize(logits: jax.Array, counts: jax.Array, frequency_penalty: float | jax.Array = 0.0,
+             presence_penalty: float | jax.Array = 0.0) -> jax.Array:
+  """logits [B, V] lowered by frequency_penalty x (times each token was generated so far)
+  + presence_penalty x (1 if it was generated at all); counts [B, V]. As in the OpenAI API:
+  small byte-level models otherwise repeat one token (whitespace) forever."""
+  counts = counts.astype(jnp.float32)
+  return (logits.astype(jnp.float32) - frequency_penalty * counts
+          - presence_penalty * (counts > 0).astype(jnp.float32))

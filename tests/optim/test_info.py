@@ -1,4 +1,4 @@
-"""`main.py info --optimizer`: the per-parameter optimizer table, abstractly, for full K3."""
+"""`main.py info --param_groups`: the per-parameter optimizer table, abstractly, for full K3."""
 
 import json
 import os
@@ -9,7 +9,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def test_info_optimizer_table_for_k3_without_allocating():
-  out = subprocess.run([sys.executable, "main.py", "info", "--config=k3", "--optimizer",
+  out = subprocess.run([sys.executable, "main.py", "info", "--config=k3", "--param_groups",
                         "--json"], cwd=ROOT, capture_output=True, text=True, timeout=600,
                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
   assert out.returncode == 0, out.stderr[-2000:]

@@ -1,0 +1,120 @@
+"""Ahead-of-time compilation of the real steps for a TPU target, from any machine.
+
+A job-level module: it composes the train step (k3_jax/train.py) or the serving steps
+(k3_jax/model.py prefill / decode) with sharding's AOT helpers (devices of a TPU topology,
+mesh, `aot.compile_report`). Sharding never imports train or serve; this module does the
+composing, so the command line only parses flags and prints the report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3_jax import train
+from k3_jax.config import EXPERT_FORMATS, ConfigError, ModelConfig, TrainConfig
+from k3_jax.model import create_model, decode_step, prefill
+from k3_jax.serve.pack import pack_routed_experts
+from sharding import aot
+from sharding.install import activation_rules
+from sharding.mesh import make_mesh, parse_mesh, validate_mesh
+from sharding.rules import tree_shardings
+from sharding.topology import Target, target_devices
+
+STEPS = ("train", "prefill", "decode")
+
+
+def compile_step(cfg: ModelConfig, tc: TrainConfig, target: Target, step: str,
+                 mesh_spec: str = "", global_batch: int | None = None,
+                 seq_len: int | None = None, cache_len: int | None = None,
+                 expert_format: str = "dense") -> dict:
+  """Lower and compile the real `step` of `cfg` for `target` with abstract inputs (nothing
+  is allocated); returns sharding.aot.compile_report's per-chip memory report plus what was
+  compiled. global_batch / seq_len default to tc's; cache_len (prefill / decode) to seq_len.
+  The grouped-matmul kind and the expert-parallel capacity are cfg's execution-only fields
+  (moe.gmm, moe.ep_capacity)."""
+  if step not in STEPS:
+    raise ConfigError(f"step={step!r}: expected one of {', '.join(STEPS)}")
+  if expert_format not in EXPERT_FORMATS:
+    raise ConfigError(f"expert_format={expert_format!r}: expected one of "
+                      f"{', '.join(EXPERT_FORMATS)}")
+  mesh = make_mesh(parse_mesh(mesh_spec), target_devices(target))
+  batch = global_batch or tc.batch_size
+  seq = seq_len or tc.seq_len
+  validate_mesh(cfg, mesh, batch, seq if step != "decode" else None)
+  report = {"config": cfg.name, "step": step, "topology": target.topology,
+            "target": target.name, "num_slices": target.num_slices, "chips": target.chips,
+            "mesh": {k: int(v) for k, v in mesh.shape.items()}, "global_batch": batch,
+            "seq_len": seq, "ep_capacity": cfg.moe.ep_capacity or None, "gmm": cfg.moe.gmm}
+  if step == "train":
+    tc = dataclasses.replace(tc, batch_size=batch, seq_len=seq)
+    steps = train.build_steps(cfg, tc, mesh)
+    state = aot.with_shardings(steps.abstract_state, steps.state_shardings)
+    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=steps.batch_sharding)
+    mask = jax.ShapeDtypeStruct((batch, seq), jnp.float32, sharding=steps.batch_sharding)
+    args = (state, {"inputs": tokens, "targets": tokens, "segment_ids": tokens,
+                    "loss_mask": mask})
+    report.update(remat=tc.remat, grad_accum=tc.grad_accum, optimizer=tc.optimizer)
+    _, rep = aot.compile_report(steps.train, args, target.chip_hbm_bytes)
+    return {**report, **rep}
+  length = cache_len or seq
+  if step == "decode" and length > cfg.max_seq_len:
+    raise ConfigError(f"cache_len={length} exceeds max_seq_len={cfg.max_seq_len}")
+  fn, args = _serving_program(cfg, mesh, step, batch, seq, length, expert_format)
+  report.update(cache_len=length, expert_format=expert_format)
+  _, rep = aot.compile_report(fn, args, target.chip_hbm_bytes)
+  return {**report, **rep}
+
+
+def _serving_program(cfg: ModelConfig, mesh, step: str, batch: int, seq: int, length: int,
+                     expert_format: str):
+  """(jitted fn, abstract sharded args) of the prefill or decode step: parameters in their
+  served format, caches sharded on the batch, the decode cache donated."""
+  graphdef, params, rest = serving_params(cfg, expert_format)
+  p_sh, r_sh = tree_shardings(params, mesh), tree_shardings(rest, mesh)
+  cache = jax.eval_shape(lambda: create_model(cfg, mode="abstract").init_cache(batch, length))
+  cache_dim = lambda path: (None if path[0].key == "pos" else
+                            1 if path[0].key == "units" else 0)
+  c_sh = aot.batch_shardings(cache, mesh, cache_dim)
+  logits_sh = aot.batch_shardings(
+      jax.ShapeDtypeStruct((batch, cfg.vocab_size), jnp.float32), mesh, 0)
+  p_args = (aot.with_shardings(params, p_sh), aot.with_shardings(rest, r_sh))
+  if step == "decode":
+    def run(params, rest, cache, token):
+      with activation_rules(mesh):
+        return decode_step(nnx.merge(graphdef, params, rest), cache, token)
+    tok = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    tok_sh = aot.batch_shardings(tok, mesh, 0)
+    fn = jax.jit(run, in_shardings=(p_sh, r_sh, c_sh, tok_sh), out_shardings=(logits_sh, c_sh),
+                 donate_argnums=(2,))
+    return fn, (*p_args, aot.with_shardings(cache, c_sh),
+                jax.ShapeDtypeStruct(tok.shape, tok.dtype, sharding=tok_sh))
+
+  def run(params, rest, tokens):
+    with activation_rules(mesh):
+      logits, cache = prefill(nnx.merge(graphdef, params, rest), tokens, length)
+    return logits[:, -1], cache          # the next-token logits and the filled cache
+  toks = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+  t_sh = aot.batch_shardings(toks, mesh, 0)
+  fn = jax.jit(run, in_shardings=(p_sh, r_sh, t_sh), out_shardings=(logits_sh, c_sh))
+  return fn, (*p_args, jax.ShapeDtypeStruct(toks.shape, toks.dtype, sharding=t_sh))
+
+
+def serving_params(cfg: ModelConfig, expert_format: str = "dense"):
+  """(graphdef, abstract params, abstract rest) of the model as served: "mxfp4" packs the
+  routed experts to MXFP4 MXArrays (k3_jax.serve.pack), "dense" keeps the param dtype."""
+  out = {}
+
+  def f():
+    model = create_model(cfg, mode="abstract")
+    if expert_format == "mxfp4":
+      pack_routed_experts(model)
+    g, params, rest = train.split_model(model)
+    out["graphdef"] = g
+    return params, rest
+
+  params, rest = jax.eval_shape(f)
+  return out["graphdef"], params, rest

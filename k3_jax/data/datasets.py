@@ -1,0 +1,46 @@
+"""The training job's data, assembled from a TrainConfig: one call gives the train iterator
+and the fixed eval batches of this process (its share of the global batch)."""
+
+from __future__ import annotations
+
+from k3_jax.config import ModelConfig, TrainConfig, UserError
+from k3_jax.data import mqar, pipeline, sources, tokenizers
+
+MQAR_KV_PAIRS = 8
+EVAL_SEED_OFFSET = 10_000          # MQAR eval draws from a seed the train stream never uses
+
+
+def train_data(cfg: ModelConfig, tc: TrainConfig, process_index: int = 0,
+               process_count: int = 1):
+  """(train iterator, list of eval batches) for `tc.dataset` with `tc.tokenizer`.
+
+  Each process gets batch_size / process_count rows per batch (its rows of the global
+  batch). Text datasets: "stdlib" uses its own train / eval split; a path holds out every
+  50th document (at least one) for eval when it has more than one document, else no eval.
+  The iterator is checkpointable (get_state / set_state)."""
+  if tc.batch_size % process_count:
+    raise UserError(f"batch_size={tc.batch_size} must be divisible by the {process_count} "
+                    f"processes")
+  per_host = tc.batch_size // process_count
+  if tc.dataset == "mqar":
+    make = lambda seed: mqar.mqar_dataset(per_host, tc.seq_len, cfg.vocab_size,
+                                          num_kv_pairs=MQAR_KV_PAIRS, seed=seed,
+                                          process_index=process_index)
+    eval_it = make(tc.seed + EVAL_SEED_OFFSET)
+    return make(tc.seed), [next(eval_it) for _ in range(tc.eval_batches)]
+  tok = tokenizers.get_tokenizer(tc.tokenizer)
+  if tok.vocab_size > cfg.vocab_size:
+    raise UserError(f"tokenizer vocabulary {tok.vocab_size} exceeds the model's "
+                    f"vocab_size={cfg.vocab_size}")
+  if tc.dataset == "stdlib":
+    train_docs, eval_docs = sources.stdlib_documents("train"), sources.stdlib_documents("eval")
+  else:
+    docs = sources.text_documents(tc.dataset)
+    n_eval = max(1, len(docs) // 50) if len(docs) > 1 else 0
+    train_docs, eval_docs = docs[n_eval:], docs[:n_eval]
+  train_iter = pipeline.make_dataset(train_docs, tok, tc.seq_len, per_host, seed=tc.seed,
+                                     process_index=process_index, process_count=process_count)
+  evals = (pipeline.eval_batches(eval_docs, tok, tc.seq_len, per_host, tc.eval_batches,
+                                 process_index=process_index, process_count=process_count)
+           if eval_docs else [])
+  return train_iter, evals

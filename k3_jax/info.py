@@ -1,0 +1,41 @@
+"""What `info` reports, computed abstractly (nothing is allocated, so it works for k3):
+the layer plan and parameter counts, serving bytes with MXFP4 experts, and every
+parameter's optimizer group."""
+
+from __future__ import annotations
+
+from flax import nnx
+
+from k3_jax.config import ModelConfig
+from k3_jax.model import abstract_model, param_counts
+from k3_jax.optim.muon import ADAMW, param_groups
+from k3_jax.serve.pack import serving_weight_bytes
+
+
+def model_summary(cfg: ModelConfig, serving_bytes: bool = False) -> dict:
+  """Layer pattern (K = KDA, M = MLA, d = dense FFN), scan plan, total / activated / per-module
+  parameter counts; with serving_bytes, also the bytes served with the routed experts packed
+  MXFP4 and the rest BF16 (key "serving_mxfp4")."""
+  prefix, reps, period = cfg.stack_plan()
+  kinds = cfg.layer_kinds()
+  pattern = "".join(("K" if m == "kda" else "M") + ("d" if f == "dense" else "")
+                    for m, f in kinds)
+  out = {"config": cfg.name, "layers": cfg.num_layers,
+         "kda_layers": sum(m == "kda" for m, _ in kinds),
+         "mla_layers": [i + 1 for i, (m, _) in enumerate(kinds) if m == "mla"],
+         "layer_pattern": pattern,
+         "scan": {"unscanned_prefix": prefix, "repeats": reps, "period": period,
+                  "unscanned_suffix": cfg.num_layers - prefix - reps * period},
+         **param_counts(cfg)}
+  if serving_bytes:
+    out["serving_mxfp4"] = serving_weight_bytes(cfg)
+  return out
+
+
+def optimizer_groups(cfg: ModelConfig, optimizer: str) -> list[tuple[str, tuple, object]]:
+  """(path, shape, group) of every parameter: its optimizer group (per-head Muon,
+  per-expert Muon, Muon, AdamW) and batch axes under `optimizer` ("muon" | "adamw")."""
+  rows = param_groups(nnx.state(abstract_model(cfg), nnx.Param))
+  if optimizer == "adamw":
+    rows = [(n, s, type(g)(ADAMW)) for n, s, g in rows]
+  return rows
