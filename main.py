@@ -65,6 +65,11 @@ flags.DEFINE_string("prompt", "", "generate: the prompt text")
 flags.DEFINE_integer("max_new_tokens", 200, "generate: tokens to sample")
 flags.DEFINE_float("temperature", 0.0, "generate: 0 = greedy")
 flags.DEFINE_float("top_p", 1.0, "generate: nucleus sampling mass")
+# [i16faults] fault handling (train, generate)
+flags.DEFINE_integer("max_bad_steps", 3, "train: stop after this many consecutive steps with "
+                     "a non-finite loss, gradient norm or update (each is skipped: no update)")
+flags.DEFINE_integer("checkpoint_step", None, "train/generate: restore this checkpoint step "
+                     "instead of the newest good one")
 # multi-host (train): auto-detected on a TPU pod; these set it explicitly
 flags.DEFINE_string("coordinator_address", None, "multi-host: host:port of process 0 "
                     "(default: auto-detected on TPU pods)")
@@ -201,8 +206,6 @@ def _bytes(n: float) -> str:
 
 
 def cmd_train() -> None:
-  import dataclasses
-  import json
   import jax
   from k3_jax import train
   from k3_jax.checkpoint.manager import CheckpointManager
@@ -215,7 +218,9 @@ def cmd_train() -> None:
   tc = _train_config(cfg)
   mesh = make_mesh(parse_mesh(FLAGS.mesh))
   validate_mesh(cfg, mesh, tc.batch_size, tc.seq_len)
-  ckpt = CheckpointManager(FLAGS.workdir, cfg, keep=tc.keep_checkpoints)  # refuses a mismatch
+  # [i16faults] resume safety: compare with the workdir's run before anything is written
+  from k3_jax.checkpoint.resume import check_resume, write_train_config
+  check_resume(FLAGS.workdir, cfg, tc)
   pidx, pcount = jax.process_index(), jax.process_count()
   if tc.batch_size % pcount:
     raise ValueError(f"batch_size={tc.batch_size} must be divisible by {pcount} processes")
@@ -238,50 +243,45 @@ def cmd_train() -> None:
       docs = sources.text_documents(tc.dataset)
       n_eval = max(1, len(docs) // 50) if len(docs) > 1 else 0
       train_docs, eval_docs = docs[n_eval:], docs[:n_eval]
+    for w in sources.size_warnings(tc.dataset, train_docs, eval_docs, tok, tc.seq_len):
+      print(f"warning: {w}", file=sys.stderr)   # [i16faults]
     train_iter = pipeline.make_dataset(train_docs, tok, tc.seq_len, per_host, seed=tc.seed,
                                        process_index=pidx, process_count=pcount)
     evals = (pipeline.eval_batches(eval_docs, tok, tc.seq_len, per_host, tc.eval_batches,
                                    process_index=pidx, process_count=pcount)
              if eval_docs else [])
-  os.makedirs(FLAGS.workdir, exist_ok=True)
+  # [i16faults] the workdir is written only now, after every check and the data passed
+  ckpt = CheckpointManager(FLAGS.workdir, cfg, keep=tc.keep_checkpoints)
   if pidx == 0:                       # one writer; every host writes its checkpoint shards
-    with open(os.path.join(FLAGS.workdir, "train_config.json"), "w") as f:
-      json.dump(dataclasses.asdict(tc), f, indent=1)
+    write_train_config(FLAGS.workdir, tc)
   from sharding import expert
   with expert.capacity_factor(FLAGS.ep_capacity):    # traced inside: the first step compiles
-    result = train.run(cfg, tc, FLAGS.workdir, mesh, train_iter, evals, ckpt=ckpt)
-  print(f"done: step {result.get('step')} loss {result.get('loss', float('nan')):.4f} "
-        f"eval_loss {result.get('eval_loss', float('nan')):.4f} in "
-        f"{result.get('wall_time', 0):.0f}s; checkpoints and metrics.jsonl in {FLAGS.workdir}")
+    result = train.run(cfg, tc, FLAGS.workdir, mesh, train_iter, evals, ckpt=ckpt,
+                       max_bad_steps=FLAGS.max_bad_steps, restore_step=FLAGS.checkpoint_step)
+  print(train.summary_line(result, FLAGS.workdir))
 
 
 def cmd_generate() -> None:
   import jax
-  from k3_jax import train
-  from k3_jax.checkpoint.manager import CheckpointManager, saved_config
+  from k3_jax.checkpoint.inference import load_for_inference, trained_tokenizer
   from k3_jax.data import tokenizers
-  from k3_jax.config import TrainConfig
   from k3_jax.serve.engine import Engine
   from sharding.mesh import make_mesh
 
-  cfg = saved_config(FLAGS.workdir)
-  if cfg is None:
-    raise FileNotFoundError(f"no checkpoints in {FLAGS.workdir}: train first "
-                            f"(python main.py train --workdir={FLAGS.workdir})")
-  tc = TrainConfig()
-  saved_tc = os.path.join(FLAGS.workdir, "train_config.json")
-  if os.path.exists(saved_tc):     # the optimizer decides the shape of the saved state
-    import json
-    with open(saved_tc) as f:
-      tc = TrainConfig(optimizer=json.load(f).get("optimizer", tc.optimizer))
-  ckpt = CheckpointManager(FLAGS.workdir, cfg)
-  if ckpt.latest_step() is None:
-    raise FileNotFoundError(f"{FLAGS.workdir} has a config but no completed checkpoint")
+  # [i16faults] clear errors first; then only params + balancing biases of a good
+  # checkpoint (fallback past damaged ones); the tokenizer recorded at training by default
+  if not FLAGS.prompt:
+    raise ValueError("--prompt is empty: give the text to continue, e.g. --prompt=\"def \"")
+  if FLAGS.max_new_tokens <= 0:
+    raise ValueError(f"--max_new_tokens={FLAGS.max_new_tokens}: must be positive")
+  tok = tokenizers.get_tokenizer(trained_tokenizer(FLAGS.workdir, FLAGS.tokenizer))
   mesh = make_mesh(devices=jax.devices()[:1])
-  steps = train.build_steps(cfg, tc, mesh)
-  state, _ = ckpt.restore(steps.abstract_state, steps.state_shardings)
-  tok = tokenizers.get_tokenizer(FLAGS.tokenizer or "byte")
-  graphdef, params, rest = steps.graphdef, state["params"], state["rest"]
+  loaded = load_for_inference(FLAGS.workdir, mesh, step=FLAGS.checkpoint_step,
+                              log=lambda m: print(m, file=sys.stderr))
+  cfg, graphdef, params, rest = loaded.cfg, loaded.graphdef, loaded.params, loaded.rest
+  if tok.vocab_size > cfg.vocab_size:
+    raise ValueError(f"tokenizer vocabulary {tok.vocab_size} exceeds the model's "
+                     f"vocab_size={cfg.vocab_size}")
   if FLAGS.quant == "mxfp4":
     from k3_jax.quant import pack_state
     graphdef, params, rest = pack_state(graphdef, params, rest)
@@ -436,18 +436,26 @@ def main(argv) -> None:
     raise app.UsageError(f"unexpected arguments {argv[2:]}: flags take the form --name=value")
   from k3_jax.config import ConfigError
   from k3_jax.checkpoint.manager import CheckpointMismatch
+  from k3_jax.faults import Diverged
   try:
     {"train": cmd_train, "generate": cmd_generate, "info": cmd_info,
      "compile": cmd_compile}[argv[1]]()
   except (ConfigError, CheckpointMismatch, FileNotFoundError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
+  except Diverged as e:             # [i16faults] a clear stop, the last finite checkpoint kept
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(3)
 
 
 def _bare_optimizer_flag(argv):
   """`info --optimizer` (no value) means the preset's optimizer; absl needs a value."""
   argv = [f"--optimizer={_PRESET_OPTIMIZER}" if a == "--optimizer" else a for a in argv]
-  return flags.FLAGS(argv)
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:          # [i16faults] e.g. a mistyped flag: one line, exit 2
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
 
 
 if __name__ == "__main__":

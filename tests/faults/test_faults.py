@@ -1,0 +1,206 @@
+"""Fault tolerance, end to end: the real CLI (`main.py train` / `generate`) in subprocesses on a
+trimmed k3_tiny (2 layers: a dense-FFN KDA layer and an MLA + MoE layer, so every part of the
+train state is there: parameters, AdamW moments, balancing biases, the data iterator).
+
+Every run compares against one uninterrupted reference run (module fixture). Resumes must
+match it bit for bit: on CPU the computation is deterministic and a resume restores the exact
+parameters, optimizer state, biases and data position, so any difference is a resume bug
+(tolerance 0; losses go through JSON as repr-exact floats). Signals are sent at a known step
+through a test hook (K3_TEST_HOLD_AFTER_STEP: the run prints a line after that step and waits
+for the signal), never by sleeping. The subprocesses share compilations through JAX's
+persistent compilation cache in a per-session directory.
+"""
+
+import hashlib
+import json
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+STEPS = 6
+MODEL = ("--config=k3_tiny", "--override=num_layers=2", "--override=mla_layers=2",
+         "--override=dense_layers=1")
+RUN = (*MODEL, f"--steps={STEPS}", "--batch_size=2", "--seq_len=32", "--checkpoint_every=2",
+       "--eval_every=100", "--optimizer=adamw")
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+  e = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+           JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax_cache")),
+           JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+  e.pop("XLA_FLAGS", None)          # one CPU device, as a user would have
+  for k in ("K3_TEST_HOLD_AFTER_STEP", "K3_TEST_SIGKILL_IN_SAVE"):
+    e.pop(k, None)
+  return e
+
+
+def _cmd(args):
+  return [sys.executable, os.path.join(ROOT, "main.py"), *args]
+
+
+def main(env, *args, timeout=900, **extra):
+  return subprocess.run(_cmd(args), cwd=ROOT, env=dict(env, **extra), capture_output=True,
+                        text=True, timeout=timeout)
+
+
+class Held:
+  """A training run held after a step by the test hook, to be signalled."""
+
+  def __init__(self, env, args, step):
+    self.proc = subprocess.Popen(_cmd(args), cwd=ROOT, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True,
+                                 env=dict(env, K3_TEST_HOLD_AFTER_STEP=str(step)))
+    self.lines = queue.Queue()
+    self.out = []
+    threading.Thread(target=self._pump, daemon=True).start()
+
+  def _pump(self):
+    for line in self.proc.stdout:
+      self.lines.put(line)
+
+  def wait_for(self, text, timeout=900):
+    while True:
+      line = self.lines.get(timeout=timeout)
+      self.out.append(line)
+      if text in line:
+        return
+
+  def finish(self, timeout=300):
+    rc = self.proc.wait(timeout=timeout)
+    while True:
+      try:
+        self.out.append(self.lines.get(timeout=5))
+      except queue.Empty:
+        break
+    return rc, "".join(self.out)
+
+
+def metrics(wd):
+  with open(os.path.join(wd, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]       # strict: json.loads would accept NaN,
+                                                   # so validity is asserted separately
+
+
+def losses(wd):
+  return {r["step"]: (r["loss"], r["grad_norm"]) for r in metrics(wd)}
+
+
+def checksums(wd):
+  out = {}
+  for dirpath, _, files in os.walk(wd):
+    for name in files:
+      p = os.path.join(dirpath, name)
+      with open(p, "rb") as f:
+        out[os.path.relpath(p, wd)] = hashlib.sha256(f.read()).hexdigest()
+  return out
+
+
+@pytest.fixture(scope="module")
+def reference(env, tmp_path_factory):
+  """An uninterrupted run: the losses every fault scenario must reproduce."""
+  wd = str(tmp_path_factory.mktemp("faults") / "reference")
+  r = main(env, "train", *RUN, f"--workdir={wd}")
+  assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+  assert [m["step"] for m in metrics(wd)] == list(range(1, STEPS + 1))
+  return wd
+
+
+def copy_run(src, dst):
+  shutil.copytree(src, dst)
+  return str(dst)
+
+
+def test_sigterm_mid_run_saves_then_resume_matches_uninterrupted(env, reference, tmp_path):
+  wd = str(tmp_path / "run")
+  held = Held(env, ("train", *RUN, f"--workdir={wd}"), step=3)
+  held.wait_for("test hook: holding after step 3")
+  held.proc.send_signal(signal.SIGTERM)
+  rc, out = held.finish()
+  assert rc == 0, out[-3000:]
+  assert "SIGTERM: saved step 3" in out and "Traceback" not in out
+  assert os.path.isdir(os.path.join(wd, "checkpoints", "3"))    # off the every-2 cadence
+  assert not [n for n in os.listdir(os.path.join(wd, "checkpoints")) if "tmp" in n]
+  r = main(env, "train", *RUN, f"--workdir={wd}")
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "resumed from step 3" in r.stdout
+  # one line per step across the resume, and every loss equal to the uninterrupted run's
+  assert [m["step"] for m in metrics(wd)] == list(range(1, STEPS + 1))
+  assert losses(wd) == losses(reference)
+
+
+def test_truncated_file_in_newest_checkpoint_falls_back_in_one_line(env, reference, tmp_path):
+  wd = copy_run(reference, tmp_path / "run")
+  data = os.path.join(wd, "checkpoints", "6", "state", "ocdbt.process_0", "d")
+  victim = max((os.path.join(data, n) for n in os.listdir(data)), key=os.path.getsize)
+  with open(victim, "r+b") as f:
+    f.truncate(os.path.getsize(victim) // 2)
+  r = main(env, "train", *RUN, f"--workdir={wd}")
+  assert r.returncode == 0, r.stderr[-3000:]
+  notes = [l for l in r.stdout.splitlines() if "checkpoint step 6 in" in l]
+  assert len(notes) == 1 and "unreadable" in notes[0] and "using step 4" in notes[0], r.stdout
+  assert "Traceback" not in r.stdout + r.stderr
+  assert "resumed from step 4" in r.stdout
+  kept = [n for n in os.listdir(os.path.join(wd, "checkpoints")) if n.startswith("6.damaged")]
+  assert len(kept) == 1                        # the damaged step is kept aside, not deleted
+  assert losses(wd) == losses(reference)       # steps 5 and 6 retrained identically
+
+
+def test_generate_skips_checkpoint_without_manifest(env, reference, tmp_path):
+  wd = copy_run(reference, tmp_path / "run")
+  os.remove(os.path.join(wd, "checkpoints", "6", "state", "manifest.ocdbt"))
+  before = checksums(wd)
+  r = main(env, "generate", f"--workdir={wd}", "--prompt=def ", "--max_new_tokens=4")
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert r.stdout.startswith("def ")
+  notes = [l for l in r.stderr.splitlines() if "checkpoint step 6 in" in l]
+  assert len(notes) == 1 and "using step 4" in notes[0], r.stderr
+  assert checksums(wd) == before               # generate reads only
+
+
+def test_refused_resume_leaves_every_file_unchanged(env, reference, tmp_path):
+  wd = copy_run(reference, tmp_path / "run")
+  before = checksums(wd)
+  r = main(env, "train", *RUN[:-1], "--optimizer=muon", f"--workdir={wd}")
+  assert r.returncode == 2
+  assert "optimizer: saved 'adamw', requested 'muon'" in r.stderr, r.stderr
+  assert len(r.stderr.strip().splitlines()) == 1
+  r = main(env, "train", *MODEL, "--steps=4", f"--workdir={wd}")
+  assert r.returncode == 2 and "already holds step 6, past --steps=4" in r.stderr, r.stderr
+  r = main(env, "train", *RUN, "--tokenizer=/nonexistent.tiktoken", f"--workdir={wd}")
+  assert r.returncode == 2 and "tokenizer" in r.stderr
+  assert checksums(wd) == before
+
+
+def test_failed_first_start_leaves_nothing_behind(env, tmp_path):
+  wd = str(tmp_path / "fresh")
+  r = main(env, "train", *RUN, "--tokenizer=/nonexistent.tiktoken", f"--workdir={wd}")
+  assert r.returncode == 2 and "/nonexistent.tiktoken" in r.stderr
+  assert not os.path.exists(wd)
+
+
+def test_small_mistakes_are_one_clear_line(env, reference, tmp_path):
+  r = main(env, "train", "--config=k3_tiny", "--stpes=3", f"--workdir={tmp_path}/x")
+  assert r.returncode == 2 and r.stderr.count("\n") == 1 and "stpes" in r.stderr, r.stderr
+  r = main(env, "generate", f"--workdir={reference}", "--prompt=")
+  assert r.returncode == 2 and "--prompt is empty" in r.stderr
+  r = main(env, "generate", f"--workdir={reference}", "--prompt=x", "--max_new_tokens=-5")
+  assert r.returncode == 2 and "--max_new_tokens=-5" in r.stderr
+  bad = tmp_path / "latin1.txt"
+  bad.write_bytes("caf\xe9 ".encode("latin-1") * 50)
+  r = main(env, "train", *RUN, f"--dataset={bad}", f"--workdir={tmp_path}/y")
+  assert r.returncode == 2 and str(bad) in r.stderr and "UTF-8" in r.stderr
+  assert not os.path.exists(tmp_path / "y")
+
+
+def test_metrics_are_strict_json_lines(reference):
+  with open(os.path.join(reference, "metrics.jsonl")) as f:
+    for line in f:
+      json.loads(line, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
