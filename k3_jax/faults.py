@@ -41,6 +41,7 @@ class StopRequest:
   def __init__(self, log: Callable[[str], None] = print):
     self.log = log
     self.requested: str | None = None
+    self.count = 0                  # signals received
     self._old: dict = {}
 
   def __enter__(self) -> "StopRequest":
@@ -56,6 +57,7 @@ class StopRequest:
 
   def _handle(self, signum, frame) -> None:
     name = signal.Signals(signum).name
+    self.count += 1
     if self.requested is None:
       self.requested = name
       self.log(f"{name} received: finishing the step in flight, then saving a checkpoint "
@@ -116,6 +118,7 @@ def json_record(record: dict) -> dict:
 # ----- test hooks (environment variables; inert unless set) ------------------------------
 
 HOLD_ENV = "K3_TEST_HOLD_AFTER_STEP"       # after step N: print a line, wait for a signal
+HOLD_SIGNALS_ENV = "K3_TEST_HOLD_SIGNALS"  # ... for this many signals (default 1)
 KILL_ENV = "K3_TEST_SIGKILL_IN_SAVE"      # right after starting the save of step N: kill -9
 
 
@@ -126,13 +129,15 @@ def _env_step(name: str) -> int | None:
 
 def hold_for_signal(step: int, stop: StopRequest, log: Callable[[str], None]) -> None:
   """Test hook: after step `step` == $K3_TEST_HOLD_AFTER_STEP, announce it and wait (up to
-  5 minutes) for a stop request, so a test can send a real signal at a known step."""
+  5 minutes) for $K3_TEST_HOLD_SIGNALS signals (default 1), so a test can send real signals
+  at a known step."""
   if _env_step(HOLD_ENV) != step:
     return
+  wanted = _env_step(HOLD_SIGNALS_ENV) or 1
   log(f"test hook: holding after step {step}")
   sys.stdout.flush()
   deadline = time.time() + 300
-  while stop.requested is None and time.time() < deadline:
+  while stop.count < wanted and time.time() < deadline:
     time.sleep(0.02)
 
 

@@ -383,10 +383,18 @@ def run(cfg: ModelConfig, tc: TrainConfig, workdir: str, mesh: Mesh,
           log(f"step {done}: non-finite loss, gradient norm or update; the update was "
               f"skipped ({bad.in_a_row} in a row, stop at {bad.max_in_a_row})")
         if bad.exhausted:
+          note = ""
           if ckpt is not None:
             ckpt.wait()
-          kept = (f"the last checkpoint, step {saved}, holds finite parameters"
-                  if saved is not None else "no checkpoint was written")
+            if saved is not None and saved == bad.first_bad - 1:
+              # Finite, but its very next step diverged: not a state to resume from.
+              ckpt.set_aside([saved], "diverged", log)
+              note = (f"the checkpoint of step {saved} led straight to them and was moved "
+                      f"aside; ")
+              older = [s_ for s_ in ckpt.all_steps() if s_ < saved]
+              saved = older[-1] if older else None
+          kept = note + (f"the last checkpoint, step {saved}, holds finite parameters"
+                         if saved is not None else "no checkpoint is left to resume from")
           raise faults.Diverged(
               f"training diverged: steps {bad.first_bad}-{done} ({bad.in_a_row} in a row) had "
               f"a non-finite loss, gradient norm or update and were skipped; {kept}. Lower "

@@ -217,7 +217,7 @@ class CheckpointManager:
     good, out = found
     newer = [s for s in self.all_steps() if s > good]
     if newer and not self.read_only:
-      self._move_aside(newer, "newer" if step is not None else "damaged", log)
+      self.set_aside(newer, "newer" if step is not None else "damaged", log)
     return out
 
   def restore_params(self, abstract_state, shardings, step: int | None = None,
@@ -233,7 +233,10 @@ class CheckpointManager:
     good, out = found
     return good, out["params"], out["rest"]
 
-  def _move_aside(self, steps: list[int], why: str, log: Callable[[str], None]) -> None:
+  def set_aside(self, steps: list[int], why: str, log: Callable[[str], None]) -> None:
+    """Renames these step directories to `<step>.<why>-<time>`: kept on disk, no longer
+    restored, their numbers free to be written again."""
+    self._mgr.wait_until_finished()
     self._mgr.close()
     stamp = time.strftime("%Y%m%d-%H%M%S")
     if jax.process_index() == 0:
