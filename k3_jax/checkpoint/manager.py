@@ -28,6 +28,7 @@ from typing import Callable
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from absl import logging as absl_logging
 
 from k3_jax.config import ModelConfig, from_dict, to_dict
 
@@ -124,12 +125,17 @@ class CheckpointManager:
       os.replace(tmp, cfg_path)
 
   def _open(self):
-    if self.read_only:
-      opts = ocp.CheckpointManagerOptions(read_only=True, create=False)
-    else:
+    if not self.read_only:
       opts = ocp.CheckpointManagerOptions(max_to_keep=self.keep, create=True,
                                           cleanup_tmp_directories=True)
-    return ocp.CheckpointManager(self.directory, options=opts, item_names=("state", "data"))
+      return ocp.CheckpointManager(self.directory, options=opts, item_names=("state", "data"))
+    opts = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0)
+    old = absl_logging.get_verbosity()
+    absl_logging.set_verbosity(absl_logging.ERROR)   # Orbax warns that read-only is read-only
+    try:
+      return ocp.CheckpointManager(self.directory, options=opts, item_names=("state", "data"))
+    finally:
+      absl_logging.set_verbosity(old)
 
   def latest_step(self) -> int | None:
     return self._mgr.latest_step()
