@@ -446,6 +446,10 @@ def main(argv) -> None:
   except Diverged as e:             # [i16faults] a clear stop, the last finite checkpoint kept
     print(f"error: {e}", file=sys.stderr)
     sys.exit(3)
+  except KeyboardInterrupt:         # [i16faults] Ctrl-C outside the training loop's handler
+    print("interrupted before training started (or after it ended); nothing was saved",
+          file=sys.stderr)
+    sys.exit(130)
 
 
 def _bare_optimizer_flag(argv):

@@ -5,6 +5,7 @@ workdir. Same setup and tolerances as test_faults.py (resumes bit for bit on CPU
 import json
 import os
 import signal
+import time
 
 import numpy as np
 import orbax.checkpoint as ocp
@@ -39,6 +40,13 @@ def test_second_sigint_aborts_at_once_and_resume_is_clean(env, reference, tmp_pa
   # the hook holds after step 3 until a second signal: the first only requests a stop
   held = Held(env, ("train", *RUN, f"--workdir={wd}"), step=3, K3_TEST_HOLD_SIGNALS="2")
   held.wait_for("test hook: holding after step 3")
+  # the async save of step 2 commits in the background while the run holds; wait for it,
+  # as an abort would discard it (that is what the abort is for)
+  committed = os.path.join(wd, "checkpoints", "2", "commit_success.txt")
+  deadline = time.time() + 300
+  while not os.path.exists(committed) and time.time() < deadline:
+    time.sleep(0.05)
+  assert os.path.exists(committed)
   held.proc.send_signal(signal.SIGINT)
   held.wait_for("SIGINT received")
   held.proc.send_signal(signal.SIGINT)
