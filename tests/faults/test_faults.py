@@ -106,3 +106,24 @@ def test_metrics_are_strict_json_lines(reference):
   with open(os.path.join(reference, "metrics.jsonl")) as f:
     for line in f:
       json.loads(line, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+
+
+def test_tiny_dataset_and_no_held_out_documents_are_warned():
+  from k3_jax.data import sources, tokenizers
+  tok = tokenizers.ByteTokenizer()
+  warns = sources.size_warnings("one.txt", ["def f(): pass"], [], tok, seq_len=32)
+  assert len(warns) == 2
+  assert "fewer than one sequence" in warns[0] and "eval_loss" in warns[1]
+  assert sources.size_warnings("big", ["x" * 200] * 3, ["y" * 100], tok, seq_len=32) == []
+
+
+def test_metrics_writer_drops_lines_past_the_resumed_step(tmp_path):
+  from k3_jax.train import MetricsWriter
+  w = MetricsWriter(str(tmp_path / "metrics.jsonl"))
+  for step in (1, 2, 3):
+    w.write({"step": step, "loss": float("nan") if step == 2 else 1.0})
+  with open(w.path, "a") as f:
+    f.write('{"step": 4, "lo')                 # a line cut short by a kill
+  w.resume_at(2)
+  lines = [json.loads(l, parse_constant=pytest.fail) for l in open(w.path)]
+  assert lines == [{"step": 1, "loss": 1.0}, {"step": 2, "loss": None, "nonfinite": ["loss"]}]
