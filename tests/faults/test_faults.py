@@ -127,3 +127,34 @@ def test_metrics_writer_drops_lines_past_the_resumed_step(tmp_path):
   w.resume_at(2)
   lines = [json.loads(l, parse_constant=pytest.fail) for l in open(w.path)]
   assert lines == [{"step": 1, "loss": 1.0}, {"step": 2, "loss": None, "nonfinite": ["loss"]}]
+
+
+def test_restore_refuses_non_finite_parameters_and_falls_back(tmp_path):
+  """In-process, on a small stand-in state: step 2 holds a NaN parameter, so both restores
+  (inference: params + rest only; training: everything) report it in one line and use step 1;
+  training also moves step 2 aside, keeping it."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import configs
+  from k3_jax.checkpoint.manager import CheckpointManager
+  cfg = configs.get("k3_tiny")
+  good = {"step": jnp.int32(1), "params": {"w": jnp.ones((4,))}, "rest": {"b": jnp.zeros((2,))},
+          "opt_state": {"m": jnp.ones((4,))}}
+  bad = dict(good, step=jnp.int32(2), params={"w": jnp.array([1.0, jnp.nan, 1.0, 1.0])})
+  ckpt = CheckpointManager(str(tmp_path), cfg, keep=3)
+  ckpt.save(1, good, {"pos": 1})
+  ckpt.save(2, bad, {"pos": 2})
+  ckpt.wait()
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), good)
+  sh = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  shardings = {k: sh for k in good}
+  logs = []
+  reader = CheckpointManager(str(tmp_path), cfg, read_only=True)
+  step, params, rest = reader.restore_params(abstract, shardings, log=logs.append)
+  assert step == 1 and np.all(np.asarray(params["w"]) == 1) and len(logs) == 1
+  assert "step 2" in logs[0] and "non-finite" in logs[0] and "using step 1" in logs[0]
+  state, data = ckpt.restore_for_training(abstract, shardings, log=logs.append)
+  assert int(state["step"]) == 1 and data == {"pos": 1}
+  assert any(n.startswith("2.damaged-") for n in os.listdir(tmp_path / "checkpoints"))
+  assert ckpt.all_steps() == [1]
