@@ -69,6 +69,11 @@ flags.DEFINE_string("tokenizer", None, "byte | path to a tiktoken BPE file (trai
 flags.DEFINE_string("mesh", "", "mesh axes, e.g. data:2,fsdp:4 (default: fsdp over all devices)")
 flags.DEFINE_float("ep_capacity", None, "expert-parallel capacity factor c (rows per "
                    "source-destination bounded at c*n*k/P; default dropless)")
+# fault handling (train; generate reads --checkpoint_step too)
+flags.DEFINE_integer("max_bad_steps", 3, "stop after this many consecutive steps with a "
+                     "non-finite loss, gradient norm or update (each is skipped: no update)")
+flags.DEFINE_integer("checkpoint_step", None, "restore this checkpoint step instead of the "
+                     "newest good one")
 # multi-host training: auto-detected on a TPU pod; these set it explicitly
 flags.DEFINE_string("coordinator_address", None, "multi-host: host:port of process 0 "
                     "(default: auto-detected on TPU pods)")
@@ -157,6 +162,7 @@ def cmd_train() -> None:
   import jax
   from k3_jax import train
   from k3_jax.checkpoint.manager import CheckpointManager
+  from k3_jax.checkpoint.resume import check_resume
   from k3_jax.data.datasets import train_data
   from sharding.distributed import maybe_initialize
   from sharding.mesh import make_mesh, parse_mesh, validate_mesh
@@ -166,18 +172,27 @@ def cmd_train() -> None:
   tc = _train_config(cfg)
   mesh = make_mesh(parse_mesh(FLAGS.mesh))
   validate_mesh(cfg, mesh, tc.batch_size, tc.seq_len)
-  ckpt = CheckpointManager(FLAGS.workdir, cfg, keep=tc.keep_checkpoints)  # refuses a mismatch
-  train_iter, evals = train_data(cfg, tc, jax.process_index(), jax.process_count())
+  check_resume(FLAGS.workdir, cfg, tc)     # refuses a mismatch before anything is written
+  train_iter, evals = train_data(cfg, tc, jax.process_index(), jax.process_count(),
+                                 warn=lambda m: print(m, file=sys.stderr))
+  # the workdir is written only now, after every check and the data have passed
+  ckpt = CheckpointManager(FLAGS.workdir, cfg, keep=tc.keep_checkpoints)
   train.save_train_config(FLAGS.workdir, tc)
-  result = train.run(cfg, tc, FLAGS.workdir, mesh, train_iter, evals, ckpt=ckpt)
-  print(f"done: step {result.get('step')} loss {result.get('loss', float('nan')):.4f} "
-        f"eval_loss {result.get('eval_loss', float('nan')):.4f} in "
-        f"{result.get('wall_time', 0):.0f}s; checkpoints and metrics.jsonl in {FLAGS.workdir}")
+  result = train.run(cfg, tc, FLAGS.workdir, mesh, train_iter, evals, ckpt=ckpt,
+                     max_bad_steps=FLAGS.max_bad_steps, restore_step=FLAGS.checkpoint_step)
+  print(train.summary_line(result, FLAGS.workdir))
 
 
 def cmd_generate() -> None:
+  from k3_jax.config import UserError
   from k3_jax.serve.restore import restore_for_inference, stream_completion
-  restored = restore_for_inference(FLAGS.workdir, FLAGS.expert_format, FLAGS.tokenizer)
+  if not FLAGS.prompt:
+    raise UserError("--prompt is empty: give the text to continue, e.g. --prompt=\"def \"")
+  if FLAGS.max_new_tokens <= 0:
+    raise UserError(f"--max_new_tokens={FLAGS.max_new_tokens}: must be positive")
+  restored = restore_for_inference(FLAGS.workdir, FLAGS.expert_format, FLAGS.tokenizer,
+                                   step=FLAGS.checkpoint_step,
+                                   log=lambda m: print(m, file=sys.stderr))
   pieces = stream_completion(restored, FLAGS.prompt, FLAGS.max_new_tokens, FLAGS.temperature,
                              FLAGS.top_p, seed=FLAGS.seed or 0,
                              frequency_penalty=FLAGS.frequency_penalty,
@@ -284,12 +299,12 @@ COMMANDS: dict[str, Command] = {
     "train": Command(cmd_train, "train --config for --steps, resuming from the latest "
                      "checkpoint in --workdir",
                      (*MODEL_FLAGS, "workdir", *TRAIN_CONFIG_FLAGS, "mesh", "ep_capacity",
-                      *MULTIHOST_FLAGS)),
+                      "max_bad_steps", "checkpoint_step", *MULTIHOST_FLAGS)),
     "generate": Command(cmd_generate, "load the latest checkpoint in --workdir and stream a "
                         "completion of --prompt",
                         ("workdir", "prompt", "max_new_tokens", "temperature", "top_p", "seed",
                          "frequency_penalty", "presence_penalty", "tokenizer",
-                         "expert_format")),
+                         "expert_format", "checkpoint_step")),
     "info": Command(cmd_info, "layer plan and parameter counts (abstract, nothing allocated)",
                     (*MODEL_FLAGS, "json", "serving_bytes", "param_groups", "optimizer")),
     "compile": Command(cmd_compile, "ahead-of-time compile the train / prefill / decode step "
@@ -343,11 +358,19 @@ def main(argv) -> None:
   if len(argv) > 2:
     _usage_error(f"unexpected arguments {argv[2:]}: flags take the form --name=value", argv[1])
   _check_flags(argv[1])
+  from k3_jax.faults import Diverged
   try:
     COMMANDS[argv[1]].run()
   except (UserError, FileNotFoundError) as e:   # config, input and checkpoint-mismatch errors
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
+  except Diverged as e:             # a clear stop; the last finite checkpoint is kept
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(3)
+  except KeyboardInterrupt:         # Ctrl-C outside the training loop's handler
+    print("interrupted before training started (or after it ended); nothing was saved",
+          file=sys.stderr)
+    sys.exit(130)
 
 
 def _parse(argv):
@@ -356,7 +379,11 @@ def _parse(argv):
     cmd = next((a for a in argv[1:] if a in COMMANDS), None)
     print(command_help(cmd) if cmd else usage())
     sys.exit(0)
-  return FLAGS(argv)
+  try:
+    return FLAGS(argv)
+  except flags.Error as e:          # e.g. a mistyped flag: one line, exit 2
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
 
 
 def run() -> None:

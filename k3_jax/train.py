@@ -22,6 +22,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from k3_jax import faults
 from k3_jax.config import ModelConfig, TrainConfig, validate, validate_train
 from k3_jax.model import K3Model, create_model
 from k3_jax.ops.balance import load_stats
@@ -165,9 +166,16 @@ def train_step(graphdef, optimizer, cfg: ModelConfig, tc: TrainConfig, state: di
     if clip:
       clipped = qk_clip(model, max_logit, tc.qk_clip_tau)
     _, params, rest = nnx.split(model, nnx.Param, ...)
-  new_state = {"step": state["step"] + 1, "params": params, "rest": rest,
-               "opt_state": opt_state}
-  metrics = {"loss": loss_sum / denom, "grad_norm": optax.global_norm(grads),
+  loss, grad_norm = loss_sum / denom, optax.global_norm(grads)
+  # A non-finite loss, gradient or updated parameter skips the whole update: parameters,
+  # optimizer state and balancing biases stay as they were (only the step advances), so a
+  # checkpoint never holds a non-finite state. The loop counts skipped steps.
+  ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & _all_finite(params)
+  keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+  new_state = {"step": state["step"] + 1, "params": keep(params, state["params"]),
+               "rest": keep(rest, state["rest"]),
+               "opt_state": keep(opt_state, state["opt_state"])}
+  metrics = {"loss": loss, "grad_norm": grad_norm, "finite": ok,
              "tokens": count, **lr_metrics(tc, state["step"])}
   if n_mla:
     metrics["max_logit"] = max_logit.max()
@@ -180,6 +188,12 @@ def train_step(graphdef, optimizer, cfg: ModelConfig, tc: TrainConfig, state: di
                     "zero_load_experts": stats["num_zero"].max(),
                     "zero_load_experts_avg": stats["num_zero"].astype(jnp.float32).mean()})
   return new_state, metrics
+
+
+def _all_finite(tree) -> jax.Array:
+  leaves = [jnp.isfinite(x).all() for x in jax.tree.leaves(tree)
+            if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.stack(leaves).all() if leaves else jnp.bool_(True)
 
 
 def eval_step(graphdef, state: dict, batch: dict):
@@ -258,6 +272,10 @@ def put_batch(batch: dict, sharding: NamedSharding) -> dict:
 # ----- the loop -----------------------------------------------------------------------
 
 class MetricsWriter:
+  """metrics.jsonl: one strict-JSON line per logged step (non-finite values as null, named
+  in "nonfinite"); `resume_at(step)` drops lines past the step a run resumes from, so a
+  resumed run never repeats a step."""
+
   def __init__(self, path: str):
     self.path = path
 
@@ -265,13 +283,26 @@ class MetricsWriter:
     if jax.process_index():       # multi-host: the primary writes
       return
     with open(self.path, "a") as f:
-      f.write(json.dumps({k: _py(v) for k, v in record.items()}) + "\n")
+      f.write(json.dumps(faults.json_record(record), allow_nan=False) + "\n")
 
-
-def _py(v):
-  if isinstance(v, (np.generic, jax.Array)):
-    return np.asarray(v).item()
-  return v
+  def resume_at(self, step: int) -> None:
+    if jax.process_index() or not os.path.exists(self.path):
+      return
+    with open(self.path) as f:
+      lines = f.readlines()
+    kept = []
+    for line in lines:
+      try:
+        rec = json.loads(line)
+      except ValueError:          # a line cut short by a kill: dropped
+        continue
+      if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= step:
+        kept.append(json.dumps(faults.json_record(rec), allow_nan=False) + "\n")
+    if kept != lines:
+      tmp = self.path + ".tmp"
+      with open(tmp, "w") as f:
+        f.writelines(kept)
+      os.replace(tmp, self.path)
 
 
 def evaluate(steps: Steps, state, batches) -> float:
@@ -284,11 +315,17 @@ def evaluate(steps: Steps, state, batches) -> float:
 
 def run(cfg: ModelConfig, tc: TrainConfig, workdir: str, mesh: Mesh,
         train_iter, eval_batches: list, ckpt=None, log: Callable[[str], None] = print,
-        stop_after: int | None = None) -> dict:
+        stop_after: int | None = None, max_bad_steps: int = 3,
+        restore_step: int | None = None) -> dict:
   """Trains for tc.steps steps (resuming from `ckpt` if it holds a checkpoint).
 
   stop_after: leave the loop after this step (as an interruption would; the schedule is
   still that of tc.steps), checkpointing there.
+  max_bad_steps: stop (faults.Diverged) after this many consecutive steps whose loss,
+  gradient norm or update was not finite; the jit step skips such updates.
+  restore_step: resume from this checkpoint step instead of the newest good one.
+  SIGTERM / SIGINT: the step in flight finishes, is checkpointed (and the save waited for),
+  and the loop returns with record["interrupted"] = the signal's name.
 
   train_iter: iterator of numpy batches with get_state()/set_state() (saved in checkpoints).
   ckpt: a k3_jax.checkpoint.manager.CheckpointManager or None.
@@ -296,55 +333,103 @@ def run(cfg: ModelConfig, tc: TrainConfig, workdir: str, mesh: Mesh,
   """
   validate(cfg)
   validate_train(tc, cfg)
+  bad = faults.BadSteps(max_bad_steps)
   os.makedirs(workdir, exist_ok=True)
   steps = build_steps(cfg, tc, mesh)
   t0 = time.time()
   state = None
-  if ckpt is not None and ckpt.latest_step() is not None:
-    state, data_state = ckpt.restore(steps.abstract_state, steps.state_shardings)
-    if data_state is not None:
-      train_iter.set_state(data_state)
-    log(f"resumed from step {int(state['step'])} in {workdir}")
+  if ckpt is not None:
+    restored = ckpt.restore_for_training(steps.abstract_state, steps.state_shardings,
+                                         step=restore_step, log=log)
+    if restored is not None:
+      state, data_state = restored
+      if data_state is not None:
+        train_iter.set_state(data_state)
+      log(f"resumed from step {int(state['step'])} in {workdir}")
   if state is None:
     state = steps.init()
   start = int(state["step"])
   writer = MetricsWriter(os.path.join(workdir, "metrics.jsonl"))
+  writer.resume_at(start)
   tokens_per_step = tc.batch_size * tc.seq_len
-  last: dict = {}
+  last: dict = {"step": start}
   window_t, window_steps = time.time(), 0
   log(f"training {cfg.name}: {tc.steps} steps, batch {tc.batch_size} x {tc.seq_len} tokens, "
       f"mesh {dict(mesh.shape)}")
   end = tc.steps if stop_after is None else min(stop_after, tc.steps)
-  for step in range(start, end):
-    batch = put_batch(next(train_iter), steps.batch_sharding)
-    state, metrics = steps.train(state, batch)
-    window_steps += 1
-    done = step + 1
-    is_eval = done % tc.eval_every == 0 or done == tc.steps
-    if done % tc.log_every == 0 or is_eval or done == start + 1:
-      metrics = jax.device_get(metrics)
-      now = time.time()
-      step_time = (now - window_t) / window_steps
-      record = {"step": done, "loss": float(metrics["loss"]),
-                "grad_norm": float(metrics["grad_norm"]),
-                "step_time": step_time, "tokens_per_sec": tokens_per_step / step_time}
-      for key in ("lr_adamw", "lr_muon", "load_max_mean", "load_max_mean_avg", "zero_load_experts",
-                  "zero_load_experts_avg", "max_logit", "qk_clipped_heads"):
-        if key in metrics:
-          record[key] = float(metrics[key])
-      window_t, window_steps = now, 0
-      if is_eval and eval_batches:
-        record["eval_loss"] = evaluate(steps, state, eval_batches)
-      writer.write(record)
-      last = record
-      log(_progress_line(record, tc.steps, time.time() - t0))
-      if not np.isfinite(record["loss"]):
-        raise FloatingPointError(f"loss became {record['loss']} at step {done}; the last good "
-                                 f"checkpoint in {workdir} is kept")
-    if ckpt is not None and (done % tc.checkpoint_every == 0 or done == end):
-      ckpt.save(done, state, train_iter.get_state())
-  if ckpt is not None:
-    ckpt.wait()
+  saved = start if ckpt is not None and start > 0 else None
+  try:
+    with faults.StopRequest(log) as stop:
+      for step in range(start, end):
+        batch = put_batch(next(train_iter), steps.batch_sharding)
+        state, metrics = steps.train(state, batch)
+        window_steps += 1
+        done = step + 1
+        finite = bool(metrics["finite"])      # one scalar per step: the skip decision
+        bad.update(done, finite)
+        is_eval = done % tc.eval_every == 0 or done == tc.steps
+        if done % tc.log_every == 0 or is_eval or done == start + 1 or not finite:
+          metrics = jax.device_get(metrics)
+          now = time.time()
+          step_time = (now - window_t) / window_steps
+          record = {"step": done, "loss": float(metrics["loss"]),
+                    "grad_norm": float(metrics["grad_norm"]),
+                    "step_time": step_time, "tokens_per_sec": tokens_per_step / step_time}
+          for key in ("lr_adamw", "lr_muon", "load_max_mean", "load_max_mean_avg",
+                      "zero_load_experts", "zero_load_experts_avg", "max_logit",
+                      "qk_clipped_heads"):
+            if key in metrics:
+              record[key] = float(metrics[key])
+          if not finite:
+            record["skipped"] = True
+          if bad.total:
+            record["skipped_steps"] = bad.total
+          window_t, window_steps = now, 0
+          if is_eval and eval_batches:
+            record["eval_loss"] = evaluate(steps, state, eval_batches)
+          writer.write(record)
+          last = record
+          log(_progress_line(record, tc.steps, time.time() - t0))
+        if not finite:
+          log(f"step {done}: non-finite loss, gradient norm or update; the update was "
+              f"skipped ({bad.in_a_row} in a row, stop at {bad.max_in_a_row})")
+        if bad.exhausted:
+          note = ""
+          if ckpt is not None:
+            ckpt.wait()
+            if saved is not None and saved == bad.first_bad - 1:
+              # Finite, but its very next step diverged: not a state to resume from.
+              ckpt.set_aside([saved], "diverged", log)
+              note = (f"the checkpoint of step {saved} led straight to them and was moved "
+                      f"aside; ")
+              older = [s_ for s_ in ckpt.all_steps() if s_ < saved]
+              saved = older[-1] if older else None
+          kept = note + (f"the last checkpoint, step {saved}, holds finite parameters"
+                         if saved is not None else "no checkpoint is left to resume from")
+          raise faults.Diverged(
+              f"training diverged: steps {bad.first_bad}-{done} ({bad.in_a_row} in a row) had "
+              f"a non-finite loss, gradient norm or update and were skipped; {kept}. Lower "
+              f"--learning_rate (or raise --max_bad_steps) and run again to resume from it.")
+        faults.hold_for_signal(done, stop, log)
+        cadence = done % tc.checkpoint_every == 0 or done == end
+        # No checkpoint inside a streak of skipped steps: a resume repeats them from the
+        # last good one (e.g. at a lower learning rate).
+        if ckpt is not None and ((cadence and bad.in_a_row == 0) or stop.requested):
+          ckpt.save(done, state, train_iter.get_state())
+          saved = done
+          faults.kill_in_save(done)
+        if stop.requested:
+          if ckpt is not None:
+            ckpt.wait()
+            log(f"{stop.requested}: saved step {done} to {ckpt.directory}; run the same "
+                f"command to resume")
+          else:
+            log(f"{stop.requested}: stopped after step {done} (no checkpointing)")
+          last = dict(last, interrupted=stop.requested, saved_step=saved)
+          break
+  finally:
+    if ckpt is not None:
+      ckpt.wait()                    # a save in flight finishes before the process goes on
   last["wall_time"] = time.time() - t0
   return last
 
@@ -361,6 +446,20 @@ def save_train_config(workdir: str, tc: TrainConfig) -> None:
   os.replace(path + ".tmp", path)
 
 
+def summary_line(result: dict, workdir: str) -> str:
+  """The last line `train` prints."""
+  if result.get("interrupted"):
+    return (f"stopped by {result['interrupted']} after step {result.get('step')}; checkpoint "
+            f"of step {result.get('saved_step')} and metrics.jsonl in {workdir}")
+  parts = [f"done: step {result.get('step')}"]
+  for key in ("loss", "eval_loss"):
+    v = result.get(key)
+    if v is not None:
+      parts.append(f"{key} {v:.4f}")
+  return (" ".join(parts) + f" in {result.get('wall_time', 0):.0f}s; checkpoints and "
+          f"metrics.jsonl in {workdir}")
+
+
 def _progress_line(r: dict, total: int, elapsed: float) -> str:
   parts = [f"step {r['step']:>5}/{total}", f"loss {r['loss']:.4f}"]
   if "eval_loss" in r:
@@ -375,4 +474,4 @@ def _progress_line(r: dict, total: int, elapsed: float) -> str:
 
 
 __all__ = ["make_optimizer", "lr_schedule", "init_state", "abstract_state", "train_step",
-           "eval_step", "build_steps", "run", "save_train_config", "Steps"]
+           "eval_step", "build_steps", "run", "save_train_config", "summary_line", "Steps"]

@@ -7,6 +7,7 @@ import json
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -137,7 +138,12 @@ def test_lr_metrics_log_each_optimizer_group_rate():
 
 
 def test_checkpoint_of_another_config_is_refused(tmp_path):
-  CheckpointManager(str(tmp_path), CFG)
   other = apply_overrides(CFG, ["d_model=48"])
+  # A config left by a start that failed before any checkpoint protects nothing: replaced.
+  CheckpointManager(str(tmp_path), CFG).close()
+  CheckpointManager(str(tmp_path), other).close()
+  ckpt = CheckpointManager(str(tmp_path), CFG)
+  ckpt.save(1, {"x": jnp.zeros((2,))}, {})
+  ckpt.wait()
   with pytest.raises(CheckpointMismatch, match="d_model"):
     CheckpointManager(str(tmp_path), other)

@@ -1,20 +1,36 @@
 """Orbax checkpoints of the train state plus the data iterator's state.
 
 Layout: <workdir>/checkpoints/<step>/{state,data} and <workdir>/checkpoints/model_config.json.
-Orbax writes each step to a temporary directory and renames it when complete, so a crash
-mid-save never damages the last good checkpoint; `max_to_keep` older ones are retained.
-A workdir whose checkpoints were made for a different model config is refused, never
-overwritten; execution-only fields (config.EXECUTION_FIELDS: kernel backend, grouped matmul,
-expert-parallel capacity) may differ, since they do not change the parameters.
+
+- Saves are asynchronous (Orbax): `save` returns once the arrays are copied off the device
+  and the write goes on in a background thread. Each step is written to a temporary
+  directory and renamed when complete, and older steps beyond `keep` are deleted only after
+  that, so a crash or kill mid-save never damages or removes the last good checkpoint; the
+  unfinished temporary directory is discarded when the next training run opens the manager.
+- Restores try the newest step first; a step that cannot be read (a truncated or missing
+  file) or whose parameters are not finite is reported in one line and the previous one is
+  used. Training moves such a step aside (renamed `<step>.damaged-<time>`; `<step>.newer-<time>`
+  for steps after an explicit --step), never deleted) so
+  its number can be written again.
+- `restore_params` reads only what inference needs (parameters and balancing biases), never
+  the optimizer state.
+- A workdir whose checkpoints were made for a different model config is refused, never
+  overwritten (see also resume.check_resume, which runs before anything is written);
+  execution-only fields (config.EXECUTION_FIELDS: kernel backend, grouped matmul,
+  expert-parallel capacity) may differ, since they do not change the parameters.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
+from typing import Callable
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+from absl import logging as absl_logging
 
 from k3_jax.config import ModelConfig, UserError, from_dict, to_dict, without_execution_fields
 
@@ -23,68 +39,221 @@ class CheckpointMismatch(UserError):
   """The workdir holds checkpoints of a different model configuration."""
 
 
-def _config_diff(a: dict, b: dict, prefix: str = "") -> list[str]:
+class CheckpointUnusable(ValueError):
+  """No checkpoint (or not the requested one) in the workdir can be restored."""
+
+
+def config_diff(a: dict, b: dict, prefix: str = "") -> list[str]:
   out = []
   for k in sorted(set(a) | set(b)):
     va, vb = a.get(k), b.get(k)
     if isinstance(va, dict) and isinstance(vb, dict):
-      out += _config_diff(va, vb, f"{prefix}{k}.")
+      out += config_diff(va, vb, f"{prefix}{k}.")
     elif va != vb and not (isinstance(va, (list, tuple)) and list(va) == list(vb or [])):
       out.append(f"{prefix}{k}: saved {va!r}, requested {vb!r}")
   return out
 
 
+def checkpoint_dir(workdir: str) -> str:
+  return os.path.abspath(os.path.join(workdir, "checkpoints"))
+
+
 def saved_config(workdir: str) -> ModelConfig | None:
-  path = os.path.join(workdir, "checkpoints", "model_config.json")
+  path = os.path.join(checkpoint_dir(workdir), "model_config.json")
   if not os.path.exists(path):
     return None
   with open(path) as f:
     return from_dict(json.load(f))
 
 
+def step_dirs(workdir: str) -> list[int]:
+  """Completed checkpoint steps on disk (directories named by an integer), ascending.
+  Orbax's temporary directories (`<step>.orbax-checkpoint-tmp-*`) are not steps."""
+  d = checkpoint_dir(workdir)
+  if not os.path.isdir(d):
+    return []
+  return sorted(int(n) for n in os.listdir(d)
+                if n.isdigit() and os.path.isdir(os.path.join(d, n)))
+
+
+def _short(e: BaseException, limit: int = 160) -> str:
+  text = " ".join(str(e).split()) or type(e).__name__
+  text = f"{type(e).__name__}: {text}"
+  return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _finite(tree) -> bool:
+  for x in jax.tree.leaves(tree):
+    if np.issubdtype(np.dtype(x.dtype), np.inexact) and not bool(jax.numpy.isfinite(x).all()):
+      return False
+  return True
+
+
 class CheckpointManager:
-  def __init__(self, workdir: str, cfg: ModelConfig, keep: int = 2):
-    self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
-    os.makedirs(self.directory, exist_ok=True)
+  """read_only: open an existing checkpoint directory for restoring (generate, serving):
+  nothing is created, written or cleaned up."""
+
+  def __init__(self, workdir: str, cfg: ModelConfig, keep: int = 2, read_only: bool = False):
+    self.directory = checkpoint_dir(workdir)
+    self.workdir = workdir
+    self.read_only = read_only
+    self.keep = keep
     cfg_path = os.path.join(self.directory, "model_config.json")
     wanted = json.loads(json.dumps(to_dict(cfg)))
     if os.path.exists(cfg_path):
       with open(cfg_path) as f:
         saved = json.load(f)
-      diff = _config_diff(without_execution_fields(saved), without_execution_fields(wanted))
-      if diff:
+      diff = config_diff(without_execution_fields(saved), without_execution_fields(wanted))
+      if diff and step_dirs(workdir):
         raise CheckpointMismatch(
             f"{self.directory} holds checkpoints of a different model config "
             f"({saved.get('name')!r}); refusing to overwrite them. Differences: "
             + "; ".join(diff[:8]) + ". Use another --workdir.")
-    elif jax.process_index() == 0:   # multi-host: one writer (Orbax: every host saves shards)
+      if diff and not read_only:         # a config with no checkpoint to protect: replaced
+        self._write_config(cfg_path, wanted)
+    elif read_only:
+      raise FileNotFoundError(f"no checkpoints in {self.directory}")
+    else:
+      os.makedirs(self.directory, exist_ok=True)
+      self._write_config(cfg_path, wanted)
+    self._mgr = self._open()
+
+  @staticmethod
+  def _write_config(cfg_path: str, wanted: dict) -> None:
+    if jax.process_index() == 0:   # multi-host: one writer (Orbax: every host saves shards)
       tmp = cfg_path + ".tmp"
       with open(tmp, "w") as f:
         json.dump(wanted, f, indent=1)
       os.replace(tmp, cfg_path)
-    self._mgr = ocp.CheckpointManager(
-        self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
-        item_names=("state", "data"))
+
+  def _open(self):
+    if not self.read_only:
+      opts = ocp.CheckpointManagerOptions(max_to_keep=self.keep, create=True,
+                                          cleanup_tmp_directories=True)
+      return ocp.CheckpointManager(self.directory, options=opts, item_names=("state", "data"))
+    opts = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0)
+    old = absl_logging.get_verbosity()
+    absl_logging.set_verbosity(absl_logging.ERROR)   # Orbax warns that read-only is read-only
+    try:
+      return ocp.CheckpointManager(self.directory, options=opts, item_names=("state", "data"))
+    finally:
+      absl_logging.set_verbosity(old)
 
   def latest_step(self) -> int | None:
     return self._mgr.latest_step()
 
+  def all_steps(self) -> list[int]:
+    return sorted(self._mgr.all_steps())
+
   def save(self, step: int, state, data_state: dict | None) -> None:
+    """Starts an asynchronous save of `step` (returns before the write completes)."""
     self._mgr.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state or {})))
 
+  # ----- restoring -----------------------------------------------------------------------
+
+  @staticmethod
+  def _target(abstract, shardings):
+    return jax.tree.map(
+        lambda sh, sub: jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), sub),
+        shardings, abstract)
+
   def restore(self, abstract_state, shardings, step: int | None = None):
-    """(state placed with `shardings`, data iterator state or None) of `step` (default latest)."""
+    """(state placed with `shardings`, data iterator state or None) of `step` (default
+    latest), with no fallback (see restore_for_training)."""
     step = self.latest_step() if step is None else step
     if step is None:
       raise FileNotFoundError(f"no checkpoint in {self.directory}")
-    target = jax.tree.map(
-        lambda sh, sub: jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), sub),
-        shardings, abstract_state)
     out = self._mgr.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
+        state=ocp.args.StandardRestore(self._target(abstract_state, shardings)),
+        data=ocp.args.JsonRestore()))
     return out.state, (out.data or None)
+
+  def _restore_subset(self, step: int, abstract: dict, shardings: dict) -> dict:
+    """Only the entries of `abstract` (e.g. {"step", "params", "rest"}) from the saved state;
+    nothing else (the optimizer state) is read."""
+    target = self._target(abstract, shardings)
+    out = self._mgr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+        partial_restore=True)))
+    return out.state
+
+  def _first_good(self, load: Callable[[int], object], step: int | None,
+                  log: Callable[[str], None]):
+    """(step, load(step)) of `step` or else the newest step that loads with finite
+    parameters; each unusable newer step is reported in one line."""
+    steps = self.all_steps()
+    if step is not None:
+      if step not in steps:
+        raise CheckpointUnusable(
+            f"--step={step}: no such checkpoint in {self.directory} (available: "
+            f"{', '.join(map(str, steps)) or 'none'})")
+      candidates = [step]
+    else:
+      candidates = steps[::-1]
+    if not candidates:
+      return None
+    problems = []
+    for i, s in enumerate(candidates):
+      try:
+        out = load(s)
+      except Exception as e:           # any read error: damaged files, missing manifest
+        problem = f"checkpoint step {s} in {self.directory} is unreadable ({_short(e)})"
+      else:
+        params = out[0]["params"] if isinstance(out, tuple) else out["params"]
+        if _finite(params):
+          return s, out
+        problem = f"checkpoint step {s} in {self.directory} holds non-finite parameters"
+      problems.append((s, problem))
+      if step is not None:
+        raise CheckpointUnusable(problem)
+      nxt = candidates[i + 1] if i + 1 < len(candidates) else None
+      log(problem + (f"; using step {nxt} instead" if nxt is not None else
+                     "; no older checkpoint to fall back to"))
+    raise CheckpointUnusable(f"no usable checkpoint in {self.directory}: "
+                             + "; ".join(p for _, p in problems))
+
+  def restore_for_training(self, abstract_state, shardings, step: int | None = None,
+                           log: Callable[[str], None] = print):
+    """(state, data state) of `step`, or of the newest good step (falling back past damaged
+    or non-finite ones, reported in one line each); None if there is no checkpoint. Newer
+    unusable steps are moved aside (renamed, not deleted) so training can write them anew."""
+    found = self._first_good(lambda s: self.restore(abstract_state, shardings, s), step, log)
+    if found is None:
+      return None
+    good, out = found
+    newer = [s for s in self.all_steps() if s > good]
+    if newer and not self.read_only:
+      self.set_aside(newer, "newer" if step is not None else "damaged", log)
+    return out
+
+  def restore_params(self, abstract_state, shardings, step: int | None = None,
+                     log: Callable[[str], None] = print):
+    """(step, params, rest) for inference: only parameters and balancing biases are read,
+    from `step` or the newest good step (with the same fallback as training)."""
+    keys = ("step", "params", "rest")
+    sub_abs = {k: abstract_state[k] for k in keys}
+    sub_sh = {k: shardings[k] for k in keys}
+    found = self._first_good(lambda s: self._restore_subset(s, sub_abs, sub_sh), step, log)
+    if found is None:
+      raise FileNotFoundError(f"{self.workdir} has a config but no completed checkpoint")
+    good, out = found
+    return good, out["params"], out["rest"]
+
+  def set_aside(self, steps: list[int], why: str, log: Callable[[str], None]) -> None:
+    """Renames these step directories to `<step>.<why>-<time>`: kept on disk, no longer
+    restored, their numbers free to be written again."""
+    self._mgr.wait_until_finished()
+    self._mgr.close()
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    if jax.process_index() == 0:
+      for s in steps:
+        src = os.path.join(self.directory, str(s))
+        dst = f"{src}.{why}-{stamp}"
+        os.replace(src, dst)
+        log(f"moved checkpoint step {s} aside to {dst} (kept, not deleted)")
+    self._mgr = self._open()
 
   def wait(self) -> None:
     self._mgr.wait_until_finished()

@@ -3,6 +3,8 @@ and the fixed eval batches of this process (its share of the global batch)."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 from k3_jax.config import ModelConfig, TrainConfig, UserError
 from k3_jax.data import mqar, pipeline, sources, tokenizers
 
@@ -11,13 +13,14 @@ EVAL_SEED_OFFSET = 10_000          # MQAR eval draws from a seed the train strea
 
 
 def train_data(cfg: ModelConfig, tc: TrainConfig, process_index: int = 0,
-               process_count: int = 1):
+               process_count: int = 1, warn: Callable[[str], None] | None = None):
   """(train iterator, list of eval batches) for `tc.dataset` with `tc.tokenizer`.
 
   Each process gets batch_size / process_count rows per batch (its rows of the global
   batch). Text datasets: "stdlib" uses its own train / eval split; a path holds out every
   50th document (at least one) for eval when it has more than one document, else no eval.
-  The iterator is checkpointable (get_state / set_state)."""
+  The iterator is checkpointable (get_state / set_state). `warn` receives data-size warnings
+  (a dataset shorter than one sequence, nothing held out for eval)."""
   if tc.batch_size % process_count:
     raise UserError(f"batch_size={tc.batch_size} must be divisible by the {process_count} "
                     f"processes")
@@ -38,6 +41,8 @@ def train_data(cfg: ModelConfig, tc: TrainConfig, process_index: int = 0,
     docs = sources.text_documents(tc.dataset)
     n_eval = max(1, len(docs) // 50) if len(docs) > 1 else 0
     train_docs, eval_docs = docs[n_eval:], docs[:n_eval]
+  for w in sources.size_warnings(tc.dataset, train_docs, eval_docs, tok, tc.seq_len):
+    (warn or print)(f"warning: {w}")
   train_iter = pipeline.make_dataset(train_docs, tok, tc.seq_len, per_host, seed=tc.seed,
                                      process_index=process_index, process_count=process_count)
   evals = (pipeline.eval_batches(eval_docs, tok, tc.seq_len, per_host, tc.eval_batches,

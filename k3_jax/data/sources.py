@@ -88,7 +88,11 @@ def text_documents(path: str | os.PathLike) -> list[str]:
   elif p.suffix == ".jsonl":
     docs = _jsonl_texts(p)
   else:
-    text = p.read_text(encoding="utf-8")
+    try:
+      text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+      raise UserError(f"data file {str(p)!r} is not UTF-8 text (byte {e.start}: "
+                       f"{e.reason}); convert it to UTF-8") from None
     docs = [text] if text else []
   if not docs:
     kinds = "/".join(_TEXT_SUFFIXES)
@@ -99,21 +103,26 @@ def text_documents(path: str | os.PathLike) -> list[str]:
 
 def _jsonl_texts(path: pathlib.Path) -> list[str]:
   docs = []
-  with path.open(encoding="utf-8") as f:
-    for line_no, line in enumerate(f, start=1):
-      if not line.strip():
-        continue
-      try:
-        record = json.loads(line)
-        text = record["text"]
-      except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise UserError(f"{path}:{line_no}: expected a JSON object with a "
-                         f"'text' field ({type(e).__name__}: {e})") from e
-      if not isinstance(text, str):
-        raise UserError(f"{path}:{line_no}: 'text' must be a string, "
-                         f"got {type(text).__name__}")
-      if text:
-        docs.append(text)
+  try:
+    with path.open(encoding="utf-8") as f:
+      lines = list(f)
+  except UnicodeDecodeError as e:
+    raise UserError(f"data file {str(path)!r} is not UTF-8 text (byte {e.start}: "
+                     f"{e.reason}); convert it to UTF-8") from None
+  for line_no, line in enumerate(lines, start=1):
+    if not line.strip():
+      continue
+    try:
+      record = json.loads(line)
+      text = record["text"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+      raise UserError(f"{path}:{line_no}: expected a JSON object with a "
+                      f"'text' field ({type(e).__name__}: {e})") from e
+    if not isinstance(text, str):
+      raise UserError(f"{path}:{line_no}: 'text' must be a string, "
+                      f"got {type(text).__name__}")
+    if text:
+      docs.append(text)
   return docs
 
 
@@ -122,3 +131,22 @@ def _read_utf8(path: pathlib.Path) -> str | None:
     return path.read_text(encoding="utf-8")
   except (UnicodeDecodeError, OSError):
     return None
+
+
+def size_warnings(name: str, train_docs: list[str], eval_docs: list[str], tokenizer,
+                  seq_len: int) -> list[str]:
+  """Warnings for a dataset too small to train or evaluate on meaningfully: fewer tokens
+  than one sequence (seq_len + 1), or no held-out documents (no eval_loss)."""
+  out = []
+  # Any tokenizer here yields at most one token per UTF-8 byte (plus BOS/EOS), so only a
+  # small dataset needs tokenizing to know.
+  nbytes = sum(len(d.encode("utf-8")) for d in train_docs)
+  if nbytes <= 4 * (seq_len + 1):
+    ntok = sum(len(tokenizer.encode(d)) + 2 for d in train_docs)
+    if ntok < seq_len + 1:
+      out.append(f"dataset {name!r} holds about {ntok} tokens, fewer than one sequence "
+                 f"(seq_len + 1 = {seq_len + 1}): every batch repeats it, mostly padding")
+  if not eval_docs:
+    out.append(f"dataset {name!r} has too few documents to hold one out for evaluation; "
+               f"eval_loss will not be reported")
+  return out
