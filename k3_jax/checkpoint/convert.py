@@ -311,3 +311,50 @@ def import_to_workdir(hf_dir: str, workdir: str, force: bool = False,
   with open(os.path.join(workdir, "train_config.json"), "w") as f:
     json.dump(dataclasses.asdict(tc), f, indent=1)
   return {"workdir": workdir, "config": cfg.name, "seconds": time.time() - t0}
+
+
+# ----- the `convert` command ----------------------------------------------------------------
+
+def source_kind(src: str) -> str:
+  """"hf" (config.json + safetensors), "orbax" (a workdir with checkpoints), else an error."""
+  if os.path.exists(os.path.join(src, "config.json")) and any(
+      p.endswith(".safetensors") for p in os.listdir(src)):
+    return "hf"
+  if os.path.exists(os.path.join(src, "checkpoints", "model_config.json")):
+    return "orbax"
+  raise FileNotFoundError(f"{src} holds neither a Hugging Face checkpoint (config.json + "
+                          f".safetensors) nor Orbax checkpoints (checkpoints/model_config.json)")
+
+
+def run(src: str | None, dst: str | None, *, cfg: ModelConfig | None = None,
+        step: int | None = None, max_shard_size="5GB", dry_run: bool = False,
+        force: bool = False, expert_format: str = "auto") -> dict:
+  """What `main.py convert` does; returns a JSON-able summary.
+
+  dry_run with cfg (a preset) or an Orbax src: the export plan from the abstract model.
+  Otherwise the direction follows what src holds: Orbax -> HF export, HF -> Orbax import."""
+  stio.parse_size(max_shard_size)
+  if dry_run and (src is None or source_kind(src) == "orbax"):
+    if src is not None:
+      from k3_jax.checkpoint.manager import saved_config
+      cfg = saved_config(src)
+    if cfg is None:
+      raise ValueError("convert --dry_run needs --from=WORKDIR or --config=PRESET")
+    out = plan(cfg, max_shard_size, expert_format)
+    out.pop("_entries"), out.pop("_shards")
+    return {"direction": "export", "dry_run": True, **out}
+  if not src or not dst:
+    raise ValueError("convert needs --from=SRC and --to=DST (or --dry_run with --config)")
+  kind = source_kind(src)
+  if kind == "orbax":
+    out = export_workdir(src, dst, step, max_shard_size=max_shard_size, force=force,
+                         expert_format=expert_format)
+    out.pop("tensors", None)
+    gb = out["total_bytes"] / 1e9
+    return {"direction": "export", **out, "gb_per_s": gb / max(out["seconds"], 1e-9)}
+  if dry_run:
+    cfg, entries, reader, _ = import_entries(src)
+    reader.close()
+    return {"direction": "import", "dry_run": True, "config": dataclasses.asdict(cfg),
+            "num_tensors": sum(len(e.tensors) for e in entries)}
+  return {"direction": "import", **import_to_workdir(src, dst, force=force)}

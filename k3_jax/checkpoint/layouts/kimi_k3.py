@@ -232,7 +232,7 @@ def config_from_hf(hf: dict, name: str = "kimi_k3") -> ModelConfig:
       kda=KDAConfig(num_heads=int(lac["num_heads"]), head_dim=kd,
                     conv_size=int(lac.get("short_conv_kernel_size", 4)), decay="lower_bound",
                     g_min=float(lac.get("gate_lower_bound", -5.0)), gate_rank=0,
-                    decay_rank=kd),
+                    decay_rank=0),
       mla=MLAConfig(num_heads=int(t["num_attention_heads"]), q_lora_rank=int(t["q_lora_rank"]),
                     kv_lora_rank=int(t["kv_lora_rank"]),
                     qk_nope_head_dim=int(t["qk_nope_head_dim"]),
