@@ -23,8 +23,10 @@ import math
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="parity needs torch (requirements.txt pins it)")
-transformers = pytest.importorskip("transformers")
+# Imported outright, never skipped: requirements.txt pins torch 2.13.0 (CPU) and
+# transformers 5.23; a missing reference must fail the suite, not pass it silently.
+import torch  # noqa: E402
+import transformers  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
