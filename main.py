@@ -29,7 +29,7 @@ _quiet_platform()
 
 from absl import app, flags  # noqa: E402
 
-COMMANDS = ("train", "generate", "info", "compile")
+COMMANDS = ("train", "generate", "info", "compile", "convert")
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", "k3_small", "model preset: k3, k3_small, k3_tiny, kimi_linear_48b")
@@ -65,6 +65,25 @@ flags.DEFINE_string("prompt", "", "generate: the prompt text")
 flags.DEFINE_integer("max_new_tokens", 200, "generate: tokens to sample")
 flags.DEFINE_float("temperature", 0.0, "generate: 0 = greedy")
 flags.DEFINE_float("top_p", 1.0, "generate: nucleus sampling mass")
+flags.DEFINE_string("prompt_ids", None, "generate: comma-separated token ids instead of "
+                    "--prompt text, e.g. 1,2,3")
+flags.DEFINE_string("hf_dir", None, "generate: load weights and config from a Hugging Face "
+                    "safetensors directory (read sharded) instead of --workdir's checkpoints")
+flags.DEFINE_string("init_from", None, "train: start from the weights of a Hugging Face "
+                    "safetensors directory (its config.json gives the model; fresh optimizer)")
+# convert
+flags.DEFINE_string("from", None, "convert: SRC, an Orbax workdir (export) or a Hugging Face "
+                    "directory with config.json + safetensors (import)")
+flags.DEFINE_string("to", None, "convert: DST, the Hugging Face directory (export) or the "
+                    "workdir to create (import)")
+flags.DEFINE_integer("convert_step", None, "convert: the checkpoint step to export "
+                     "(default: the latest)")
+flags.DEFINE_string("max_shard_size", "5GB", "convert: largest safetensors shard (5GB, 500MB)")
+flags.DEFINE_boolean("dry_run", False, "convert: list what would be written (from the abstract "
+                     "model; with --config alone for a preset), write nothing")
+flags.DEFINE_boolean("force", False, "convert: replace an existing output")
+flags.DEFINE_enum("expert_format", "auto", ["auto", "mxfp4", "dense"], "convert (kimi_k3): "
+                  "routed experts as MXFP4 (auto: when their widths are multiples of 32)")
 # multi-host (train): auto-detected on a TPU pod; these set it explicitly
 flags.DEFINE_string("coordinator_address", None, "multi-host: host:port of process 0 "
                     "(default: auto-detected on TPU pods)")
@@ -211,7 +230,12 @@ def cmd_train() -> None:
 
   from sharding.distributed import maybe_initialize
   maybe_initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
-  cfg = _model_config()
+  if FLAGS.init_from:              # the model is the one in the HF directory (+ --override)
+    from k3_jax.checkpoint.convert import read_hf_config
+    from k3_jax.config import apply_overrides, validate
+    cfg = validate(apply_overrides(read_hf_config(FLAGS.init_from)[1], FLAGS.override))
+  else:
+    cfg = _model_config()
   tc = _train_config(cfg)
   mesh = make_mesh(parse_mesh(FLAGS.mesh))
   validate_mesh(cfg, mesh, tc.batch_size, tc.seq_len)
@@ -249,7 +273,12 @@ def cmd_train() -> None:
       json.dump(dataclasses.asdict(tc), f, indent=1)
   from sharding import expert
   with expert.capacity_factor(FLAGS.ep_capacity):    # traced inside: the first step compiles
-    result = train.run(cfg, tc, FLAGS.workdir, mesh, train_iter, evals, ckpt=ckpt)
+    init_state = None
+    if FLAGS.init_from:
+      from k3_jax.checkpoint.sharded_load import train_state_from_hf
+      init_state = lambda steps: train_state_from_hf(FLAGS.init_from, steps, tc)
+    result = train.run(cfg, tc, FLAGS.workdir, mesh, train_iter, evals, ckpt=ckpt,
+                       init_state=init_state)
   print(f"done: step {result.get('step')} loss {result.get('loss', float('nan')):.4f} "
         f"eval_loss {result.get('eval_loss', float('nan')):.4f} in "
         f"{result.get('wall_time', 0):.0f}s; checkpoints and metrics.jsonl in {FLAGS.workdir}")
@@ -264,35 +293,63 @@ def cmd_generate() -> None:
   from k3_jax.serve.engine import Engine
   from sharding.mesh import make_mesh
 
-  cfg = saved_config(FLAGS.workdir)
-  if cfg is None:
-    raise FileNotFoundError(f"no checkpoints in {FLAGS.workdir}: train first "
-                            f"(python main.py train --workdir={FLAGS.workdir})")
-  tc = TrainConfig()
-  saved_tc = os.path.join(FLAGS.workdir, "train_config.json")
-  if os.path.exists(saved_tc):     # the optimizer decides the shape of the saved state
-    import json
-    with open(saved_tc) as f:
-      tc = TrainConfig(optimizer=json.load(f).get("optimizer", tc.optimizer))
-  ckpt = CheckpointManager(FLAGS.workdir, cfg)
-  if ckpt.latest_step() is None:
-    raise FileNotFoundError(f"{FLAGS.workdir} has a config but no completed checkpoint")
   mesh = make_mesh(devices=jax.devices()[:1])
-  steps = train.build_steps(cfg, tc, mesh)
-  state, _ = ckpt.restore(steps.abstract_state, steps.state_shardings)
+  if FLAGS.hf_dir:                   # released weights, read straight into place
+    from k3_jax.checkpoint.sharded_load import load_model_sharded
+    cfg, model = load_model_sharded(FLAGS.hf_dir, mesh)
+    graphdef, params, rest = train.split_model(model)
+  else:
+    cfg = saved_config(FLAGS.workdir)
+    if cfg is None:
+      raise FileNotFoundError(f"no checkpoints in {FLAGS.workdir}: train first "
+                              f"(python main.py train --workdir={FLAGS.workdir})")
+    tc = TrainConfig()
+    saved_tc = os.path.join(FLAGS.workdir, "train_config.json")
+    if os.path.exists(saved_tc):     # the optimizer decides the shape of the saved state
+      import json
+      with open(saved_tc) as f:
+        tc = TrainConfig(optimizer=json.load(f).get("optimizer", tc.optimizer))
+    ckpt = CheckpointManager(FLAGS.workdir, cfg)
+    if ckpt.latest_step() is None:
+      raise FileNotFoundError(f"{FLAGS.workdir} has a config but no completed checkpoint")
+    steps = train.build_steps(cfg, tc, mesh)
+    state, _ = ckpt.restore(steps.abstract_state, steps.state_shardings)
+    graphdef, params, rest = steps.graphdef, state["params"], state["rest"]
   tok = tokenizers.get_tokenizer(FLAGS.tokenizer or "byte")
-  graphdef, params, rest = steps.graphdef, state["params"], state["rest"]
   if FLAGS.quant == "mxfp4":
     from k3_jax.quant import pack_state
     graphdef, params, rest = pack_state(graphdef, params, rest)
   engine = Engine(cfg, graphdef, params, rest)
-  ids = tok.encode(FLAGS.prompt)
+  if FLAGS.prompt_ids:
+    try:
+      ids = [int(x) for x in FLAGS.prompt_ids.split(",") if x.strip()]
+    except ValueError:
+      raise ValueError(f"--prompt_ids={FLAGS.prompt_ids!r}: expected comma-separated "
+                       f"integers, e.g. 1,2,3") from None
+  else:
+    ids = tok.encode(FLAGS.prompt)
+  stop = () if tok.eos_id is None else (tok.eos_id,)
+  if cfg.eos_id >= 0 and FLAGS.prompt_ids:
+    stop = (cfg.eos_id,)
+  gen = engine.generate(ids, FLAGS.max_new_tokens, FLAGS.temperature, FLAGS.top_p,
+                        seed=FLAGS.seed or 0, stop_ids=stop)
+  if FLAGS.json:
+    import json
+    out = []
+    for tid in gen:
+      if tid in stop:
+        break
+      out.append(tid)
+    try:
+      text = tok.decode(out)
+    except Exception:              # ids outside the tokenizer's vocabulary
+      text = None
+    print(json.dumps({"prompt_ids": list(ids), "token_ids": out, "text": text}))
+    return
   stream = tok.stream_decoder()
   sys.stdout.write(FLAGS.prompt)
   sys.stdout.flush()
-  stop = () if tok.eos_id is None else (tok.eos_id,)
-  for tid in engine.generate(ids, FLAGS.max_new_tokens, FLAGS.temperature, FLAGS.top_p,
-                             seed=FLAGS.seed or 0, stop_ids=stop):
+  for tid in gen:
     if tid in stop:
       break
     sys.stdout.write(stream.add(tid))
@@ -426,6 +483,34 @@ def _serving_params(cfg, quant: str):
   return out["graphdef"], params, rest
 
 
+def cmd_convert() -> None:
+  """Orbax workdir <-> Hugging Face safetensors (k3_jax/checkpoint/convert.py)."""
+  import json
+  from k3_jax.checkpoint import convert
+  src, dst = FLAGS["from"].value, FLAGS["to"].value
+  cfg = _model_config() if (FLAGS.dry_run and not src) else None
+  out = convert.run(src, dst, cfg=cfg, step=FLAGS.convert_step,
+                    max_shard_size=FLAGS.max_shard_size, dry_run=FLAGS.dry_run,
+                    force=FLAGS.force, expert_format=FLAGS.expert_format)
+  if FLAGS.json:
+    print(json.dumps(out))
+    return
+  if out.get("dry_run") and out["direction"] == "export":
+    for t in out["tensors"]:
+      print(f"{t['name']:<72} {t['dtype']:<5} {str(t['shape']):<18} {t['file']}")
+    print(f"{out['num_tensors']} tensors, {out['total_bytes'] / 1e9:.3f} GB in "
+          f"{out['num_shards']} shards ({out['layout']} layout)")
+  elif out["direction"] == "export":
+    print(f"wrote {out['num_tensors']} tensors ({out['total_bytes'] / 1e9:.3f} GB, "
+          f"{out['num_shards']} shards, {out['layout']}) of step {out['step']} to "
+          f"{out['out_dir']} in {out['seconds']:.1f}s ({out['gb_per_s']:.3f} GB/s)")
+  elif out.get("dry_run"):
+    print(f"{src}: {out['num_tensors']} tensors, all present with the expected shapes")
+  else:
+    print(f"imported {src} into {out['workdir']} (step 0, fresh optimizer state) in "
+          f"{out['seconds']:.1f}s")
+
+
 def main(argv) -> None:
   from absl import logging
   logging.set_verbosity(logging.WARNING)   # Orbax logs every save step at INFO
@@ -438,8 +523,9 @@ def main(argv) -> None:
   from k3_jax.checkpoint.manager import CheckpointMismatch
   try:
     {"train": cmd_train, "generate": cmd_generate, "info": cmd_info,
-     "compile": cmd_compile}[argv[1]]()
-  except (ConfigError, CheckpointMismatch, FileNotFoundError, ValueError) as e:
+     "compile": cmd_compile, "convert": cmd_convert}[argv[1]]()
+  except (ConfigError, CheckpointMismatch, FileNotFoundError, FileExistsError,
+          ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
 

@@ -88,3 +88,19 @@ def load_model_sharded(hf_dir: str, mesh):
   """(cfg, K3Model) whose variables are sharded over `mesh`, read slice by slice."""
   cfg, flat = load_sharded(hf_dir, lambda c: model_shardings(c, mesh))
   return cfg, convert.model_from_flat(cfg, flat)
+
+
+def train_state_from_hf(hf_dir: str, steps, tc) -> dict:
+  """A step-0 train state (fresh optimizer state) whose parameters come from `hf_dir`, each
+  read straight into its shard of steps.mesh (`train --init_from`)."""
+  import jax
+  import jax.numpy as jnp
+  from k3_jax import train
+  cfg, model = load_model_sharded(hf_dir, steps.mesh)
+  _, params, rest = train.split_model(model)
+  sh = steps.state_shardings
+  params = jax.device_put(params, sh["params"])
+  rest = jax.device_put(rest, sh["rest"])
+  opt_state = jax.jit(train.make_optimizer(tc).init, out_shardings=sh["opt_state"])(params)
+  return {"step": jax.device_put(jnp.zeros((), jnp.int32), sh["step"]), "params": params,
+          "rest": rest, "opt_state": opt_state}
