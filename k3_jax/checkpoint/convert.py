@@ -123,6 +123,14 @@ def export_state(cfg: ModelConfig, get_value, out_dir: str, max_shard_size="5GB"
 
   def produce(t):
     e, i = by_tensor[t.name]
+    if e.kind == "mxfp4":             # quantize the whole stacked variable once (vectorised);
+      mx = cache.setdefault("mx", {})   # a layer's w1/w2/w3 interleave: keep the last three
+      if e.path not in mx:
+        if len(mx) >= 3:
+          mx.pop(next(iter(mx)))
+        mx[e.path] = E.pack_mxfp4_stacked(get_value(e.path))
+      codes, scales = mx[e.path]
+      return np.ascontiguousarray((codes if i == 0 else scales)[e.index].T)
     if cache.get("entry") is not e:
       var = np.asarray(get_value(e.path))
       cache["entry"], cache["arrays"] = e, E.to_disk(e, var[e.index] if e.index else var)
@@ -258,16 +266,11 @@ def restore_workdir(workdir: str, step: int | None = None):
     raise FileNotFoundError(f"{workdir} holds no checkpoints (no checkpoints/model_config.json)")
   mgr = CheckpointManager(workdir, cfg)
   step = mgr.latest_step() if step is None else step
-  if step is None or step not in mgr._mgr.all_steps():
-    raise FileNotFoundError(f"{workdir}: no checkpoint at step {step}; have "
-                            f"{sorted(mgr._mgr.all_steps())}")
+  if step is None or step not in mgr.all_steps():
+    raise FileNotFoundError(f"{workdir}: no checkpoint at step {step}; have {mgr.all_steps()}")
   steps = train.build_steps(cfg, _train_config(workdir), make_mesh(devices=jax.devices()[:1]))
-  state, _ = mgr.restore(steps.abstract_state, steps.state_shardings, step)
+  flat = mgr.restore_params(steps.abstract_state, steps.state_shardings, step)
   mgr.close()
-  flat = {}
-  for part in ("params", "rest"):
-    for p, v in nnx.to_flat_state(state[part]):
-      flat[tuple(p)] = v.get_value() if hasattr(v, "get_value") else v
   return cfg, step, flat
 
 

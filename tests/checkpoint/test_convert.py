@@ -167,6 +167,11 @@ def test_import_errors_name_the_tensor(exported, tmp_path):
     convert.load_flat(bad)
 
 
+def test_convert_source_must_be_a_checkpoint(tmp_path):
+  with pytest.raises(FileNotFoundError, match="neither a Hugging Face checkpoint"):
+    convert.run(str(tmp_path), str(tmp_path / "out"))
+
+
 def test_export_refuses_before_writing(exported, tmp_path):
   before = sorted(os.listdir(exported))
   with pytest.raises(FileExistsError, match="--force"):

@@ -109,6 +109,15 @@ def _cast(a: np.ndarray, dtype: str, name: str) -> np.ndarray:
   return a.astype(target)
 
 
+def pack_mxfp4_stacked(w) -> tuple[np.ndarray, np.ndarray]:
+  """A whole routed-expert variable [..., in, out] -> (codes [..., in/2, out], scales
+  [..., in/32, out]) in one call; entry e's tensors are codes[e.index].T, scales[e.index].T
+  (the same bytes `to_disk` gives expert by expert)."""
+  from k3_jax.quant import pack_weight
+  mx = pack_weight(np.asarray(w))
+  return np.asarray(mx.codes), np.asarray(mx.scales)
+
+
 def _pack_mxfp4(ours: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   from k3_jax.quant import pack_weight   # MXFP4 along axis -2 (the input axis of [in, out])
   mx = pack_weight(np.asarray(ours))
