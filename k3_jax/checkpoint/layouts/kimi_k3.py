@@ -23,6 +23,8 @@ quantization_config is written); "mxfp4" demands the packed form, "dense" forbid
 
 from __future__ import annotations
 
+import dataclasses
+
 from k3_jax.checkpoint.layouts.common import Builder, dense_prefix, layer_slot
 from k3_jax.checkpoint.layouts.entry import LayoutError
 from k3_jax.checkpoint.layouts.kimi_linear import add_gated_ffn, add_kda, add_mla
@@ -68,14 +70,10 @@ def resolve_expert_format(cfg: ModelConfig, expert_format: str = "auto") -> str:
   return expert_format
 
 
-def _dtype_of(path, kind):
-  return None   # each variable in its own dtype, except the FP32 names (see entries)
-
-
 def entries(cfg: ModelConfig, expert_format: str = "auto", prefix: str = PREFIX):
   check_expressible(cfg)
   fmt = resolve_expert_format(cfg, expert_format)
-  b = Builder(cfg, _dtype_of)
+  b = Builder(cfg, None)       # each variable in its own dtype, except FP32_NAMES (below)
   h, k = cfg.kda.num_heads, cfg.kda.head_dim
   d = cfg.d_model
   b.add(f"{prefix}model.embed_tokens.weight", ("embed", "table"), (), "reshape")
@@ -123,7 +121,6 @@ def entries(cfg: ModelConfig, expert_format: str = "auto", prefix: str = PREFIX)
   b.add(f"{prefix}model.norm.weight", ("final_norm", "weight"), (), "reshape")
   b.add(f"{prefix}lm_head.weight", ("lm_head", "w"), ())
   # the release keeps these in FP32 whatever the parameter dtype (a lossless upcast)
-  import dataclasses
   out = []
   for e in b.entries:
     if e.kind != "mxfp4" and any(e.tensors[0].name.endswith(s) for s in FP32_NAMES):

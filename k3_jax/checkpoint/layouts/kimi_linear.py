@@ -54,12 +54,6 @@ def check_expressible(cfg: ModelConfig) -> None:
   dense_prefix(cfg)
 
 
-def _dtype_of(cfg):
-  """Each variable in its own dtype (lossless): BF16 parameters as BF16, the FP32 ones (the
-  router, its bias, A_log, dt_bias, and everything of an FP32 model) as F32."""
-  return None
-
-
 def add_kda(b: Builder, name: str, base: tuple, idx: tuple, lowrank_gate: bool) -> None:
   """The KDA projections both layouts share (not A_log, dt_bias, o_norm, o_proj)."""
   for p in ("q", "k", "v"):
@@ -98,7 +92,9 @@ def add_gated_ffn(b: Builder, name: str, base: tuple, idx: tuple) -> None:
 
 def entries(cfg: ModelConfig, prefix: str = PREFIX):
   check_expressible(cfg)
-  b = Builder(cfg, _dtype_of(cfg))
+  # each variable in its own dtype (lossless): BF16 parameters as BF16, the FP32 ones (the
+  # router, its bias, A_log, dt_bias, and everything of an FP32 model) as F32
+  b = Builder(cfg, None)
   h, k = cfg.kda.num_heads, cfg.kda.head_dim
   b.add(f"{prefix}model.embed_tokens.weight", ("embed", "table"), (), "reshape")
   for i, (mixer, ffn) in enumerate(cfg.layer_kinds()):
