@@ -67,6 +67,6 @@ def test_train_export_import_resume_chain(tmp_path):
   gen = lambda *a: json.loads(_main("generate", "--prompt_ids=1,2,3", "--max_new_tokens=5",
                                     "--json", *a).stdout.strip().splitlines()[-1])
   assert gen(f"--workdir={wd}") == gen(f"--workdir={wd2}") == gen(f"--hf_dir={hf}")
-  r = _main("train", f"--init_from={hf}", "--steps=1", "--eval_every=1",
-            f"--workdir={tmp_path / 'ft'}")
+  r = _main("train", f"--init_from={hf}", "--steps=1", "--eval_every=1", "--batch_size=4",
+            "--seq_len=32", f"--workdir={tmp_path / 'ft'}")
   assert r.returncode == 0, r.stderr[-3000:]
