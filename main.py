@@ -5,6 +5,8 @@
   python main.py info      --config=k3 [--json] [--serving_bytes] [--param_groups]
   python main.py compile   --config=k3 --topology=v5p-4096 --mesh=fsdp:256,expert:8
                            [--step=train|prefill|decode] [--global_batch=N --seq_len=N] [--json]
+  python main.py convert   --from=SRC --to=DST [--checkpoint_step=N] [--max_shard_size=5GB]
+                           [--dry_run] [--force] [--json]
 
 `python main.py <command> --help` lists that command's flags. Installed (`pip install .`),
 the same CLI is the `k3` script. A new command: write its library function, a `cmd_<name>`
@@ -74,6 +76,8 @@ flags.DEFINE_integer("max_bad_steps", 3, "stop after this many consecutive steps
                      "non-finite loss, gradient norm or update (each is skipped: no update)")
 flags.DEFINE_integer("checkpoint_step", None, "restore this checkpoint step instead of the "
                      "newest good one")
+flags.DEFINE_string("init_from", None, "start from the weights of a Hugging Face safetensors "
+                    "directory (its config.json gives the model; fresh optimizer state)")
 # multi-host training: auto-detected on a TPU pod; these set it explicitly
 flags.DEFINE_string("coordinator_address", None, "multi-host: host:port of process 0 "
                     "(default: auto-detected on TPU pods)")
@@ -89,11 +93,18 @@ flags.DEFINE_float("frequency_penalty", 0.0, "lower each token's logit by this m
                    "it was generated so far (breaks runs of one token, e.g. whitespace)")
 flags.DEFINE_float("presence_penalty", 0.0, "lower the logit of every token generated so far "
                    "by this much, once")
-flags.DEFINE_enum("expert_format", "dense", list(EXPERT_FORMATS), "routed-expert weight format: "
-                  "dense (as stored) | mxfp4 (packed MXFP4, 4.25 bits; generate converts the "
-                  "checkpoint at load, activations MXFP8 as in QAT)")
+flags.DEFINE_enum("expert_format", "auto", ["auto", *EXPERT_FORMATS], "routed-expert weight "
+                  "format: dense (as stored) | mxfp4 (packed MXFP4, 4.25 bits; generate converts "
+                  "the checkpoint at load, activations MXFP8 as in QAT) | auto (convert: mxfp4 "
+                  "for the kimi_k3 layout when the expert widths are multiples of 32; "
+                  "generate / compile: dense)")
+flags.DEFINE_string("prompt_ids", None, "comma-separated token ids to continue instead of "
+                    "--prompt text, e.g. 1,2,3")
+flags.DEFINE_string("hf_dir", None, "load the model (config.json + safetensors) from this "
+                    "Hugging Face directory, read sharded, instead of --workdir's checkpoints")
 # info
-flags.DEFINE_boolean("json", False, "print one JSON object")
+flags.DEFINE_boolean("json", False, "print one JSON object (info, convert; generate: the "
+                     "prompt and generated token ids and text)")
 flags.DEFINE_boolean("serving_bytes", False, "also report the weight bytes served with the "
                      "routed experts packed MXFP4 (the rest BF16)")
 flags.DEFINE_boolean("param_groups", False, "print every parameter's optimizer group and batch "
@@ -109,6 +120,16 @@ flags.DEFINE_integer("cache_len", None, "prefill/decode: cache length in tokens 
                      "(default: --seq_len)")
 flags.DEFINE_enum("gmm", "ragged_dot", ["ragged_dot", "tiled"], "MoE grouped matmul lowered "
                   "for the target (ragged_dot on TPU); sets moe.gmm")
+
+# convert: Orbax workdir <-> Hugging Face safetensors
+flags.DEFINE_string("from", None, "SRC: an Orbax workdir (export) or a Hugging Face directory "
+                    "with config.json + safetensors (import)")
+flags.DEFINE_string("to", None, "DST: the Hugging Face directory (export) or the workdir to "
+                    "create (import)")
+flags.DEFINE_string("max_shard_size", "5GB", "largest safetensors shard (5GB, 500MB, 1GiB)")
+flags.DEFINE_boolean("dry_run", False, "list what would be written (from the abstract model; "
+                     "with --config alone for a preset); write nothing")
+flags.DEFINE_boolean("force", False, "replace an existing output")
 
 MODEL_FLAGS = ("config", "override")
 TRAIN_CONFIG_FLAGS = ("steps", "batch_size", "seq_len", "grad_accum", "optimizer",
@@ -132,6 +153,18 @@ def _execution_overrides(cfg, gmm: str | None = None):
   over = [] if FLAGS.ep_capacity is None else [f"moe.ep_capacity={FLAGS.ep_capacity}"]
   over += [] if gmm is None else [f"moe.gmm={gmm}"]
   return validate(apply_overrides(cfg, over))
+
+
+def _hf_model_config(hf_dir: str):
+  """The model config of a Hugging Face directory (its config.json), with --override."""
+  from k3_jax.checkpoint.convert import read_hf_config
+  from k3_jax.config import apply_overrides, validate
+  return validate(apply_overrides(read_hf_config(hf_dir)[1], FLAGS.override))
+
+
+def _expert_format() -> str:
+  """generate / compile: --expert_format with auto = dense (the stored format)."""
+  return "dense" if FLAGS.expert_format == "auto" else FLAGS.expert_format
 
 
 def _train_config(cfg):
@@ -168,7 +201,8 @@ def cmd_train() -> None:
   from sharding.mesh import make_mesh, parse_mesh, validate_mesh
 
   maybe_initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
-  cfg = _execution_overrides(_model_config())
+  cfg = _execution_overrides(_hf_model_config(FLAGS.init_from) if FLAGS.init_from
+                             else _model_config())
   tc = _train_config(cfg)
   mesh = make_mesh(parse_mesh(FLAGS.mesh))
   validate_mesh(cfg, mesh, tc.batch_size, tc.seq_len)
@@ -178,25 +212,45 @@ def cmd_train() -> None:
   # the workdir is written only now, after every check and the data have passed
   ckpt = CheckpointManager(FLAGS.workdir, cfg, keep=tc.keep_checkpoints)
   train.save_train_config(FLAGS.workdir, tc)
+  init_state = None
+  if FLAGS.init_from:                 # released weights, each read straight into its shard
+    from k3_jax.checkpoint.sharded_load import train_state_from_hf
+    init_state = lambda steps: train_state_from_hf(FLAGS.init_from, steps, tc)
   result = train.run(cfg, tc, FLAGS.workdir, mesh, train_iter, evals, ckpt=ckpt,
-                     max_bad_steps=FLAGS.max_bad_steps, restore_step=FLAGS.checkpoint_step)
+                     max_bad_steps=FLAGS.max_bad_steps, restore_step=FLAGS.checkpoint_step,
+                     init_state=init_state)
   print(train.summary_line(result, FLAGS.workdir))
 
 
 def cmd_generate() -> None:
   from k3_jax.config import UserError
-  from k3_jax.serve.restore import restore_for_inference, stream_completion
-  if not FLAGS.prompt:
-    raise UserError("--prompt is empty: give the text to continue, e.g. --prompt=\"def \"")
+  from k3_jax.serve import restore
+  if not FLAGS.prompt and not FLAGS.prompt_ids:
+    raise UserError("--prompt is empty: give the text to continue, e.g. --prompt=\"def \" "
+                    "(or token ids with --prompt_ids=1,2,3)")
   if FLAGS.max_new_tokens <= 0:
     raise UserError(f"--max_new_tokens={FLAGS.max_new_tokens}: must be positive")
-  restored = restore_for_inference(FLAGS.workdir, FLAGS.expert_format, FLAGS.tokenizer,
-                                   step=FLAGS.checkpoint_step,
-                                   log=lambda m: print(m, file=sys.stderr))
-  pieces = stream_completion(restored, FLAGS.prompt, FLAGS.max_new_tokens, FLAGS.temperature,
-                             FLAGS.top_p, seed=FLAGS.seed or 0,
-                             frequency_penalty=FLAGS.frequency_penalty,
-                             presence_penalty=FLAGS.presence_penalty)
+  if FLAGS.hf_dir:                    # released weights, read straight into place
+    restored = restore.restore_from_hf(FLAGS.hf_dir, _expert_format(), FLAGS.tokenizer)
+  else:
+    restored = restore.restore_for_inference(FLAGS.workdir, _expert_format(), FLAGS.tokenizer,
+                                             step=FLAGS.checkpoint_step,
+                                             log=lambda m: print(m, file=sys.stderr))
+  sampling = dict(temperature=FLAGS.temperature, top_p=FLAGS.top_p, seed=FLAGS.seed or 0,
+                  frequency_penalty=FLAGS.frequency_penalty,
+                  presence_penalty=FLAGS.presence_penalty)
+  if FLAGS.prompt_ids or FLAGS.json:
+    ids = (restore.parse_token_ids(FLAGS.prompt_ids) if FLAGS.prompt_ids
+           else restored.tokenizer.encode(FLAGS.prompt))
+    out = list(restore.generate_ids(restored, ids, FLAGS.max_new_tokens, **sampling,
+                                    token_ids_given=bool(FLAGS.prompt_ids)))
+    if FLAGS.json:
+      print(json.dumps({"prompt_ids": list(ids), "token_ids": out,
+                        "text": restore.decode_or_none(restored.tokenizer, out)}))
+    else:
+      print(" ".join(map(str, out)))
+    return
+  pieces = restore.stream_completion(restored, FLAGS.prompt, FLAGS.max_new_tokens, **sampling)
   sys.stdout.write(FLAGS.prompt)
   sys.stdout.flush()
   for piece in pieces:
@@ -275,7 +329,7 @@ def cmd_compile() -> None:
   cfg = _execution_overrides(_model_config(), gmm=FLAGS.gmm)
   rep = compile_step(cfg, _train_config(cfg), target, FLAGS.step, FLAGS.mesh,
                      FLAGS.global_batch, FLAGS.seq_len, cache_len=FLAGS.cache_len,
-                     expert_format=FLAGS.expert_format)
+                     expert_format=_expert_format())
   if FLAGS.json:
     print(json.dumps(rep))
     return
@@ -286,6 +340,33 @@ def cmd_compile() -> None:
                                       else "") + (f", remat {rep['remat']}" if rep.get("remat")
                                                   else ""))
   print(aot.format_report(rep))
+
+
+def cmd_convert() -> None:
+  """Orbax workdir <-> Hugging Face safetensors (k3_jax/checkpoint/convert.py)."""
+  from k3_jax.checkpoint import convert
+  src, dst = FLAGS["from"].value, FLAGS["to"].value
+  cfg = _model_config() if (FLAGS.dry_run and not src) else None
+  out = convert.run(src, dst, cfg=cfg, step=FLAGS.checkpoint_step,
+                    max_shard_size=FLAGS.max_shard_size, dry_run=FLAGS.dry_run,
+                    force=FLAGS.force, expert_format=FLAGS.expert_format)
+  if FLAGS.json:
+    print(json.dumps(out))
+    return
+  if out.get("dry_run") and out["direction"] == "export":
+    for t in out["tensors"]:
+      print(f"{t['name']:<72} {t['dtype']:<5} {str(t['shape']):<18} {t['file']}")
+    print(f"{out['num_tensors']} tensors, {out['total_bytes'] / 1e9:.3f} GB in "
+          f"{out['num_shards']} shards ({out['layout']} layout)")
+  elif out["direction"] == "export":
+    print(f"wrote {out['num_tensors']} tensors ({out['total_bytes'] / 1e9:.3f} GB, "
+          f"{out['num_shards']} shards, {out['layout']}) of step {out['step']} to "
+          f"{out['out_dir']} in {out['seconds']:.1f}s ({out['gb_per_s']:.3f} GB/s)")
+  elif out.get("dry_run"):
+    print(f"{src}: {out['num_tensors']} tensors, all present with the expected shapes")
+  else:
+    print(f"imported {src} into {out['workdir']} (step 0, fresh optimizer state) in "
+          f"{out['seconds']:.1f}s")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,12 +380,12 @@ COMMANDS: dict[str, Command] = {
     "train": Command(cmd_train, "train --config for --steps, resuming from the latest "
                      "checkpoint in --workdir",
                      (*MODEL_FLAGS, "workdir", *TRAIN_CONFIG_FLAGS, "mesh", "ep_capacity",
-                      "max_bad_steps", "checkpoint_step", *MULTIHOST_FLAGS)),
+                      "max_bad_steps", "checkpoint_step", "init_from", *MULTIHOST_FLAGS)),
     "generate": Command(cmd_generate, "load the latest checkpoint in --workdir and stream a "
                         "completion of --prompt",
                         ("workdir", "prompt", "max_new_tokens", "temperature", "top_p", "seed",
                          "frequency_penalty", "presence_penalty", "tokenizer",
-                         "expert_format", "checkpoint_step")),
+                         "expert_format", "checkpoint_step", "prompt_ids", "json", "hf_dir")),
     "info": Command(cmd_info, "layer plan and parameter counts (abstract, nothing allocated)",
                     (*MODEL_FLAGS, "json", "serving_bytes", "param_groups", "optimizer")),
     "compile": Command(cmd_compile, "ahead-of-time compile the train / prefill / decode step "
@@ -312,6 +393,10 @@ COMMANDS: dict[str, Command] = {
                        (*MODEL_FLAGS, "topology", "slices", "step", "mesh", "global_batch",
                         "seq_len", "cache_len", "gmm", "expert_format", "ep_capacity", "json",
                         "batch_size", "grad_accum", "optimizer", "remat")),
+    "convert": Command(cmd_convert, "convert an Orbax workdir to Hugging Face safetensors or "
+                       "back (the direction from what --from holds)",
+                       (*MODEL_FLAGS, "from", "to", "checkpoint_step", "max_shard_size",
+                        "dry_run", "force", "expert_format", "json")),
 }
 _OUR_FLAGS = {name for cmd in COMMANDS.values() for name in cmd.flags}
 
@@ -361,7 +446,8 @@ def main(argv) -> None:
   from k3_jax.faults import Diverged
   try:
     COMMANDS[argv[1]].run()
-  except (UserError, FileNotFoundError) as e:   # config, input and checkpoint-mismatch errors
+  except (UserError, FileNotFoundError, FileExistsError) as e:   # config, input, checkpoint
+    # mismatch and refused-overwrite errors
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
   except Diverged as e:             # a clear stop; the last finite checkpoint is kept

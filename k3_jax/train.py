@@ -316,7 +316,7 @@ def evaluate(steps: Steps, state, batches) -> float:
 def run(cfg: ModelConfig, tc: TrainConfig, workdir: str, mesh: Mesh,
         train_iter, eval_batches: list, ckpt=None, log: Callable[[str], None] = print,
         stop_after: int | None = None, max_bad_steps: int = 3,
-        restore_step: int | None = None) -> dict:
+        restore_step: int | None = None, init_state: Callable | None = None) -> dict:
   """Trains for tc.steps steps (resuming from `ckpt` if it holds a checkpoint).
 
   stop_after: leave the loop after this step (as an interruption would; the schedule is
@@ -329,6 +329,8 @@ def run(cfg: ModelConfig, tc: TrainConfig, workdir: str, mesh: Mesh,
 
   train_iter: iterator of numpy batches with get_state()/set_state() (saved in checkpoints).
   ckpt: a k3_jax.checkpoint.manager.CheckpointManager or None.
+  init_state: steps -> the initial train state when there is no checkpoint to resume
+  (default: a fresh init; `train --init_from` passes released weights loaded sharded).
   Returns the last logged metrics (with eval_loss).
   """
   validate(cfg)
@@ -347,7 +349,7 @@ def run(cfg: ModelConfig, tc: TrainConfig, workdir: str, mesh: Mesh,
         train_iter.set_state(data_state)
       log(f"resumed from step {int(state['step'])} in {workdir}")
   if state is None:
-    state = steps.init()
+    state = steps.init() if init_state is None else init_state(steps)
   start = int(state["step"])
   writer = MetricsWriter(os.path.join(workdir, "metrics.jsonl"))
   writer.resume_at(start)

@@ -7,6 +7,9 @@ the same global mesh in every process, feeds THIS process's rows of fixed global
 through train.put_batch, and prints one JSON line of results (process 0 only):
   MODE=sum    a tiny jitted sharded program: per-row sums of (batch @ w), w sharded
   MODE=train  k3_tiny train steps (mesh fsdp over all devices): the losses
+  MODE=hfload load the Hugging Face directory $K3_HF_DIR straight into sharded arrays
+              (checkpoint/sharded_load.py); each process checks its shards against a plain
+              load and reports the bytes it read
 """
 
 import json
@@ -49,6 +52,24 @@ def main() -> None:
   it = mqar.mqar_dataset(tc.batch_size, tc.seq_len, cfg.vocab_size, num_kv_pairs=4, seed=1)
   batches = [next(it) for _ in range(2)]
   mesh = make_mesh(parse_mesh("fsdp:-1"))
+  if MODE == "hfload":
+    from k3_jax.checkpoint import convert
+    from k3_jax.checkpoint.sharded_load import load_sharded, model_shardings
+    d = os.environ["K3_HF_DIR"]
+    log = []
+    _, arrays = load_sharded(d, lambda c: model_shardings(c, mesh), log=log)
+    _, plain = convert.load_flat(d)
+    for p, a in arrays.items():
+      for shard in a.addressable_shards:
+        assert np.asarray(shard.data).tobytes() == plain[p][shard.index].tobytes(), p
+    read = sum(n for _, _, n in log)
+    owned = sum(np.empty(plain[p].shape, plain[p].dtype)[i].nbytes for p, i, _ in log)
+    print(f"PROCESS {PID} read {read} owned {owned}", flush=True)
+    result = {"read": read, "owned": owned,
+              "total": sum(v.nbytes for v in plain.values())}
+    if jax.process_index() == 0:
+      print("RESULT " + json.dumps(result), flush=True)
+    return
   if MODE == "sum":
     from jax.sharding import NamedSharding, PartitionSpec as P
     sh = NamedSharding(mesh, P(("data", "fsdp")))

@@ -24,10 +24,11 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _run(mode: str, nproc: int, ndev: int, timeout: int) -> dict:
+def _run(mode: str, nproc: int, ndev: int, timeout: int, extra_env=None) -> dict:
   port = _free_port()
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+  env.update(extra_env or {})
   procs = [subprocess.Popen([sys.executable, WORKER, mode, str(nproc), str(pid), str(port),
                              str(ndev)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True) for pid in range(nproc)]
@@ -62,3 +63,20 @@ def test_two_processes_equal_one_train_steps():
   # may sum in another order: f32 agreement ~1e-6 relative.
   np.testing.assert_allclose(two["losses"], one["losses"], rtol=1e-5)
   np.testing.assert_allclose(two["grad_norm"], one["grad_norm"], rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_two_processes_load_only_their_safetensors_slices(tmp_path):
+  """2 processes x 4 devices load a kimi_linear safetensors export straight into 8-way fsdp
+  shards: each process's shards equal a plain load (checked in the worker) and process 0
+  reads about half the bytes one process would (its devices' slices; replicated tensors,
+  norms and biases, are read by both)."""
+  from tests.checkpoint.ckpt_configs import kimi_linear_small
+  from k3_jax.checkpoint import convert
+  from k3_jax.model import create_model
+  d = str(tmp_path / "hf")
+  convert.export_model(create_model(kimi_linear_small(), seed=3), d)
+  two = _run("hfload", 2, 4, timeout=600, extra_env={"K3_HF_DIR": d})
+  one = _run("hfload", 1, 8, timeout=600, extra_env={"K3_HF_DIR": d})
+  assert two["read"] == two["owned"]           # process 0 read exactly what it holds
+  assert two["read"] < 0.6 * one["read"], (two, one)

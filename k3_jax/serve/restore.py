@@ -46,20 +46,74 @@ def restore_for_inference(workdir: str, expert_format: str = "dense",
   return Restored(loaded.cfg, Engine(loaded.cfg, graphdef, params, rest), tok, loaded.step)
 
 
+def restore_from_hf(hf_dir: str, expert_format: str = "dense",
+                    tokenizer: str | None = None) -> Restored:
+  """A Hugging Face directory's model (config.json + safetensors) on one device, read slice by
+  slice straight into place (k3_jax.checkpoint.sharded_load), ready to generate; the byte
+  tokenizer unless `tokenizer` names another."""
+  from flax import nnx
+  from k3_jax.checkpoint.sharded_load import load_model_sharded
+  if expert_format not in EXPERT_FORMATS:
+    raise UserError(f"expert_format={expert_format!r}: expected one of "
+                    f"{', '.join(EXPERT_FORMATS)}")
+  cfg, model = load_model_sharded(hf_dir, make_mesh(devices=jax.devices()[:1]))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  if expert_format == "mxfp4":
+    graphdef, params, rest = pack_state(graphdef, params, rest)
+  tok = tokenizers.get_tokenizer(tokenizer or "byte")
+  return Restored(cfg, Engine(cfg, graphdef, params, rest), tok, 0)
+
+
+def parse_token_ids(text: str) -> list[int]:
+  """"1,2,3" -> [1, 2, 3]; anything else is a UserError naming the text."""
+  try:
+    ids = [int(x) for x in text.split(",") if x.strip()]
+  except ValueError:
+    raise UserError(f"--prompt_ids={text!r}: expected comma-separated integers, "
+                    f"e.g. 1,2,3") from None
+  if not ids:
+    raise UserError(f"--prompt_ids={text!r}: no token ids")
+  return ids
+
+
+def stop_ids(restored: Restored, token_ids_given: bool = False) -> tuple[int, ...]:
+  """The id that ends a completion: the model config's eos_id for prompts given as token ids
+  (the model's own vocabulary) when it has one, else the tokenizer's EOS."""
+  if token_ids_given and restored.cfg.eos_id >= 0:
+    return (restored.cfg.eos_id,)
+  return () if restored.tokenizer.eos_id is None else (restored.tokenizer.eos_id,)
+
+
+def generate_ids(restored: Restored, ids: list[int], max_new_tokens: int,
+                 temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+                 frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
+                 token_ids_given: bool = False) -> Iterator[int]:
+  """Token ids continuing `ids` as they are sampled (stops before an EOS id, see stop_ids)."""
+  stop = stop_ids(restored, token_ids_given)
+  for tid in restored.engine.generate(ids, max_new_tokens, temperature, top_p, seed=seed,
+                                      stop_ids=stop, frequency_penalty=frequency_penalty,
+                                      presence_penalty=presence_penalty):
+    if tid in stop:
+      break
+    yield tid
+
+
+def decode_or_none(tok: tokenizers.Tokenizer, ids: list[int]) -> str | None:
+  """The text of `ids`, or None when they fall outside the tokenizer's vocabulary (a model
+  whose vocabulary the tokenizer does not cover)."""
+  if any(not 0 <= i < tok.vocab_size for i in ids):
+    return None
+  return tok.decode(ids)
+
+
 def stream_completion(restored: Restored, prompt: str, max_new_tokens: int,
                       temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
                       frequency_penalty: float = 0.0,
                       presence_penalty: float = 0.0) -> Iterator[str]:
   """Text pieces of the completion of `prompt` as they are sampled (stops at EOS)."""
-  tok = restored.tokenizer
-  stream = tok.stream_decoder()
-  stop = () if tok.eos_id is None else (tok.eos_id,)
-  for tid in restored.engine.generate(tok.encode(prompt), max_new_tokens, temperature, top_p,
-                                      seed=seed, stop_ids=stop,
-                                      frequency_penalty=frequency_penalty,
-                                      presence_penalty=presence_penalty):
-    if tid in stop:
-      break
+  stream = restored.tokenizer.stream_decoder()
+  for tid in generate_ids(restored, restored.tokenizer.encode(prompt), max_new_tokens,
+                          temperature, top_p, seed, frequency_penalty, presence_penalty):
     piece = stream.add(tid)
     if piece:
       yield piece
