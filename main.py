@@ -5,6 +5,7 @@
   python main.py info      --config=k3 [--json] [--quant=mxfp4] [--optimizer]
   python main.py compile   --config=k3 --topology=v5p-4096 --mesh=fsdp:256,expert:8
                            [--step=train|prefill|decode] [--global_batch=N --seq_len=N] [--json]
+  python main.py serve     --workdir=runs/default [--host=127.0.0.1 --port=8000 --max_batch=8]
 
 `python main.py <command> --help` lists every flag.
 """
@@ -29,7 +30,7 @@ _quiet_platform()
 
 from absl import app, flags  # noqa: E402
 
-COMMANDS = ("train", "generate", "info", "compile")
+COMMANDS = ("train", "generate", "info", "compile", "serve")
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", "k3_small", "model preset: k3, k3_small, k3_tiny, kimi_linear_48b")
@@ -84,6 +85,23 @@ flags.DEFINE_enum("gmm", "ragged_dot", ["ragged_dot", "tiled"], "compile: MoE gr
                   "lowered for the target (ragged_dot on TPU)")
 flags.DEFINE_float("ep_capacity", None, "compile/train: expert-parallel capacity factor c "
                    "(rows per source-destination bounded at c*n*k/P; default dropless)")
+
+# serve (OpenAI-compatible server; k3_jax/serve/)
+flags.DEFINE_string("host", "127.0.0.1", "serve: address to listen on (loopback by default: "
+                    "the API has no authentication)")
+flags.DEFINE_integer("port", 8000, "serve: TCP port")
+flags.DEFINE_integer("max_batch", 8, "serve: sequence slots decoded together")
+flags.DEFINE_integer("max_len", None, "serve: tokens per sequence, prompt + generated "
+                     "(default: the model's max_seq_len)")
+flags.DEFINE_integer("prefill_chunk", 512, "serve: prefill chunk in tokens (multiple of 512), "
+                     "interleaved with decode steps")
+flags.DEFINE_integer("prefix_cache_bytes", 1 << 30, "serve: prefix cache budget (cached MLA "
+                     "pages + KDA checkpoints); 0 disables it")
+flags.DEFINE_integer("max_queue", 64, "serve: waiting requests before new ones get HTTP 429")
+flags.DEFINE_string("served_model_name", None, "serve: model id in /v1/models (default: the "
+                    "config name)")
+flags.DEFINE_boolean("random_weights", False, "serve: random weights of --config instead of "
+                     "a checkpoint (smoke tests only)")
 
 
 def _model_config():
@@ -300,6 +318,18 @@ def cmd_generate() -> None:
   sys.stdout.write(stream.flush() + "\n")
 
 
+def cmd_serve() -> None:
+  from k3_jax.serve.loader import ServeOptions, run_server
+  run_server(ServeOptions(
+      workdir=None if FLAGS.random_weights else FLAGS.workdir,
+      config=FLAGS.config if FLAGS.random_weights else None,
+      overrides=tuple(FLAGS.override), seed=FLAGS.seed or 0,
+      tokenizer=FLAGS.tokenizer or "byte", quant=FLAGS.quant, max_batch=FLAGS.max_batch,
+      max_len=FLAGS.max_len, prefill_chunk=FLAGS.prefill_chunk,
+      prefix_cache_bytes=FLAGS.prefix_cache_bytes, max_queue=FLAGS.max_queue, mesh=FLAGS.mesh,
+      model_name=FLAGS.served_model_name, host=FLAGS.host, port=FLAGS.port))
+
+
 def cmd_compile() -> None:
   """Ahead-of-time compile one step for a TPU target and report per-chip memory."""
   import json
@@ -438,7 +468,7 @@ def main(argv) -> None:
   from k3_jax.checkpoint.manager import CheckpointMismatch
   try:
     {"train": cmd_train, "generate": cmd_generate, "info": cmd_info,
-     "compile": cmd_compile}[argv[1]]()
+     "compile": cmd_compile, "serve": cmd_serve}[argv[1]]()
   except (ConfigError, CheckpointMismatch, FileNotFoundError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)

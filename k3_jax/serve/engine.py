@@ -3,7 +3,7 @@
 Per engine step (`Engine.step`): finished or cancelled requests leave; waiting requests join
 free slots (prefix-cache lookup, pages pinned and allocated, the slot's KDA state zeroed or
 loaded from a checkpoint); one prefill chunk runs for one prefilling request (whole 512-token
-blocks, then the tail in power-of-two pieces; scheduler.prefill_plan); then ONE jit-compiled
+blocks, then the tail in pieces of 4^k tokens; scheduler.prefill_plan); then ONE jit-compiled
 decode step runs over all `max_batch` slots with fixed shapes (idle slots are masked: their
 KDA state is kept, their MLA writes go to the null page).
 
@@ -163,12 +163,12 @@ class Engine:
   # ----- submission ---------------------------------------------------------------------
   def validate(self, prompt_ids, params: SamplingParams) -> np.ndarray:
     params.validate()
+    if np.size(prompt_ids) == 0:
+      raise RequestError("the prompt is empty: give at least one token")
     try:
       prompt = check_tokens(prompt_ids, self.cfg).reshape(-1).astype(np.int32)
     except ValueError as e:
       raise RequestError(str(e)) from None
-    if prompt.size == 0:
-      raise RequestError("the prompt is empty: give at least one token")
     if prompt.size + params.max_tokens > self.max_len:
       raise RequestError(
           f"prompt ({prompt.size} tokens) + max_tokens ({params.max_tokens}) exceeds the "

@@ -1,6 +1,6 @@
 """Requests, their sampling parameters, and the scheduling arithmetic of the engine:
 how a prompt's prefill is cut into chunks (whole 512-token blocks up to the last block
-boundary, then the tail in power-of-two pieces so that only a few shapes ever compile)."""
+boundary, then the tail in pieces of 4^k tokens so that only a few shapes ever compile)."""
 
 from __future__ import annotations
 
@@ -96,7 +96,8 @@ def prefill_plan(start: int, prompt_len: int, chunk: int) -> list[int]:
   so that the KDA state after the last full block of the prompt is materialised; when the
   prompt ends exactly on a boundary the chunk also stops one block earlier (that boundary's
   checkpoint is the one an identical prompt can hit: a hit must leave a token to run). Then
-  the tail below 512 tokens in power-of-two pieces (one model call each)."""
+  the tail below 512 tokens in pieces of 256, 64, 16, 4 and 1 tokens (one model call
+  each: at most 15 calls, and only five tail shapes ever compile)."""
   aligned = prompt_len // PAGE * PAGE
   if start < aligned:
     end = min(start + chunk, aligned)
@@ -105,10 +106,10 @@ def prefill_plan(start: int, prompt_len: int, chunk: int) -> list[int]:
     return [end - start]
   rest, pieces, p = prompt_len - start, [], PAGE // 2
   while rest:
-    if rest >= p:
+    while rest >= p:
       pieces.append(p)
       rest -= p
-    p //= 2
+    p //= 4
   return pieces
 
 
