@@ -17,6 +17,8 @@ import threading
 import time
 import uuid
 
+from fastapi import Request as HttpRequest   # at module level: FastAPI resolves annotations
+
 from k3_jax.serve.chat import ChatError, template_for
 from k3_jax.serve.engine import Engine
 from k3_jax.serve.scheduler import QueueFull, RequestError, SamplingParams
@@ -167,7 +169,7 @@ def sampling_from(body, engine: Engine, prompt_len: int, stop_extra=(), stop_ids
 # ----- the app -------------------------------------------------------------------------
 
 def build_app(engine: Engine, tokenizer, model_name: str, *, start_loop: bool = True):
-  from fastapi import FastAPI, Request as HttpRequest
+  from fastapi import FastAPI
   from fastapi.responses import JSONResponse, Response, StreamingResponse
   from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
