@@ -229,9 +229,9 @@ def test_sharded_engine_matches_one_device(setup):
   assert len(jax.devices()) == 8
   g, p, r = train.split_model(model)
   sharded = Engine(cfg, g, p, r, max_batch=2, mesh=make_mesh(parse_mesh("expert:8")))
-  prompts = [prompt_of(30, 768), prompt_of(31, 256)]
-  ref = [run(eng, q, 5, use_prefix_cache=False) for q in prompts]
-  reqs = [sharded.submit(q, SamplingParams(max_tokens=5), record_logits=True) for q in prompts]
+  prompts = [prompt_of(30, 256), prompt_of(31, 256)]       # both in the batch at once
+  ref = [run(eng, q, 4, use_prefix_cache=False) for q in prompts]
+  reqs = [sharded.submit(q, SamplingParams(max_tokens=4), record_logits=True) for q in prompts]
   sharded.run_until_done(reqs)
   for a, b in zip(reqs, ref):
     assert a.output_ids == b.output_ids
