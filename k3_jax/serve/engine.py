@@ -35,6 +35,9 @@ from k3_jax.serve.scheduler import (QueueFull, Request, RequestError, SamplingPa
                                     checkpoint_boundaries, prefill_plan)
 
 
+DECODE_MIN_PAGES = 8      # smallest decode attention window: 8 pages = 4,096 tokens
+
+
 class Engine:
   def __init__(self, cfg: ModelConfig, graphdef, params, rest, *, max_batch: int = 1,
                max_len: int | None = None, prefill_chunk: int = PAGE,
@@ -314,6 +317,12 @@ class Engine:
       temp[s], top_p[s] = p.temperature, p.top_p
       pres[s], freq[s] = p.presence_penalty, p.frequency_penalty
       tables[s] = self.tables[s]
+    # Attend over a power-of-two bucket of pages that covers the longest active sequence
+    # (at least DECODE_MIN_PAGES), not the whole max_len: short requests on a long-context
+    # engine stay cheap, and only log2(max_len / 4K) decode shapes ever compile.
+    need = max(r.pos // PAGE + 1 for r in dec)
+    bucket = min(self.pages_per_slot, max(DECODE_MIN_PAGES, 1 << (need - 1).bit_length()))
+    tables = tables[:, :bucket]
     nxt, logits, self.cache, self.counts = self._decode(
         self.params, self.rest, self.cache, self.counts, tokens, pos, tables, active, seeds,
         steps, temp, top_p, pres, freq)

@@ -58,10 +58,10 @@ def load_checkpoint(workdir: str):
 def random_weights(config: str, overrides=(), seed: int = 0):
   """(cfg, graphdef, params, rest) of a freshly initialised preset."""
   import configs
-  from k3_jax import train
+  from flax import nnx
   from k3_jax.model import create_model
   cfg: ModelConfig = validate(apply_overrides(configs.get(config), list(overrides)))
-  return (cfg, *train.split_model(create_model(cfg, seed=seed)))
+  return (cfg, *nnx.split(create_model(cfg, seed=seed), nnx.Param, ...))
 
 
 def build_engine(opts: ServeOptions):
