@@ -2,8 +2,9 @@
 
 Per engine step (`Engine.step`): finished or cancelled requests leave; waiting requests join
 free slots (prefix-cache lookup, pages pinned and allocated, the slot's KDA state zeroed or
-loaded from a checkpoint); one prefill chunk runs for one prefilling request (whole 512-token
-blocks, then the tail in pieces of 4^k tokens; scheduler.prefill_plan); then ONE jit-compiled
+loaded from a checkpoint); prefill chunks run for the prefilling requests, oldest first, up
+to `prefill_chunk` prompt tokens per step (whole 512-token blocks, then the tail in pieces of
+4^k tokens; scheduler.prefill_plan); then ONE jit-compiled
 decode step runs over all `max_batch` slots with fixed shapes (idle slots are masked: their
 KDA state is kept, their MLA writes go to the null page).
 
@@ -208,16 +209,21 @@ class Engine:
         r.finish_reason, r.state = "cancelled", "done"
         r.done_event.set()
       self._admit()
-      pre = next((r for r in self.running if r.state == "prefill"), None)
+      pre = [r for r in self.running if r.state == "prefill"]
       dec = [r for r in self.running if r.state == "decode"]
-    if pre is not None:
-      self._prefill_chunk(pre)
-      if pre.state == "decode" and pre not in dec:
-        dec.append(pre)
+    # Prefill: up to prefill_chunk prompt tokens per step, oldest request first (a long
+    # prompt takes the whole budget; several short ones share it).
+    budget = self.prefill_chunk
+    for r in pre:
+      if budget <= 0:
+        break
+      budget -= self._prefill_chunk(r, budget)
+      if r.state == "decode":
+        dec.append(r)
     dec = [r for r in dec if r.state == "decode"]
     if dec:
       self._decode_all(dec)
-    return pre is not None or bool(dec)
+    return bool(pre) or bool(dec)
 
   def run_until_done(self, requests=None, max_steps: int = 1_000_000) -> None:
     """Steps until the given requests (default: all) are done."""
@@ -268,11 +274,14 @@ class Engine:
         r.decoder = self.tokenizer.stream_decoder()
       self.running.append(r)
 
-  def _prefill_chunk(self, r: Request) -> None:
+  def _prefill_chunk(self, r: Request, budget: int) -> int:
+    """Runs the request's next prefill chunk (at most `budget` tokens, rounded down to whole
+    blocks, or its tail); returns the tokens processed."""
     n = r.prompt.size
     logits = None
+    start = r.pos
     table_row = jnp.asarray(self.tables[r.slot])
-    for size in prefill_plan(r.pos, n, self.prefill_chunk):
+    for size in prefill_plan(r.pos, n, max(PAGE, budget // PAGE * PAGE)):
       tokens = jnp.asarray(r.prompt[r.pos:r.pos + size])
       logits, self.cache = self._prefill(self.params, self.rest, self.cache, jnp.int32(r.slot),
                                          tokens, jnp.int32(r.pos), table_row)
@@ -287,6 +296,7 @@ class Engine:
         r.logits.append(np.asarray(logits))
       r.state = "decode"
       self._emit(r, int(tok))
+    return r.pos - start
 
   def _register(self, r: Request) -> None:
     """Hands the prompt's finished blocks to the prefix cache, and keeps the KDA state of
