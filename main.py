@@ -7,6 +7,7 @@
                            [--step=train|prefill|decode] [--global_batch=N --seq_len=N] [--json]
   python main.py convert   --from=SRC --to=DST [--checkpoint_step=N] [--max_shard_size=5GB]
                            [--dry_run] [--force] [--json]
+  python main.py serve     --workdir=runs/default [--host=127.0.0.1 --port=8000 --max_batch=8]
 
 `python main.py <command> --help` lists that command's flags. Installed (`pip install .`),
 the same CLI is the `k3` script. A new command: write its library function, a `cmd_<name>`
@@ -130,6 +131,22 @@ flags.DEFINE_string("max_shard_size", "5GB", "largest safetensors shard (5GB, 50
 flags.DEFINE_boolean("dry_run", False, "list what would be written (from the abstract model; "
                      "with --config alone for a preset); write nothing")
 flags.DEFINE_boolean("force", False, "replace an existing output")
+# serve: the OpenAI-compatible server (k3_jax/serve/)
+flags.DEFINE_string("host", "127.0.0.1", "address to listen on (loopback by default: the API "
+                    "has no authentication)")
+flags.DEFINE_integer("port", 8000, "TCP port")
+flags.DEFINE_integer("max_batch", 8, "sequence slots decoded together")
+flags.DEFINE_integer("max_len", None, "tokens per sequence, prompt + generated (default: the "
+                     "model's max_seq_len)")
+flags.DEFINE_integer("prefill_chunk", 512, "prefill chunk in tokens (a multiple of 512), "
+                     "interleaved with decode steps")
+flags.DEFINE_integer("prefix_cache_bytes", 1 << 30, "prefix cache budget (cached MLA pages + "
+                     "KDA checkpoints); 0 disables it")
+flags.DEFINE_integer("max_queue", 64, "waiting requests before new ones get HTTP 429")
+flags.DEFINE_string("served_model_name", None, "model id in /v1/models (default: the config "
+                    "name)")
+flags.DEFINE_boolean("random_weights", False, "serve random weights of --config instead of a "
+                     "checkpoint (smoke tests only)")
 
 MODEL_FLAGS = ("config", "override")
 TRAIN_CONFIG_FLAGS = ("steps", "batch_size", "seq_len", "grad_accum", "optimizer",
@@ -369,6 +386,19 @@ def cmd_convert() -> None:
           f"{out['seconds']:.1f}s")
 
 
+def cmd_serve() -> None:
+  """The OpenAI-compatible server over the batched engine (k3_jax/serve/)."""
+  from k3_jax.serve.loader import ServeOptions, run_server
+  run_server(ServeOptions(
+      workdir=None if (FLAGS.random_weights or FLAGS.hf_dir) else FLAGS.workdir,
+      hf_dir=FLAGS.hf_dir, config=FLAGS.config if FLAGS.random_weights else None,
+      overrides=tuple(FLAGS.override), seed=FLAGS.seed or 0, tokenizer=FLAGS.tokenizer,
+      expert_format=_expert_format(), max_batch=FLAGS.max_batch, max_len=FLAGS.max_len,
+      prefill_chunk=FLAGS.prefill_chunk, prefix_cache_bytes=FLAGS.prefix_cache_bytes,
+      max_queue=FLAGS.max_queue, mesh=FLAGS.mesh, model_name=FLAGS.served_model_name,
+      host=FLAGS.host, port=FLAGS.port))
+
+
 @dataclasses.dataclass(frozen=True)
 class Command:
   run: Callable[[], None]
@@ -397,6 +427,12 @@ COMMANDS: dict[str, Command] = {
                        "back (the direction from what --from holds)",
                        (*MODEL_FLAGS, "from", "to", "checkpoint_step", "max_shard_size",
                         "dry_run", "force", "expert_format", "json")),
+    "serve": Command(cmd_serve, "serve --workdir's model (or --hf_dir's) behind an "
+                     "OpenAI-compatible HTTP API with continuous batching and a prefix cache",
+                     ("workdir", "hf_dir", "random_weights", *MODEL_FLAGS, "seed", "tokenizer",
+                      "expert_format", "mesh", "host", "port", "max_batch", "max_len",
+                      "prefill_chunk", "prefix_cache_bytes", "max_queue",
+                      "served_model_name")),
 }
 _OUR_FLAGS = {name for cmd in COMMANDS.values() for name in cmd.flags}
 

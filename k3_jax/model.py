@@ -64,6 +64,11 @@ class DecoderLayer(nnx.Module):
       return self.mixer.init_cache(batch)
     return self.mixer.init_cache(batch, max_len)
 
+  def init_paged_cache(self, batch: int, num_pages: int, page_size: int) -> dict:
+    if self.mixer_kind == "kda":
+      return self.mixer.init_cache(batch)
+    return self.mixer.init_paged_cache(num_pages, page_size)
+
   # The two sublayers, each mapping its (residual-stream) input to the output that is
   # added back. Attention Residuals will build each sublayer's input from several
   # sources instead of the running sum; these are the hooks it plugs into.
@@ -185,6 +190,23 @@ class K3Model(nnx.Module):
       unit_cache = [l.init_cache(batch, max_len) for l in one.layers]
       cache["units"] = jax.tree.map(
           lambda a: jnp.broadcast_to(a, (self.repeats,) + a.shape), unit_cache)
+    return cache
+
+  def init_paged_cache(self, batch: int, num_pages: int, page_size: int) -> dict:
+    """The serving cache: per-sequence KDA states ([B, ...] as in init_cache) and, for each
+    MLA layer, a pool of `num_pages` latent pages of `page_size` tokens shared by all
+    sequences (layers/mla.py). Before a call, each MLA entry gets a 'page_table' [B, M] and
+    'pos' becomes a per-sequence [B] position (k3_jax/serve/kv_pages.py does both)."""
+    make = lambda l: l.init_paged_cache(batch, num_pages, page_size)
+    cache: dict[str, Any] = {"pos": jnp.zeros((batch,), jnp.int32),
+                             "prefix": [make(l) for l in self.prefix],
+                             "suffix": [make(l) for l in self.suffix]}
+    if self.units is not None:
+      g, state = nnx.split(self.units)
+      one = nnx.merge(g, jax.tree.map(lambda a: a[0], state))
+      cache["units"] = jax.tree.map(
+          lambda a: jnp.broadcast_to(a, (self.repeats,) + a.shape),
+          [make(l) for l in one.layers])
     return cache
 
   # ----- forward --------------------------------------------------------------

@@ -9,6 +9,11 @@
 Training runs the plain form. With a cache (prefill and decode) W_kvb is absorbed into the
 query and output sides and attention runs over the cached latents: the cache holds only
 c_kv and k_r, (R + P) values per token: {'c_kv': [B, S, R], 'k_r': [B, S, P]}.
+
+Paged cache (serving, k3_jax/serve): the latents live in a pool of fixed-size pages shared
+by all sequences, {'c_kv': [N, P, R], 'k_r': [N, P, Pr], 'page_table': [B, M] int32}; row b
+of the page table lists the pages of sequence b in order (logical position s lives in page
+page_table[b, s // P] at offset s % P), and `pos` is then a per-sequence [B] position.
 """
 
 from __future__ import annotations
@@ -55,6 +60,11 @@ class MLA(nnx.Module):
     return {"c_kv": jnp.zeros((batch, max_len, self.c.kv_lora_rank), self.dtype),
             "k_r": jnp.zeros((batch, max_len, self.c.qk_rope_head_dim), self.dtype)}
 
+  def init_paged_cache(self, num_pages: int, page_size: int) -> dict:
+    """The page pool of this layer (the page table is added per call by the engine)."""
+    return {"c_kv": jnp.zeros((num_pages, page_size, self.c.kv_lora_rank), self.dtype),
+            "k_r": jnp.zeros((num_pages, page_size, self.c.qk_rope_head_dim), self.dtype)}
+
   def _query(self, x):
     q = self.q_b(self.q_norm(self.q_a(x))) if self.c.q_lora_rank else self.q_proj(x)
     n = self.c.qk_nope_head_dim
@@ -88,6 +98,8 @@ class MLA(nnx.Module):
       o, max_logit = attend(q_nope, q_rope, c_kv, k_r, self.kv_b.w[...], self.scale,
                             self.dtype, segment_ids, segment_ids)
       return self._output(x, o), None, max_logit
+    if "page_table" in cache:
+      return self._paged(x, q_nope, q_rope, c_kv, k_r, cache, pos)
     # Absorbed path over the latent cache.
     new_cache = {
         "c_kv": jax.lax.dynamic_update_slice_in_dim(cache["c_kv"], c_kv.astype(self.dtype),
@@ -106,3 +118,35 @@ class MLA(nnx.Module):
         new_cache["k_r"].astype(jnp.float32), self.scale, mask)
     o = jnp.einsum("bthr,rhv->bthv", o_lat, w_v)                       # [B, T, H, V]
     return self._output(x, o), new_cache, max_logit
+
+  def _absorbed(self, x, q_nope, q_rope, c_kv_all, k_r_all, mask):
+    """Absorbed attention of the queries over latents [B, S, R] / [B, S, P] under mask."""
+    c = self.c
+    w = self.kv_b.w[...].astype(jnp.float32)                           # [R, H, n + v]
+    w_k, w_v = w[..., :c.qk_nope_head_dim], w[..., c.qk_nope_head_dim:]
+    q_lat = jnp.einsum("bthn,rhn->bthr", q_nope.astype(jnp.float32), w_k)
+    o_lat, max_logit = attn_ops.absorbed_attention(
+        q_lat, q_rope.astype(jnp.float32), c_kv_all.astype(jnp.float32),
+        k_r_all.astype(jnp.float32), self.scale, mask)
+    o = jnp.einsum("bthr,rhv->bthv", o_lat, w_v)                       # [B, T, H, V]
+    return self._output(x, o), max_logit
+
+  def _paged(self, x, q_nope, q_rope, c_kv, k_r, cache, pos):
+    """Tokens at per-sequence positions pos[b] + [0, T): write their latents into the pages
+    the page table names, then attend over the sequence's pages (gathered in order)."""
+    b, t, _ = x.shape
+    table = cache["page_table"]                                        # [B, M] int32
+    page_size = cache["c_kv"].shape[1]
+    pos = jnp.broadcast_to(jnp.asarray(pos, jnp.int32), (b,))
+    q_pos = pos[:, None] + jnp.arange(t, dtype=jnp.int32)[None]        # [B, T]
+    page = jnp.take_along_axis(table, q_pos // page_size, axis=1)      # [B, T]
+    off = q_pos % page_size
+    pool_c = cache["c_kv"].at[page, off].set(c_kv.astype(self.dtype))  # [N, P, R]
+    pool_r = cache["k_r"].at[page, off].set(k_r.astype(self.dtype))    # [N, P, Pr]
+    m = table.shape[1]
+    c_all = pool_c[table].reshape(b, m * page_size, -1)                # [B, S = M P, R]
+    r_all = pool_r[table].reshape(b, m * page_size, -1)                # [B, S, Pr]
+    kv_pos = jnp.broadcast_to(jnp.arange(m * page_size, dtype=jnp.int32)[None], (b, m * page_size))
+    y, max_logit = self._absorbed(x, q_nope, q_rope, c_all, r_all,
+                                  attn_ops.causal_mask(q_pos, kv_pos))
+    return y, {"c_kv": pool_c, "k_r": pool_r, "page_table": table}, max_logit

@@ -1,70 +1,426 @@
-"""A single-request generation engine over the prefill / decode path.
+"""The batched serving engine: continuous batching over a fixed number of slots.
 
-Prefill runs once over the prompt (chunked KDA, latent MLA cache), then one jit-compiled
-decode step per token; tokens are yielded as they are produced so callers can stream.
+Per engine step (`Engine.step`): finished or cancelled requests leave; waiting requests join
+free slots (prefix-cache lookup, pages pinned and allocated, the slot's KDA state zeroed or
+loaded from a checkpoint); prefill chunks run for the prefilling requests, oldest first, up
+to `prefill_chunk` prompt tokens per step (whole 512-token blocks, then the tail in pieces of
+4^k tokens; scheduler.prefill_plan); then ONE jit-compiled
+decode step runs over all `max_batch` slots with fixed shapes (idle slots are masked: their
+KDA state is kept, their MLA writes go to the null page).
+
+Device state (kv_pages.py): the paged cache of K3Model.init_paged_cache, the read-only KDA
+checkpoint slots of the prefix cache, and per-slot generated-token counts (penalties).
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import math
+import threading
+import time
 from typing import Iterator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from k3_jax.config import ModelConfig, UserError
-from k3_jax.model import check_tokens, decode_step, prefill
-from k3_jax.serve.sampling import penalize, sample
+from k3_jax.model import check_tokens
+from k3_jax.serve import kv_pages as kv
+from k3_jax.serve.kv_pages import PAGE, PagePool
+from k3_jax.serve.prefix_cache import PrefixCache, block_hashes
+from k3_jax.serve.sampling import sample_rows
+from k3_jax.serve.scheduler import (QueueFull, Request, RequestError, SamplingParams,
+                                    checkpoint_boundaries, prefill_plan)
+
+
+DECODE_MIN_PAGES = 8      # smallest decode attention window: 8 pages = 4,096 tokens
 
 
 class Engine:
-  def __init__(self, cfg: ModelConfig, graphdef, params, rest):
-    self.cfg = cfg
-    self.graphdef, self.params, self.rest = graphdef, params, rest
+  def __init__(self, cfg: ModelConfig, graphdef, params, rest, *, max_batch: int = 1,
+               max_len: int | None = None, prefill_chunk: int = PAGE,
+               prefix_cache_bytes: int = 0, max_queue: int = 256, tokenizer=None,
+               mesh=None):
+    """max_len: tokens per sequence (prompt + generated), default the model's max_seq_len.
+    prefill_chunk: tokens per prefill chunk, a multiple of 512. prefix_cache_bytes: the
+    prefix cache's budget for cached MLA pages + KDA checkpoints (0 disables it). mesh:
+    run under sharding.rules.activation_rules(mesh) with params placed by their logical axes."""
+    if prefill_chunk < PAGE or prefill_chunk % PAGE:
+      raise ValueError(f"prefill_chunk={prefill_chunk} must be a positive multiple of {PAGE}")
+    if max_batch < 1:
+      raise ValueError(f"max_batch={max_batch} must be >= 1")
+    self.cfg, self.tokenizer, self.mesh = cfg, tokenizer, mesh
+    self.max_batch, self.prefill_chunk, self.max_queue = max_batch, prefill_chunk, max_queue
+    self.max_len = max_len or cfg.max_seq_len
+    if self.max_len > cfg.max_seq_len:
+      raise ValueError(f"max_len={self.max_len} exceeds the model's max_seq_len={cfg.max_seq_len}")
+    self.pages_per_slot = math.ceil(self.max_len / PAGE)
+    self.graphdef = graphdef
+    if mesh is not None:
+      from sharding.rules import tree_shardings   # jobs may use sharding
+      params = jax.device_put(params, tree_shardings(params, mesh))
+      rest = jax.device_put(rest, tree_shardings(rest, mesh))
+    self.params, self.rest = params, rest
 
-    def _prefill(params, rest, tokens, max_len):
-      return prefill(nnx.merge(graphdef, params, rest), tokens, max_len)
+    # ----- memory: probe the sizes, then allocate the pools ---------------------------------
+    model = nnx.merge(graphdef, params, rest)
+    probe = jax.eval_shape(lambda: model.init_paged_cache(1, 1, PAGE))
+    self.page_bytes = sum(kv.tree_bytes(e) for n in ("prefix", "suffix", "units")
+                          for e in probe.get(n, []) if "c_kv" in e)
+    self.ckpt_bytes = kv.tree_bytes(kv.kda_states(probe))
+    cache_pages = 0
+    if prefix_cache_bytes > 0 and self.page_bytes:
+      cache_pages = min(prefix_cache_bytes // self.page_bytes, 64 * max_batch * self.pages_per_slot)
+    num_ckpt = min(prefix_cache_bytes // max(self.ckpt_bytes, 1), max(cache_pages, 0))
+    self.num_pages = 1 + max_batch * self.pages_per_slot + cache_pages
+    # (own buffers per leaf: init_cache shares one zeros array between the conv windows,
+    # and the steps donate the cache)
+    self.cache = jax.tree.map(lambda a: jnp.array(a, copy=True),
+                              model.init_paged_cache(max_batch, self.num_pages, PAGE))
+    self.pool = PagePool(self.num_pages)
+    self.prefix = None
+    if prefix_cache_bytes > 0 and num_ckpt > 0:
+      self.prefix = PrefixCache(self.pool, num_ckpt, prefix_cache_bytes, self.page_bytes,
+                                self.ckpt_bytes)
+      self.ckpts = kv.zeros_rows(kv.kda_states(self.cache), num_ckpt)
+    self.counts = jnp.zeros((max_batch, cfg.vocab_size), jnp.int32)
+    self.tables = np.zeros((max_batch, self.pages_per_slot), np.int32)
+    self._build_steps()
 
-    def _decode(params, rest, cache, token, key, temperature, top_p, counts, freq, presence):
-      logits, cache = decode_step(nnx.merge(graphdef, params, rest), cache, token)
-      counts = counts.at[jnp.arange(token.shape[0]), token].add(1)   # [B, V] tokens so far
-      logits = penalize(logits, counts, freq, presence)
-      return sample(key, logits, temperature, top_p), cache, counts
+    # ----- host state ---------------------------------------------------------------------
+    self.lock = threading.Condition()
+    self.waiting: collections.deque[Request] = collections.deque()
+    self.running: list[Request] = []
+    self.free_slots = list(range(max_batch - 1, -1, -1))
+    self.step_no = 0
+    self.generated_tokens = 0
+    self.finished_requests = 0
 
-    self._prefill = jax.jit(_prefill, static_argnums=(3,))
-    self._decode = jax.jit(_decode, donate_argnums=(2,))
+  # ----- compiled steps -----------------------------------------------------------------
+  def _rules(self):
+    if self.mesh is None:
+      return contextlib.nullcontext()
+    from sharding.rules import activation_rules
+    return activation_rules(self.mesh)
 
+  def _build_steps(self):
+    graphdef = self.graphdef
+    rules = self._rules
+
+    def prefill(params, rest, cache, slot, tokens, pos, table_row):
+      """tokens [T] at positions pos + [0, T) of slot `slot` -> (last logits [V], cache)."""
+      with rules():
+        model = nnx.merge(graphdef, params, rest)
+        states = kv.kda_states(cache)
+        sub = kv.with_kda_states(cache, kv.take_rows(states, slot[None]))
+        sub = kv.with_pages(sub, pos[None], table_row[None])
+        logits, new, _ = model(tokens[None], cache=sub)
+        new = kv.without_pages(new)
+        out = kv.with_kda_states(new, kv.put_rows(states, slot[None], kv.kda_states(new)))
+        out["pos"] = cache["pos"]
+      return logits[0, -1], out
+
+    def decode(params, rest, cache, counts, tokens, pos, tables, active, seeds, steps, temp,
+               top_p, presence, frequency):
+      """One token for every slot: tokens/pos/active [B], tables [B, M] -> (next [B],
+      logits [B, V], cache, counts). Idle slots keep their KDA state."""
+      with rules():
+        model = nnx.merge(graphdef, params, rest)
+        states = kv.kda_states(cache)
+        logits, new, _ = model(tokens[:, None], cache=kv.with_pages(cache, pos, tables))
+        new = kv.without_pages(new)
+        out = kv.with_kda_states(new, kv.select_rows(active, kv.kda_states(new), states))
+        out["pos"] = cache["pos"]
+      logits = logits[:, 0]
+      nxt = sample_rows(logits, counts, seeds, steps, temp, top_p, presence, frequency)
+      counts = counts.at[jnp.arange(nxt.shape[0]), nxt].add(active.astype(jnp.int32))
+      return nxt, logits, out, counts
+
+    def first_token(logits, seed, temp, top_p):
+      zeros = jnp.zeros((1, logits.shape[-1]), jnp.int32)
+      z = jnp.zeros((1,), jnp.float32)
+      return sample_rows(logits[None], zeros, seed[None], jnp.zeros((1,), jnp.int32),
+                         temp[None], top_p[None], z, z)[0]
+
+    def load_slot(cache, ckpts, slot, c):
+      states = kv.put_rows(kv.kda_states(cache), slot[None], kv.take_rows(ckpts, c[None]))
+      return kv.with_kda_states(cache, states)
+
+    def zero_slot(cache, counts, slot):
+      states = kv.kda_states(cache)
+      states = kv.put_rows(states, slot[None], kv.zeros_rows(states, 1))
+      return kv.with_kda_states(cache, states), counts.at[slot].set(0)
+
+    def save_ckpt(ckpts, cache, slot, c):
+      return kv.put_rows(ckpts, c[None], kv.take_rows(kv.kda_states(cache), slot[None]))
+
+    self._prefill = jax.jit(prefill, donate_argnums=(2,))
+    self._decode = jax.jit(decode, donate_argnums=(2, 3))
+    self._first_token = jax.jit(first_token)
+    self._load_slot = jax.jit(load_slot, donate_argnums=(0,))
+    self._zero_slot = jax.jit(zero_slot, donate_argnums=(0, 1))
+    self._save_ckpt = jax.jit(save_ckpt, donate_argnums=(0,))
+
+  # ----- submission ---------------------------------------------------------------------
+  def validate(self, prompt_ids, params: SamplingParams,
+               openai_ranges: bool = True) -> np.ndarray:
+    params.validate(openai_ranges)
+    if np.size(prompt_ids) == 0:
+      raise RequestError("the prompt is empty: give at least one token")
+    try:
+      prompt = check_tokens(prompt_ids, self.cfg).reshape(-1).astype(np.int32)
+    except ValueError as e:
+      raise RequestError(str(e)) from None
+    if prompt.size + params.max_tokens > self.max_len:
+      raise RequestError(
+          f"prompt ({prompt.size} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+          f"context of {self.max_len} tokens")
+    if params.stop and self.tokenizer is None:
+      raise RequestError("stop strings need a tokenizer; this engine has none")
+    return prompt
+
+  def submit(self, prompt_ids, params: SamplingParams = SamplingParams(),
+             openai_ranges: bool = True, **kw) -> Request:
+    """Queues a request (thread-safe). Raises RequestError for bad input, QueueFull when
+    max_queue requests are already waiting. openai_ranges=False lifts the OpenAI bounds on
+    the penalties (any finite value)."""
+    prompt = self.validate(prompt_ids, params, openai_ranges)
+    req = Request(prompt, params, **kw)
+    with self.lock:
+      if len(self.waiting) >= self.max_queue:
+        raise QueueFull(f"{len(self.waiting)} requests are waiting (the bound is "
+                        f"{self.max_queue}); retry later")
+      self.waiting.append(req)
+      self.lock.notify_all()
+    return req
+
+  # ----- the step -----------------------------------------------------------------------
+  def has_work(self) -> bool:
+    return bool(self.waiting or self.running)
+
+  def step(self) -> bool:
+    """One engine step; False when there was nothing to do."""
+    with self.lock:
+      self.step_no += 1
+      for r in [r for r in self.running if r.cancelled]:
+        self._finish(r, "cancelled")
+      for r in [r for r in self.waiting if r.cancelled]:
+        self.waiting.remove(r)
+        r.finish_reason, r.state = "cancelled", "done"
+        r.done_event.set()
+      self._admit()
+      pre = [r for r in self.running if r.state == "prefill"]
+      dec = [r for r in self.running if r.state == "decode"]
+    # Prefill: up to prefill_chunk prompt tokens per step, oldest request first (a long
+    # prompt takes the whole budget; several short ones share it).
+    budget = self.prefill_chunk
+    for r in pre:
+      if budget <= 0:
+        break
+      budget -= self._prefill_chunk(r, budget)
+      if r.state == "decode":
+        dec.append(r)
+    dec = [r for r in dec if r.state == "decode"]
+    if dec:
+      self._decode_all(dec)
+    return bool(pre) or bool(dec)
+
+  def run_until_done(self, requests=None, max_steps: int = 1_000_000) -> None:
+    """Steps until the given requests (default: all) are done."""
+    for _ in range(max_steps):
+      if requests is None and not self.has_work():
+        return
+      if requests is not None and all(r.state == "done" for r in requests):
+        return
+      self.step()
+    raise RuntimeError(f"requests not done after {max_steps} engine steps")
+
+  def _admit(self) -> None:
+    while self.waiting and self.free_slots:
+      r = self.waiting[0]
+      n = r.prompt.size
+      need = math.ceil((n + r.params.max_tokens) / PAGE)
+      hit_blocks, hit_pages, ckpt = 0, [], None
+      if self.prefix is not None:
+        r.hashes = block_hashes(r.prompt)
+      if self.prefix is not None and r.use_prefix_cache:
+        hit = self.prefix.lookup(r.hashes, (n - 1) // PAGE, self.step_no)   # pins the hit
+        hit_blocks, hit_pages, ckpt = hit.blocks, hit.pages, hit.ckpt
+      fresh_needed = need - hit_blocks
+      if self.pool.free < fresh_needed and not (
+          self.prefix is not None and self.prefix.free_pages(fresh_needed)):
+        self.pool.decref(hit_pages)                 # roll the pins back; wait for memory
+        if self.prefix is not None:
+          self.prefix.unpin_ckpt(ckpt)
+        return
+      fresh = self.pool.alloc(fresh_needed)
+      self.waiting.popleft()
+      slot = self.free_slots.pop()
+      # A fresh slot may still hold another request's state: always overwrite all of it.
+      self.cache, self.counts = self._zero_slot(self.cache, self.counts, jnp.int32(slot))
+      if ckpt is not None:
+        self.cache = self._load_slot(self.cache, self.ckpts, jnp.int32(slot), jnp.int32(ckpt))
+      if self.prefix is not None:
+        self.prefix.unpin_ckpt(ckpt)
+        if r.use_prefix_cache:
+          self.prefix.count(n, hit_blocks * PAGE)
+      r.slot, r.pages = slot, hit_pages + fresh
+      self.tables[slot] = 0
+      self.tables[slot, :len(r.pages)] = r.pages
+      r.pos = r.cached_tokens = hit_blocks * PAGE
+      r.registered = hit_blocks
+      r.state = "prefill"
+      if self.tokenizer is not None:
+        r.decoder = self.tokenizer.stream_decoder()
+      self.running.append(r)
+
+  def _prefill_chunk(self, r: Request, budget: int) -> int:
+    """Runs the request's next prefill chunk (at most `budget` tokens, rounded down to whole
+    blocks, or its tail); returns the tokens processed."""
+    n = r.prompt.size
+    logits = None
+    start = r.pos
+    table_row = jnp.asarray(self.tables[r.slot])
+    for size in prefill_plan(r.pos, n, max(PAGE, budget // PAGE * PAGE)):
+      tokens = jnp.asarray(r.prompt[r.pos:r.pos + size])
+      logits, self.cache = self._prefill(self.params, self.rest, self.cache, jnp.int32(r.slot),
+                                         tokens, jnp.int32(r.pos), table_row)
+      r.pos += size
+    if self.prefix is not None:
+      with self.lock:
+        self._register(r)
+    if r.pos == n:
+      tok = self._first_token(logits, jnp.int32(r.seed), jnp.float32(r.params.temperature),
+                              jnp.float32(r.params.top_p))
+      if r.record_logits:
+        r.logits.append(np.asarray(logits))
+      r.state = "decode"
+      self._emit(r, int(tok))
+    return r.pos - start
+
+  def _register(self, r: Request) -> None:
+    """Hands the prompt's finished blocks to the prefix cache, and keeps the KDA state of
+    this position as a checkpoint when it is one the prefill keeps."""
+    blocks = min(r.pos, r.prompt.size) // PAGE
+    for i in range(r.registered, blocks):
+      if not self.prefix.register_block(r.hashes[i], r.hashes[i - 1] if i else None,
+                                        r.pages[i], self.step_no):
+        break
+      r.registered = i + 1
+    if r.pos % PAGE == 0 and r.pos in checkpoint_boundaries(r.prompt.size) \
+        and r.registered * PAGE >= r.pos:
+      c = self.prefix.alloc_checkpoint(r.hashes[r.pos // PAGE - 1])
+      if c is not None:
+        self.ckpts = self._save_ckpt(self.ckpts, self.cache, jnp.int32(r.slot), jnp.int32(c))
+
+  def _decode_all(self, dec: list[Request]) -> None:
+    b = self.max_batch
+    tokens, pos = np.zeros(b, np.int32), np.zeros(b, np.int32)
+    active, seeds, steps = np.zeros(b, bool), np.zeros(b, np.int32), np.zeros(b, np.int32)
+    temp, top_p = np.zeros(b, np.float32), np.ones(b, np.float32)
+    pres, freq = np.zeros(b, np.float32), np.zeros(b, np.float32)
+    tables = np.zeros_like(self.tables)               # idle rows: the null page
+    for r in dec:
+      s, p = r.slot, r.params
+      tokens[s], pos[s], active[s] = r.last_token, r.pos, True
+      seeds[s], steps[s] = r.seed, len(r.output_ids)
+      temp[s], top_p[s] = p.temperature, p.top_p
+      pres[s], freq[s] = p.presence_penalty, p.frequency_penalty
+      tables[s] = self.tables[s]
+    # Attend over a power-of-two bucket of pages that covers the longest active sequence
+    # (at least DECODE_MIN_PAGES), not the whole max_len: short requests on a long-context
+    # engine stay cheap, and only log2(max_len / 4K) decode shapes ever compile.
+    need = max(r.pos // PAGE + 1 for r in dec)
+    bucket = min(self.pages_per_slot, max(DECODE_MIN_PAGES, 1 << (need - 1).bit_length()))
+    tables = tables[:, :bucket]
+    nxt, logits, self.cache, self.counts = self._decode(
+        self.params, self.rest, self.cache, self.counts, tokens, pos, tables, active, seeds,
+        steps, temp, top_p, pres, freq)
+    nxt = np.asarray(nxt)
+    want = [r for r in dec if r.record_logits]
+    host_logits = np.asarray(logits) if want else None
+    for r in dec:
+      r.pos += 1
+      if r.record_logits:
+        r.logits.append(host_logits[r.slot])
+      self._emit(r, int(nxt[r.slot]))
+
+  # ----- output -------------------------------------------------------------------------
+  def _emit(self, r: Request, tid: int) -> None:
+    now = time.monotonic()
+    if r.first_token_at is None:
+      r.first_token_at = now
+    r.output_ids.append(tid)
+    r.last_token = tid
+    self.generated_tokens += 1
+    finish = None
+    if tid in r.params.stop_ids:
+      finish = "stop"
+    elif r.decoder is not None:
+      start = max(0, len(r.text) - max((len(s) for s in r.params.stop), default=0))
+      r.text += r.decoder.add(tid)
+      for s in r.params.stop:
+        i = r.text.find(s, start)
+        if i >= 0:
+          r.text, finish = r.text[:i], "stop"
+          break
+    if finish is None and len(r.output_ids) >= r.params.max_tokens:
+      finish = "length"
+    if finish is not None:
+      if r.decoder is not None and finish == "length":
+        r.text += r.decoder.flush()
+      with self.lock:
+        self._finish(r, finish)
+    elif r.on_update is not None:
+      self._push(r, hold=max((len(s) for s in r.params.stop), default=1) - 1)
+
+  def _push(self, r: Request, hold: int = 0) -> None:
+    if r.on_update is None:
+      return
+    upto = max(r.sent, len(r.text) - hold)
+    delta, r.sent = r.text[r.sent:upto], upto
+    r.on_update(r, delta)
+
+  def _finish(self, r: Request, reason: str) -> None:
+    """Frees the slot and the request's pages at once (cached blocks stay with the cache)."""
+    if r in self.running:
+      self.running.remove(r)
+      self.pool.decref(r.pages)
+      self.free_slots.append(r.slot)
+      self.tables[r.slot] = 0
+    r.pages = []
+    r.finish_reason, r.state = reason, "done"
+    self.finished_requests += 1
+    if reason != "cancelled":
+      self._push(r)
+    r.done_event.set()
+
+  # ----- a simple front end ---------------------------------------------------------------
   def generate(self, prompt_ids, max_new_tokens: int, temperature: float = 0.0,
                top_p: float = 1.0, seed: int = 0, stop_ids=(), frequency_penalty: float = 0.0,
                presence_penalty: float = 0.0) -> Iterator[int]:
-    """Yields up to max_new_tokens sampled token ids for one prompt. The penalties lower the
-    logits of tokens already generated (sampling.penalize; the prompt is not counted)."""
-    prompt = check_tokens(prompt_ids, self.cfg).reshape(1, -1)
-    if prompt.shape[1] == 0:
-      raise UserError("the prompt is empty: give at least one token")
-    total = prompt.shape[1] + max_new_tokens
-    if total > self.cfg.max_seq_len:
-      raise UserError(f"prompt ({prompt.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) "
-                       f"exceeds max_seq_len={self.cfg.max_seq_len}")
-    if not 0.0 < top_p <= 1.0:
-      raise UserError(f"top_p={top_p} must lie in (0, 1]")
-    if temperature < 0:
-      raise UserError(f"temperature={temperature} must be >= 0")
-    logits, cache = self._prefill(self.params, self.rest, jnp.asarray(prompt, jnp.int32), total)
-    key = jax.random.key(seed)
-    key, sub = jax.random.split(key)
-    token = sample(sub, logits[:, -1], temperature, top_p)
-    counts = jnp.zeros((1, self.cfg.vocab_size), jnp.int32)
-    for i in range(max_new_tokens):
-      tid = int(token[0])
-      yield tid
-      if tid in stop_ids or i == max_new_tokens - 1:
+    """Yields up to max_new_tokens sampled token ids for one prompt (a stop id is yielded,
+    then generation ends). The penalties lower the logits of tokens already generated
+    (sampling.penalize; the prompt is not counted); unlike the server, which keeps the
+    OpenAI range [-2, 2], any finite value is accepted here."""
+    try:
+      req = self.submit(prompt_ids, SamplingParams(
+          max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+          stop_ids=tuple(stop_ids), frequency_penalty=frequency_penalty,
+          presence_penalty=presence_penalty), openai_ranges=False)
+    except RequestError as e:
+      raise UserError(str(e)) from None
+    sent = 0
+    while True:
+      while sent < len(req.output_ids):
+        yield req.output_ids[sent]
+        sent += 1
+      if req.state == "done":
         return
-      key, sub = jax.random.split(key)
-      token, cache, counts = self._decode(
-          self.params, self.rest, cache, token, sub, jnp.float32(temperature),
-          jnp.float32(top_p), counts, jnp.float32(frequency_penalty),
-          jnp.float32(presence_penalty))
+      self.step()
 
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "SamplingParams", "Request", "RequestError", "QueueFull"]

@@ -1,0 +1,160 @@
+"""Serving engine benchmarks on k3_small (random weights; timings do not depend on them).
+
+  python -m benchmarks.serve [--quick] [--json out.json] [--config k3_small]
+
+1. Time to first token, hit vs miss: 4,096-token prompts sharing their first 3,584 tokens.
+   A first request (miss) fills the prefix cache; a second one with another 512-token tail
+   hits 3,584 tokens (the KDA checkpoint at that boundary + 7 MLA pages) and prefills 512.
+   Both are timed in one run, after warm-up requests that compile every shape.
+   Target: hit / miss <= 0.15.
+2. Decode time per token at 1K vs 32K tokens of context, for the hybrid model and for the
+   same model with every layer MLA. The engine's decode step has fixed shapes: it attends
+   over a power-of-two bucket of pages (at least 4,096 tokens) covering the longest
+   sequence, so one engine (max_len 32,768, one slot) is timed with its slot at context
+   1,024 and at 32,760 (no 32K prefill is needed to time it: the work of the step is the
+   same whatever the cached values). Target: hybrid 32K / 1K <= 1.3x.
+3. Throughput: the same 8 requests (128-token prompts, 32 new tokens each, greedy) through
+   an engine with 8 slots vs one with 1 slot. Target: >= 4x tokens/s.
+
+--quick: 2 timed decode steps, 16 new tokens in the throughput case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import configs  # noqa: E402
+from k3_jax import train  # noqa: E402
+from k3_jax.config import apply_overrides, validate  # noqa: E402
+from k3_jax.model import create_model  # noqa: E402
+from k3_jax.serve.engine import Engine, SamplingParams  # noqa: E402
+
+
+def weights(config, overrides):
+  cfg = validate(apply_overrides(configs.get(config), overrides))
+  return (cfg, *train.split_model(create_model(cfg, seed=0)))
+
+
+def ttft(eng, prompt):
+  req = eng.submit(prompt, SamplingParams(max_tokens=1))
+  eng.run_until_done([req])
+  return req.first_token_at - req.arrival, req.cached_tokens
+
+
+def bench_ttft(config):
+  cfg, g, p, r = weights(config, ["max_seq_len=8192"])
+  eng = Engine(cfg, g, p, r, max_batch=1, max_len=4096 + 512, prefix_cache_bytes=64 << 20)
+  rng = np.random.default_rng(0)
+  tok = lambda n: rng.integers(1, cfg.vocab_size, n).astype(np.int32)
+  warm = tok(3584)
+  ttft(eng, np.concatenate([warm, tok(512)]))               # compiles the miss path
+  ttft(eng, np.concatenate([warm, tok(512)]))               # compiles the hit path
+  shared = tok(3584)
+  miss, c0 = ttft(eng, np.concatenate([shared, tok(512)]))
+  hit, c1 = ttft(eng, np.concatenate([shared, tok(512)]))
+  assert c0 == 0 and c1 == 3584, (c0, c1)
+  return {"ttft_miss_s": miss, "ttft_hit_s": hit, "ttft_ratio": hit / miss,
+          "cached_tokens": c1}
+
+
+def decode_step_time(eng, pos, runs):
+  """Median seconds of the engine's decode step with one slot at context `pos`."""
+  from k3_jax.serve.engine import DECODE_MIN_PAGES
+  from k3_jax.serve.kv_pages import PAGE
+  b = eng.max_batch
+  if not eng.tables[0].any():
+    eng.tables[0] = eng.pool.alloc(eng.pages_per_slot)
+  need = pos // PAGE + 1
+  bucket = min(eng.pages_per_slot, max(DECODE_MIN_PAGES, 1 << (need - 1).bit_length()))
+  args = lambda: (eng.params, eng.rest, eng.cache, eng.counts, np.zeros(b, np.int32),
+                  np.full(b, pos, np.int32), eng.tables[:, :bucket].copy(), np.ones(b, bool),
+                  np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, np.float32),
+                  np.ones(b, np.float32), np.zeros(b, np.float32), np.zeros(b, np.float32))
+  times = []
+  for i in range(runs + 1):                       # the first call compiles
+    t0 = time.perf_counter()
+    out = eng._decode(*args())
+    jax.block_until_ready(out)
+    eng.cache, eng.counts = out[2], out[3]
+    if i:
+      times.append(time.perf_counter() - t0)
+  return statistics.median(times)
+
+
+def bench_decode(config, runs):
+  res = {}
+  base = configs.get(config)
+  all_mla = "mla_layers=(" + ",".join(str(i + 1) for i in range(base.num_layers)) + ",)"
+  for name, ov in (("hybrid", []), ("all_mla", [all_mla])):
+    cfg, g, p, r = weights(config, ["max_seq_len=32768"] + ov)
+    eng = Engine(cfg, g, p, r, max_batch=1, max_len=32768)
+    short = decode_step_time(eng, 1024, runs)
+    long = decode_step_time(eng, 32768 - 8, runs)
+    res[name] = {"decode_1k_s": short, "decode_32k_s": long, "ratio": long / short}
+  return res
+
+
+def bench_throughput(config, new_tokens):
+  cfg, g, p, r = weights(config, [])
+  rng = np.random.default_rng(1)
+  prompts = [rng.integers(1, cfg.vocab_size, 128).astype(np.int32) for _ in range(8)]
+  res = {}
+  for slots in (1, 8):
+    eng = Engine(cfg, g, p, r, max_batch=slots, max_len=512)
+    warm = eng.submit(prompts[0], SamplingParams(max_tokens=4))
+    eng.run_until_done([warm])                                # compiles
+    t0 = time.perf_counter()
+    reqs = [eng.submit(q, SamplingParams(max_tokens=new_tokens)) for q in prompts]
+    eng.run_until_done(reqs)
+    dt = time.perf_counter() - t0
+    res[f"tokens_per_s_{slots}_slots"] = sum(len(q.output_ids) for q in reqs) / dt
+    res[f"outputs_{slots}"] = [q.output_ids for q in reqs]
+  same = res.pop("outputs_1") == res.pop("outputs_8")
+  res["ratio"] = res["tokens_per_s_8_slots"] / res["tokens_per_s_1_slots"]
+  res["same_tokens"] = same
+  return res
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--config", default="k3_small")
+  ap.add_argument("--quick", action="store_true")
+  ap.add_argument("--json", default=None)
+  ap.add_argument("--only", default="ttft,decode,throughput")
+  a = ap.parse_args()
+  only = a.only.split(",")
+  out = {"config": a.config, "devices": str(jax.devices()[0].platform),
+         "cpus": os.cpu_count()}
+  if "ttft" in only:
+    out["ttft"] = bench_ttft(a.config)
+    t = out["ttft"]
+    print(f"TTFT 4096-token prompt, 3584 shared: miss {t['ttft_miss_s']:.3f} s, hit "
+          f"{t['ttft_hit_s']:.3f} s, ratio {t['ttft_ratio']:.3f} (target <= 0.15)", flush=True)
+  if "decode" in only:
+    out["decode"] = bench_decode(a.config, 2 if a.quick else 5)
+    for k, v in out["decode"].items():
+      print(f"decode/token {k:8s} 1K {v['decode_1k_s'] * 1e3:8.1f} ms  32K "
+            f"{v['decode_32k_s'] * 1e3:8.1f} ms  ratio {v['ratio']:.2f}", flush=True)
+  if "throughput" in only:
+    out["throughput"] = bench_throughput(a.config, 16 if a.quick else 32)
+    t = out["throughput"]
+    print(f"throughput 8 requests: 1 slot {t['tokens_per_s_1_slots']:.1f} tok/s, 8 slots "
+          f"{t['tokens_per_s_8_slots']:.1f} tok/s, ratio {t['ratio']:.2f} (target >= 4), "
+          f"same tokens: {t['same_tokens']}", flush=True)
+  if a.json:
+    with open(a.json, "w") as f:
+      json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()

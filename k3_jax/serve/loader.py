@@ -1,0 +1,108 @@
+"""What a `serve` process starts from: weights (a training workdir's latest checkpoint, or a
+freshly initialised preset for smoke tests), the tokenizer, the engine, and the app."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from k3_jax.config import ModelConfig, UserError, apply_overrides, validate
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeOptions:
+  workdir: str | None = None          # training workdir: its config and newest good checkpoint
+  hf_dir: str | None = None           # or a Hugging Face directory (config.json + safetensors)
+  config: str | None = None           # or a preset with random weights (smoke tests only)
+  overrides: tuple[str, ...] = ()
+  seed: int = 0
+  tokenizer: str | None = None        # default: the workdir's (train_config.json), else byte
+  expert_format: str = "dense"        # "mxfp4": routed experts packed to MXFP4
+  max_batch: int = 8
+  max_len: int | None = None          # tokens per sequence (default the model's max_seq_len)
+  prefill_chunk: int = 512
+  prefix_cache_bytes: int = 1 << 30
+  max_queue: int = 64
+  mesh: str = ""                      # e.g. "expert:4" (default: one device)
+  model_name: str | None = None       # the id /v1/models reports (default: the config name)
+  host: str = "127.0.0.1"
+  port: int = 8000
+
+
+def load_checkpoint(workdir: str, step: int | None = None):
+  """(cfg, graphdef, params, rest) of the newest good checkpoint (or `step`) of a training
+  workdir: parameters and balancing biases only, never the optimizer state."""
+  from k3_jax.checkpoint.inference import load_for_inference
+  from sharding.mesh import make_mesh
+  loaded = load_for_inference(workdir, make_mesh(devices=jax.devices()[:1]), step)
+  return loaded.cfg, loaded.graphdef, loaded.params, loaded.rest
+
+
+def load_hf(hf_dir: str):
+  """(cfg, graphdef, params, rest) of a Hugging Face directory, read slice by slice."""
+  from flax import nnx
+  from k3_jax.checkpoint.sharded_load import load_model_sharded
+  from sharding.mesh import make_mesh
+  cfg, model = load_model_sharded(hf_dir, make_mesh(devices=jax.devices()[:1]))
+  return (cfg, *nnx.split(model, nnx.Param, ...))
+
+
+def random_weights(config: str, overrides=(), seed: int = 0):
+  """(cfg, graphdef, params, rest) of a freshly initialised preset."""
+  import configs
+  from flax import nnx
+  from k3_jax.model import create_model
+  cfg: ModelConfig = validate(apply_overrides(configs.get(config), list(overrides)))
+  return (cfg, *nnx.split(create_model(cfg, seed=seed), nnx.Param, ...))
+
+
+def build_engine(opts: ServeOptions):
+  """(engine, tokenizer, model name) for the options."""
+  from k3_jax.checkpoint.inference import trained_tokenizer
+  from k3_jax.data import tokenizers
+  from k3_jax.serve.engine import Engine
+  sources = [x for x in (opts.workdir, opts.hf_dir, opts.config) if x is not None]
+  if len(sources) != 1:
+    raise UserError("give exactly one of --workdir (a trained checkpoint), --hf_dir (a Hugging "
+                    "Face directory) or --random_weights with --config (smoke tests)")
+  if opts.workdir is not None:
+    cfg, graphdef, params, rest = load_checkpoint(opts.workdir)
+    tok_spec = trained_tokenizer(opts.workdir, opts.tokenizer)
+  elif opts.hf_dir is not None:
+    cfg, graphdef, params, rest = load_hf(opts.hf_dir)
+    tok_spec = opts.tokenizer or "byte"
+  else:
+    cfg, graphdef, params, rest = random_weights(opts.config, opts.overrides, opts.seed)
+    tok_spec = opts.tokenizer or "byte"
+  if opts.expert_format == "mxfp4":
+    from k3_jax.serve.pack import pack_state
+    graphdef, params, rest = pack_state(graphdef, params, rest)
+  tok = tokenizers.get_tokenizer(tok_spec)
+  if tok.vocab_size > cfg.vocab_size:
+    raise UserError(f"tokenizer vocabulary {tok.vocab_size} exceeds the model's "
+                    f"vocab_size={cfg.vocab_size}")
+  mesh = None
+  if opts.mesh:
+    from sharding.mesh import make_mesh, parse_mesh
+    mesh = make_mesh(parse_mesh(opts.mesh))
+  engine = Engine(cfg, graphdef, params, rest, max_batch=opts.max_batch, max_len=opts.max_len,
+                  prefill_chunk=opts.prefill_chunk, prefix_cache_bytes=opts.prefix_cache_bytes,
+                  max_queue=opts.max_queue, tokenizer=tok, mesh=mesh)
+  return engine, tok, opts.model_name or cfg.name
+
+
+def run_server(opts: ServeOptions) -> None:
+  """Builds the engine and serves the OpenAI-compatible API until interrupted."""
+  from k3_jax.serve.server import build_app, serve
+  if opts.host not in ("127.0.0.1", "localhost", "::1"):
+    print(f"warning: serving on {opts.host}: the API has no authentication", flush=True)
+  engine, tok, name = build_engine(opts)
+  app = build_app(engine, tok, name)
+  print(f"serving {name} on http://{opts.host}:{opts.port}/v1 ({opts.max_batch} slots, "
+        f"context {engine.max_len})", flush=True)
+  serve(app, opts.host, opts.port)
+
+
+__all__ = ["ServeOptions", "load_checkpoint", "load_hf", "random_weights", "build_engine",
+           "run_server"]

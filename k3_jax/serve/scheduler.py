@@ -1,0 +1,134 @@
+"""Requests, their sampling parameters, and the scheduling arithmetic of the engine:
+how a prompt's prefill is cut into chunks (whole 512-token blocks up to the last block
+boundary, then the tail in pieces of 4^k tokens so that only a few shapes ever compile)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import random
+import threading
+import time
+from typing import Callable
+
+import numpy as np
+
+from k3_jax.config import UserError
+from k3_jax.serve.kv_pages import PAGE
+
+
+class RequestError(UserError):
+  """A request the engine refuses (the server answers 400)."""
+
+
+class QueueFull(RuntimeError):
+  """The waiting queue is at its bound (the server answers 429)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  max_tokens: int = 16
+  temperature: float = 0.0            # 0: greedy
+  top_p: float = 1.0
+  presence_penalty: float = 0.0
+  frequency_penalty: float = 0.0
+  seed: int | None = None             # None: a fresh random seed
+  stop: tuple[str, ...] = ()          # stop strings (not included in the text)
+  stop_ids: tuple[int, ...] = ()      # stop token ids (counted, not included in the text)
+
+  def validate(self, openai_ranges: bool = True) -> None:
+    """RequestError naming the bad field. openai_ranges: penalties within [-2, 2] (the API's
+    contract); else any finite value."""
+    if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+      raise RequestError(f"max_tokens={self.max_tokens!r} must be a positive integer")
+    if not self.temperature >= 0:
+      raise RequestError(f"temperature={self.temperature} must be >= 0")
+    if not 0.0 < self.top_p <= 1.0:
+      raise RequestError(f"top_p={self.top_p} must lie in (0, 1]")
+    for name in ("presence_penalty", "frequency_penalty"):
+      v = getattr(self, name)
+      if not (-2.0 <= v <= 2.0 if openai_ranges else math.isfinite(v)):
+        raise RequestError(f"{name}={v} must lie in [-2, 2]" if openai_ranges else
+                           f"{name}={v} must be finite")
+    if any(not isinstance(s, str) or not s for s in self.stop):
+      raise RequestError(f"stop strings must be non-empty strings, got {list(self.stop)!r}")
+
+
+_ids = itertools.count()
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+  prompt: np.ndarray                                  # [T] int32
+  params: SamplingParams
+  on_update: Callable[["Request", str], None] | None = None   # (request, new text) per step
+  record_logits: bool = False                         # keep each sampled position's logits
+  use_prefix_cache: bool = True                       # False: always a cold prefill
+  id: int = dataclasses.field(default_factory=lambda: next(_ids))
+  # ----- engine-owned state ---------------------------------------------------------
+  state: str = "waiting"             # waiting | prefill | decode | done
+  slot: int = -1
+  pages: list = dataclasses.field(default_factory=list)
+  hashes: list = dataclasses.field(default_factory=list)
+  pos: int = 0                       # tokens in the cache
+  registered: int = 0                # blocks of this prompt handed to the prefix cache
+  cached_tokens: int = 0             # prompt tokens served from the prefix cache
+  last_token: int = -1
+  output_ids: list = dataclasses.field(default_factory=list)
+  text: str = ""
+  sent: int = 0                      # chars of text already passed to on_update
+  decoder: object = None
+  finish_reason: str | None = None
+  cancelled: bool = False
+  seed: int = 0
+  logits: list = dataclasses.field(default_factory=list)
+  arrival: float = dataclasses.field(default_factory=time.monotonic)
+  first_token_at: float | None = None
+  done_event: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+  def __post_init__(self):
+    self.seed = self.params.seed if self.params.seed is not None else random.getrandbits(31)
+
+  def cancel(self) -> None:
+    """Thread-safe: the engine frees the slot at its next step."""
+    self.cancelled = True
+
+
+def prefill_plan(start: int, prompt_len: int, chunk: int) -> list[int]:
+  """Lengths of the model calls of the next prefill chunk from position `start`.
+
+  Whole blocks first, at most `chunk` tokens (a multiple of 512), ending on block boundaries
+  so that the KDA state after the last full block of the prompt is materialised; when the
+  prompt ends exactly on a boundary the chunk also stops one block earlier (that boundary's
+  checkpoint is the one an identical prompt can hit: a hit must leave a token to run). Then
+  the tail below 512 tokens in pieces of 256, 64, 16, 4 and 1 tokens (one model call
+  each: at most 15 calls, and only five tail shapes ever compile)."""
+  aligned = prompt_len // PAGE * PAGE
+  if start < aligned:
+    end = min(start + chunk, aligned)
+    if aligned == prompt_len and start < aligned - PAGE < end:
+      end = aligned - PAGE
+    return [end - start]
+  rest, pieces, p = prompt_len - start, [], PAGE // 2
+  while rest:
+    while rest >= p:
+      pieces.append(p)
+      rest -= p
+    p //= 4
+  return pieces
+
+
+def checkpoint_boundaries(prompt_len: int) -> tuple[int, ...]:
+  """Positions whose KDA state a prefill keeps: the last block boundary of the prompt, and
+  the one before it when the prompt ends exactly on a boundary."""
+  aligned = prompt_len // PAGE * PAGE
+  if not aligned:
+    return ()
+  if aligned == prompt_len and aligned > PAGE:
+    return (aligned - PAGE, aligned)
+  return (aligned,)
+
+
+__all__ = ["SamplingParams", "Request", "RequestError", "QueueFull", "prefill_plan",
+           "checkpoint_boundaries"]

@@ -1,0 +1,391 @@
+"""OpenAI-compatible HTTP server over the batched engine (FastAPI + uvicorn).
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (streaming as server-sent events
+ending in `data: [DONE]`, `stream_options.include_usage`), GET /v1/models, GET /health,
+GET /metrics (Prometheus). The engine steps in one background thread; each HTTP request
+submits to it and waits on its own asyncio queue. Bad input gets an OpenAI-style JSON error
+({"error": {"message", "type", "param", "code"}}) and never reaches the engine; a client
+that goes away cancels its request, which frees its slot at the engine's next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+import uuid
+
+from fastapi import Request as HttpRequest   # at module level: FastAPI resolves annotations
+
+from k3_jax.serve.chat import ChatError, template_for
+from k3_jax.serve.engine import Engine
+from k3_jax.serve.scheduler import QueueFull, RequestError, SamplingParams
+
+log = logging.getLogger("k3_jax.serve")
+
+
+class EngineLoop:
+  """Runs engine.step() in a daemon thread while there is work."""
+
+  def __init__(self, engine: Engine):
+    self.engine = engine
+    self.stopped = False
+    self.error: str | None = None
+    self.thread = threading.Thread(target=self._run, name="k3-engine", daemon=True)
+    self.thread.start()
+
+  def _run(self):
+    eng = self.engine
+    while not self.stopped:
+      with eng.lock:
+        if not eng.has_work():
+          eng.lock.wait(timeout=0.1)
+          continue
+      try:
+        eng.step()
+      except Exception as e:           # a bug must not hang every client: fail them all
+        log.exception("engine step failed")
+        self.error = f"{type(e).__name__}: {e}"
+        with eng.lock:
+          for r in list(eng.running) + list(eng.waiting):
+            r.cancel()
+
+  def stop(self):
+    self.stopped = True
+
+
+# ----- metrics -------------------------------------------------------------------------
+
+def make_metrics(engine: Engine):
+  from prometheus_client import CollectorRegistry, Gauge, Histogram
+  from prometheus_client.core import CounterMetricFamily
+
+  reg = CollectorRegistry()
+  buckets = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60)
+  m = {
+      "ttft": Histogram("k3_time_to_first_token_seconds", "time to first token", registry=reg,
+                        buckets=buckets),
+      "itl": Histogram("k3_inter_token_latency_seconds", "time between streamed tokens",
+                       registry=reg, buckets=buckets),
+      "e2e": Histogram("k3_request_latency_seconds", "arrival to last token", registry=reg,
+                       buckets=buckets),
+  }
+  Gauge("k3_num_requests_running", "requests holding a slot", registry=reg).set_function(
+      lambda: len(engine.running))
+  Gauge("k3_num_requests_waiting", "requests queued for a slot", registry=reg).set_function(
+      lambda: len(engine.waiting))
+
+  class EngineCounters:
+    def collect(self):
+      stats = engine.prefix.stats() if engine.prefix is not None else {}
+      for name, doc, value in (
+          ("k3_prefix_cache_queries", "prompt tokens looked up in the prefix cache",
+           stats.get("queries", 0)),
+          ("k3_prefix_cache_hits", "prompt tokens served from the prefix cache",
+           stats.get("hits", 0)),
+          ("k3_prefix_cache_evictions", "prefix cache entries evicted",
+           stats.get("evictions", 0)),
+          ("k3_generation_tokens", "generated tokens", engine.generated_tokens),
+          ("k3_request_success", "finished requests", engine.finished_requests)):
+        c = CounterMetricFamily(name, doc)
+        c.add_metric([], value)
+        yield c
+
+  reg.register(EngineCounters())
+  return reg, m
+
+
+# ----- errors --------------------------------------------------------------------------
+
+class ApiError(Exception):
+  def __init__(self, status: int, message: str, param: str | None = None,
+               type_: str = "invalid_request_error", code: str | None = None):
+    super().__init__(message)
+    self.status, self.message, self.param, self.type, self.code = (status, message, param,
+                                                                   type_, code)
+
+  def body(self):
+    return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                      "code": self.code}}
+
+
+def _number(body, name, default, kind=float):
+  v = body.get(name, default)
+  if v is None:
+    return default
+  if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and v != int(v)):
+    raise ApiError(400, f"{name} must be a number, got {v!r}", name)
+  return kind(v)
+
+
+def sampling_from(body, engine: Engine, prompt_len: int, stop_extra=(), stop_ids=()):
+  max_tokens = _number(body, "max_completion_tokens", None, int)
+  if max_tokens is None:
+    max_tokens = _number(body, "max_tokens", 16, int)
+  room = engine.max_len - prompt_len
+  if prompt_len > engine.max_len - 1:
+    raise ApiError(400, f"the prompt has {prompt_len} tokens; this model's context is "
+                   f"{engine.max_len} tokens", "prompt", code="context_length_exceeded")
+  if max_tokens < 1:
+    raise ApiError(400, f"max_tokens={max_tokens} must be >= 1", "max_tokens")
+  if max_tokens > room:
+    raise ApiError(400, f"max_tokens={max_tokens} exceeds the context: the prompt has "
+                   f"{prompt_len} tokens and the context is {engine.max_len} "
+                   f"(at most {room} new tokens)", "max_tokens", code="context_length_exceeded")
+  temperature = _number(body, "temperature", 1.0)
+  if temperature < 0 or temperature > 2:
+    raise ApiError(400, f"temperature={temperature} must lie in [0, 2]", "temperature")
+  top_p = _number(body, "top_p", 1.0)
+  if not 0 < top_p <= 1:
+    raise ApiError(400, f"top_p={top_p} must lie in (0, 1]", "top_p")
+  stop = body.get("stop") or []
+  if isinstance(stop, str):
+    stop = [stop]
+  if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) \
+      or len(stop) > 4:
+    raise ApiError(400, "stop must be a non-empty string or a list of at most 4 of them",
+                   "stop")
+  seed = body.get("seed")
+  if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+    raise ApiError(400, f"seed must be an integer, got {seed!r}", "seed")
+  n = body.get("n", 1)
+  if n != 1:
+    raise ApiError(400, "only n=1 is supported", "n")
+  try:
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+        presence_penalty=_number(body, "presence_penalty", 0.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0),
+        seed=None if seed is None else seed % (1 << 31),
+        stop=tuple(stop) + tuple(stop_extra), stop_ids=tuple(stop_ids))
+    params.validate()
+  except RequestError as e:
+    raise ApiError(400, str(e)) from None
+  return params
+
+
+# ----- the app -------------------------------------------------------------------------
+
+def build_app(engine: Engine, tokenizer, model_name: str, *, start_loop: bool = True):
+  from fastapi import FastAPI
+  from fastapi.responses import JSONResponse, Response, StreamingResponse
+  from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+  app = FastAPI(title="k3-jax")
+  loop_runner = EngineLoop(engine) if start_loop else None
+  template = template_for(tokenizer)
+  registry, metrics = make_metrics(engine)
+  created = int(time.time())
+  eos = () if tokenizer.eos_id is None else (tokenizer.eos_id,)
+
+  @app.exception_handler(ApiError)
+  async def _api_error(_, e: ApiError):
+    return JSONResponse(e.body(), status_code=e.status)
+
+  @app.on_event("shutdown")
+  def _stop():
+    if loop_runner is not None:
+      loop_runner.stop()
+
+  async def read_body(http: HttpRequest) -> dict:
+    raw = await http.body()
+    try:
+      body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+      raise ApiError(400, "the request body must be a JSON object")
+    model = body.get("model")
+    if model not in (model_name, None, ""):
+      raise ApiError(404, f"the model {model!r} does not exist; this server serves "
+                     f"{model_name!r}", "model", code="model_not_found")
+    return body
+
+  def usage(req):
+    return {"prompt_tokens": int(req.prompt.size), "completion_tokens": len(req.output_ids),
+            "total_tokens": int(req.prompt.size) + len(req.output_ids),
+            "prompt_tokens_details": {"cached_tokens": int(req.cached_tokens)}}
+
+  def submit(ids, params):
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+
+    def on_update(r, delta):
+      loop.call_soon_threadsafe(queue.put_nowait, (delta, r.state == "done"))
+
+    try:
+      req = engine.submit(ids, params, on_update=on_update)
+    except QueueFull as e:
+      raise ApiError(429, str(e), type_="rate_limit_error", code="queue_full") from None
+    except RequestError as e:
+      raise ApiError(400, str(e), "prompt") from None
+    return req, queue
+
+  async def events(req, queue, http):
+    """(text delta, done) as the engine produces them; cancels the request if the client
+    goes away or the consumer stops early."""
+    last = None
+    try:
+      while True:
+        try:
+          delta, done = await asyncio.wait_for(queue.get(), timeout=0.5)
+        except asyncio.TimeoutError:
+          if await http.is_disconnected():
+            return
+          if loop_runner is not None and loop_runner.error:
+            raise ApiError(500, f"engine failure: {loop_runner.error}", type_="server_error")
+          continue
+        now = time.monotonic()
+        if last is None and req.first_token_at is not None:
+          metrics["ttft"].observe(req.first_token_at - req.arrival)
+        elif last is not None and delta:
+          metrics["itl"].observe(now - last)
+        last = now
+        yield delta, done
+        if done:
+          metrics["e2e"].observe(now - req.arrival)
+          return
+    finally:
+      if req.state != "done":
+        req.cancel()
+        with engine.lock:
+          engine.lock.notify_all()
+
+  def finish_reason(req):
+    return {"stop": "stop", "length": "length"}.get(req.finish_reason, req.finish_reason)
+
+  def sse(obj) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+  # ----- /v1/completions ---------------------------------------------------------------
+  @app.post("/v1/completions")
+  async def completions(http: HttpRequest):
+    body = await read_body(http)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+      prompt = prompt[0]
+    if isinstance(prompt, str):
+      ids = tokenizer.encode(prompt)
+    elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+      ids = prompt
+    else:
+      raise ApiError(400, "prompt must be a string or a list of token ids", "prompt")
+    if not ids:
+      raise ApiError(400, "the prompt is empty", "prompt")
+    params = sampling_from(body, engine, len(ids), stop_ids=eos)
+    req, queue = submit(ids, params)
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    head = {"id": rid, "object": "text_completion", "created": int(time.time()),
+            "model": model_name}
+    if body.get("stream"):
+      include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+
+      async def gen():
+        async for delta, done in events(req, queue, http):
+          if delta or done:
+            yield sse({**head, "choices": [{"index": 0, "text": delta, "logprobs": None,
+                                            "finish_reason": finish_reason(req) if done
+                                            else None}]})
+        if include_usage:
+          yield sse({**head, "choices": [], "usage": usage(req)})
+        yield "data: [DONE]\n\n"
+      return StreamingResponse(gen(), media_type="text/event-stream")
+    text = "".join([d async for d, _ in events(req, queue, http)])
+    return {**head, "choices": [{"index": 0, "text": text, "logprobs": None,
+                                 "finish_reason": finish_reason(req)}], "usage": usage(req)}
+
+  # ----- /v1/chat/completions ----------------------------------------------------------
+  @app.post("/v1/chat/completions")
+  async def chat(http: HttpRequest):
+    body = await read_body(http)
+    kwargs = body.get("chat_template_kwargs") or {}
+    thinking = bool(kwargs.get("thinking", True))
+    try:
+      rendered = template.render(body.get("messages"), thinking=thinking,
+                                 effort=body.get("reasoning_effort"))
+    except ChatError as e:
+      raise ApiError(400, str(e), "messages") from None
+    params = sampling_from(body, engine, len(rendered.ids), stop_extra=rendered.stop,
+                           stop_ids=tuple(rendered.stop_ids) + eos)
+    req, queue = submit(rendered.ids, params)
+    parser = template.parser(rendered.thinking)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    head = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": model_name}
+    seen = [0]
+
+    def split(delta, done):
+      """(reasoning delta, content delta) of the new output."""
+      if parser is None:
+        return "", delta
+      ids = req.output_ids[seen[0]:]
+      seen[0] += len(ids)
+      r, c = parser.add(ids)
+      if done:
+        fr, fc = parser.flush()
+        r, c = r + fr, c + fc
+      return r, c
+
+    if body.get("stream"):
+      include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+
+      async def gen():
+        yield sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant",
+                                                              "content": ""},
+                                        "finish_reason": None}]})
+        async for delta, done in events(req, queue, http):
+          r, c = split(delta, done)
+          d = {}
+          if r:
+            d["reasoning_content"] = r
+          if c:
+            d["content"] = c
+          if d or done:
+            yield sse({**head, "choices": [{"index": 0, "delta": d, "finish_reason":
+                                            finish_reason(req) if done else None}]})
+        if include_usage:
+          yield sse({**head, "choices": [], "usage": usage(req)})
+        yield "data: [DONE]\n\n"
+      return StreamingResponse(gen(), media_type="text/event-stream")
+    reasoning, content = "", ""
+    async for delta, done in events(req, queue, http):
+      r, c = split(delta, done)
+      reasoning, content = reasoning + r, content + c
+    message = {"role": "assistant", "content": content}
+    if parser is not None and rendered.thinking:
+      message["reasoning_content"] = reasoning
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()),
+            "model": model_name, "choices": [{"index": 0, "message": message,
+                                              "finish_reason": finish_reason(req)}],
+            "usage": usage(req)}
+
+  # ----- the rest ------------------------------------------------------------------------
+  @app.get("/v1/models")
+  async def models():
+    return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                        "owned_by": "k3-jax", "max_model_len": engine.max_len}]}
+
+  @app.get("/health")
+  async def health():
+    if loop_runner is not None and loop_runner.error:
+      return JSONResponse({"status": "error", "error": loop_runner.error}, status_code=503)
+    return {"status": "ok", "running": len(engine.running), "waiting": len(engine.waiting),
+            "free_slots": len(engine.free_slots)}
+
+  @app.get("/metrics")
+  async def prom():
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+  app.state.engine, app.state.loop = engine, loop_runner
+  return app
+
+
+def serve(app, host: str, port: int) -> None:
+  """Runs the app with uvicorn until interrupted."""
+  import uvicorn
+  uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=2)
+
+
+__all__ = ["build_app", "serve", "EngineLoop", "ApiError"]

@@ -1,0 +1,214 @@
+"""The OpenAI-compatible server, as a subprocess on 127.0.0.1, driven by the `openai` client.
+
+One server (module fixture): the 5-layer k3_tiny variant of test_engine.py with random
+weights, the byte tokenizer (plain chat template), 4 slots, a queue bound of 16. Greedy
+decoding (temperature 0) is deterministic, so "correct" means: the same text as the same
+request alone, and streamed deltas that add up to the non-streamed text.
+"""
+
+import concurrent.futures
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MODEL = "k3-test"
+MAX_LEN = 2048
+LAUNCH = """
+from k3_jax.serve.loader import ServeOptions, run_server
+run_server(ServeOptions(config="k3_tiny", overrides=("max_seq_len=2048", "num_layers=5",
+           "mla_layers=(4,5)"), seed=3, max_batch=4, max_queue=16, model_name="{model}",
+           prefix_cache_bytes=1 << 22, host="127.0.0.1", port={port}))
+"""
+
+
+def free_port() -> int:
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+  port = free_port()
+  log = tmp_path_factory.mktemp("server") / "server.log"
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT,
+         "XLA_FLAGS": ""}                       # one CPU device is enough here
+  with open(log, "w") as out:
+    proc = subprocess.Popen([sys.executable, "-c", LAUNCH.format(model=MODEL, port=port)],
+                            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+  base = f"http://127.0.0.1:{port}"
+  try:
+    deadline = time.monotonic() + 300
+    while True:
+      if proc.poll() is not None:
+        pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+      try:
+        if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+          break
+      except httpx.HTTPError:
+        pass
+      if time.monotonic() > deadline:
+        pytest.fail(f"server did not come up in 300 s:\n{log.read_text()[-3000:]}")
+      time.sleep(0.5)
+    yield base
+  finally:
+    proc.terminate()
+    try:
+      proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+      proc.kill()
+      proc.wait(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+  return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", timeout=300, max_retries=0)
+
+
+def complete(client, prompt, n=8, **kw):
+  return client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0,
+                                   **kw)
+
+
+def test_models_and_health(server, client):
+  assert [m.id for m in client.models.list().data] == [MODEL]
+  assert httpx.get(f"{server}/health", timeout=10).json()["status"] == "ok"
+
+
+def test_completions_stream_and_usage(server, client):
+  prompt = "def fibonacci(n):\n    "
+  full = complete(client, prompt)
+  assert full.choices[0].finish_reason in ("length", "stop")
+  assert full.usage.prompt_tokens == len(prompt.encode())
+  assert 1 <= full.usage.completion_tokens <= 8
+  chunks = list(complete(client, prompt, stream=True, stream_options={"include_usage": True}))
+  text = "".join(c.choices[0].text for c in chunks if c.choices)
+  assert text == full.choices[0].text
+  assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == \
+      full.usage.completion_tokens
+  # the raw stream ends with the [DONE] sentinel
+  with httpx.stream("POST", f"{server}/v1/completions", timeout=120, json={
+      "model": MODEL, "prompt": prompt, "max_tokens": 3, "temperature": 0, "stream": True}) as r:
+    lines = [l for l in r.iter_lines() if l]
+  assert lines[-1] == "data: [DONE]" and all(l.startswith("data: ") for l in lines)
+
+
+def test_chat_stream_and_not(client):
+  messages = [{"role": "system", "content": "Be brief."},
+              {"role": "user", "content": "Name a prime."}]
+  full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
+                                        temperature=0)
+  msg = full.choices[0].message
+  assert msg.role == "assistant" and full.usage.completion_tokens >= 1
+  chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
+                                               temperature=0, stream=True))
+  assert chunks[0].choices[0].delta.role == "assistant"
+  text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+  assert text == msg.content
+  assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+
+
+def test_cached_tokens_on_shared_prefix(server, client):
+  shared = "".join(chr(97 + (i * 7) % 26) for i in range(1024))     # 1,024 byte tokens
+  first = complete(client, shared + " first question?", 4)
+  second = complete(client, shared + " second one, longer?", 4)
+  assert first.usage.prompt_tokens_details.cached_tokens == 0
+  assert second.usage.prompt_tokens_details.cached_tokens == 1024
+  # a hit gives what a cold prefill gives (the same request again, after the cache is warm)
+  again = complete(client, shared + " first question?", 4)
+  assert again.usage.prompt_tokens_details.cached_tokens == 1024
+  assert again.choices[0].text == first.choices[0].text
+  metrics = httpx.get(f"{server}/metrics", timeout=10).text
+  hits = [l for l in metrics.splitlines() if l.startswith("k3_prefix_cache_hits_total")]
+  assert hits and float(hits[0].split()[-1]) >= 2048
+  ttft = [l for l in metrics.splitlines() if l.startswith("k3_time_to_first_token_seconds_count")]
+  assert ttft and float(ttft[0].split()[-1]) >= 3
+
+
+def test_sixteen_concurrent_clients(client):
+  prompts = [f"Request {i}: the quick brown fox number {i * 37}" for i in range(16)]
+  alone = {p: complete(client, p, 6).choices[0].text for p in prompts[:4]}
+  with concurrent.futures.ThreadPoolExecutor(16) as pool:
+    outs = list(pool.map(lambda p: complete(client, p, 6), prompts))
+  for p, o in zip(prompts, outs):
+    assert o.usage.prompt_tokens == len(p.encode()) and o.usage.completion_tokens >= 1
+    if p in alone:
+      assert o.choices[0].text == alone[p]
+  # and each concurrent answer equals that request alone
+  for p, o in list(zip(prompts, outs))[4:8]:
+    assert complete(client, p, 6).choices[0].text == o.choices[0].text
+
+
+def error_of(resp):
+  body = resp.json()
+  assert set(body["error"]) >= {"message", "type", "param", "code"}
+  return body["error"]
+
+
+@pytest.mark.parametrize("payload,status,needle", [
+    ({"prompt": ""}, 400, "empty"),
+    ({"prompt": "x" * 3000}, 400, "context"),
+    ({"prompt": "hi", "max_tokens": 5000}, 400, "max_tokens"),
+    ({"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
+    ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ({"prompt": "hi", "model": "gpt-4"}, 404, "does not exist"),
+    ({"prompt": 42}, 400, "prompt"),
+])
+def test_bad_input(server, payload, status, needle):
+  body = {"model": MODEL, "max_tokens": 2, **payload}
+  r = httpx.post(f"{server}/v1/completions", json=body, timeout=60)
+  assert r.status_code == status
+  assert needle in error_of(r)["message"]
+
+
+def test_malformed_json_and_messages(server):
+  r = httpx.post(f"{server}/v1/completions", content=b"{not json", timeout=60,
+                 headers={"content-type": "application/json"})
+  assert r.status_code == 400 and "JSON" in error_of(r)["message"]
+  r = httpx.post(f"{server}/v1/chat/completions", json={"model": MODEL, "messages": []},
+                 timeout=60)
+  assert r.status_code == 400 and "messages" in error_of(r)["message"]
+  with pytest.raises(openai.NotFoundError):
+    openai.OpenAI(base_url=f"{server}/v1", api_key="x", max_retries=0).chat.completions.create(
+        model="nope", messages=[{"role": "user", "content": "hi"}])
+  assert httpx.get(f"{server}/health", timeout=10).json()["status"] == "ok"   # still up
+
+
+def health(server):
+  return httpx.get(f"{server}/health", timeout=10).json()
+
+
+def test_disconnect_frees_slot(server):
+  with httpx.stream("POST", f"{server}/v1/completions", timeout=120, json={
+      "model": MODEL, "prompt": "long story:", "max_tokens": 1500, "temperature": 0,
+      "stream": True}) as r:
+    for line in r.iter_lines():
+      if line.startswith("data: {"):
+        break                                   # one token arrived: hang up
+  assert health(server)["running"] <= 1
+  deadline = time.monotonic() + 30
+  while health(server)["running"] and time.monotonic() < deadline:
+    time.sleep(0.1)
+  assert health(server)["running"] == 0 and health(server)["free_slots"] == 4
+
+
+def test_queue_bound_429(server):
+  body = {"model": MODEL, "prompt": "count:", "max_tokens": 60, "temperature": 0}
+
+  def post(_):
+    return httpx.post(f"{server}/v1/completions", json=body, timeout=300)
+
+  with concurrent.futures.ThreadPoolExecutor(40) as pool:
+    codes = [r.status_code for r in pool.map(post, range(40))]
+  assert codes.count(429) >= 1 and codes.count(200) >= 4 and set(codes) <= {200, 429}
+  r = httpx.post(f"{server}/v1/completions", json={**body, "max_tokens": 2}, timeout=60)
+  assert r.status_code == 200                  # and it recovers
