@@ -103,7 +103,7 @@ class Engine:
   def _rules(self):
     if self.mesh is None:
       return contextlib.nullcontext()
-    from sharding.rules import activation_rules
+    from sharding.install import activation_rules
     return activation_rules(self.mesh)
 
   def _build_steps(self):
