@@ -225,12 +225,12 @@ class K3Model(nnx.Module):
   def embed_inputs(self, tokens: jax.Array, images: dict | None = None) -> jax.Array:
     """Token embeddings [B, T, D]; with `images` (the packed dict of k3_jax/ops/vision.py) the
     image placeholders' embeddings are replaced, in order, by the projected image features."""
+    if images is not None and self.cfg.vision is None:
+      raise ConfigError(f"{self.cfg.name} has no vision tower (ModelConfig.vision is None); "
+                        "use configs.get_multimodal for a model that takes images")
     x = self.embed(tokens)
     if images is None:
       return x
-    if self.cfg.vision is None:
-      raise ConfigError(f"{self.cfg.name} has no vision tower (ModelConfig.vision is None); "
-                        "use configs.get_multimodal for a model that takes images")
     features = self.vision(images)                                   # [M, D]
     return scatter_features(x, tokens, features, self.cfg.vision.image_token_id)
 
