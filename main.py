@@ -52,7 +52,9 @@ flags.DEFINE_string("remat", None, "none | block (recompute each scanned unit) |
 flags.DEFINE_integer("eval_every", None, "evaluate every N steps")
 flags.DEFINE_integer("checkpoint_every", None, "checkpoint every N steps")
 flags.DEFINE_integer("seed", None, "random seed (init and data order)")
-flags.DEFINE_string("dataset", None, "stdlib (default) | mqar | path to .txt/.jsonl/folder")
+flags.DEFINE_string("dataset", None, "stdlib (default) | mqar | shapes (synthetic "
+                    "images + captions; attaches the preset's vision tower) | path to "
+                    ".txt/.jsonl/folder")
 flags.DEFINE_string("tokenizer", None, "byte (default) | path to a tiktoken BPE file")
 flags.DEFINE_string("mesh", "", "mesh axes, e.g. data:2,fsdp:4 (default: fsdp over all devices)")
 flags.DEFINE_boolean("json", False, "info: print one JSON object")
@@ -62,6 +64,11 @@ flags.DEFINE_enum("quant", "none", ["none", "mxfp4"],
                   "(converted from the checkpoint at load; activations MXFP8 as in QAT); compile "
                   "decode/prefill: the routed-expert weight format")
 flags.DEFINE_string("prompt", "", "generate: the prompt text")
+flags.DEFINE_multi_string("image", [], "generate: an image file placed before the prompt "
+                          "(repeatable; needs a model trained with images, e.g. "
+                          "--dataset=shapes)")
+flags.DEFINE_integer("caption_eval_images", 192, "train --dataset=shapes: held-out images "
+                     "captioned greedily after training to measure accuracy (0: skip)")
 flags.DEFINE_integer("max_new_tokens", 200, "generate: tokens to sample")
 flags.DEFINE_float("temperature", 0.0, "generate: 0 = greedy")
 flags.DEFINE_float("top_p", 1.0, "generate: nucleus sampling mass")
@@ -86,10 +93,12 @@ flags.DEFINE_float("ep_capacity", None, "compile/train: expert-parallel capacity
                    "(rows per source-destination bounded at c*n*k/P; default dropless)")
 
 
-def _model_config():
+def _model_config(vision: bool = False):
+  """The preset (with its vision tower attached when `vision`), then the overrides."""
   import configs
   from k3_jax.config import apply_overrides, validate
-  return validate(apply_overrides(configs.get(FLAGS.config), FLAGS.override))
+  base = configs.get_multimodal(FLAGS.config) if vision else configs.get(FLAGS.config)
+  return validate(apply_overrides(base, FLAGS.override))
 
 
 def _train_config(cfg):
@@ -116,6 +125,12 @@ def cmd_info() -> None:
     _optimizer_table(cfg)
     return
   counts = param_counts(cfg)
+  from k3_jax.config import ConfigError
+  from k3_jax.model import vision_param_counts
+  try:                                # the preset's vision tower, reported on its own
+    counts.update(vision_param_counts(_model_config(vision=True)))
+  except ConfigError:                 # this preset has no tower
+    pass
   prefix, reps, period = cfg.stack_plan()
   kinds = cfg.layer_kinds()
   pattern = "".join(("K" if m == "kda" else "M") + ("d" if f == "dense" else "")
@@ -144,6 +159,10 @@ def cmd_info() -> None:
   print(f"routed expert params {_human(counts['routed_expert_params'])}")
   for k, v in counts["by_module"].items():
     print(f"  {k:<12} {_human(v)}")
+  if "vision_params" in counts:
+    print(f"vision params {_human(counts['vision_params'])} ({counts['vision_params']:,}), "
+          f"not in the totals above: " + ", ".join(
+              f"{k} {_human(v)}" for k, v in counts["vision_by_module"].items()))
   if "serving_mxfp4" in out:
     sb = out["serving_mxfp4"]
     print(f"serving bytes {_bytes(sb['total_bytes'])} ({sb['total_bytes']:,}): routed experts "
@@ -211,7 +230,8 @@ def cmd_train() -> None:
 
   from sharding.distributed import maybe_initialize
   maybe_initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
-  cfg = _model_config()
+  shapes_run = FLAGS.dataset == "shapes"
+  cfg = _model_config(vision=shapes_run)      # the tower only when the data has images
   tc = _train_config(cfg)
   mesh = make_mesh(parse_mesh(FLAGS.mesh))
   validate_mesh(cfg, mesh, tc.batch_size, tc.seq_len)
@@ -220,7 +240,14 @@ def cmd_train() -> None:
   if tc.batch_size % pcount:
     raise ValueError(f"batch_size={tc.batch_size} must be divisible by {pcount} processes")
   per_host = tc.batch_size // pcount
-  if tc.dataset == "mqar":
+  if shapes_run:
+    from k3_jax.data import shapes
+    tok = tokenizers.get_tokenizer(tc.tokenizer)
+    train_iter = shapes.ShapesIterator(per_host, tc.seq_len, cfg.vision, tok, seed=tc.seed,
+                                       process_index=pidx)
+    evals = shapes.eval_batches(per_host, tc.seq_len, cfg.vision, tok, tc.eval_batches,
+                                seed=tc.seed)
+  elif tc.dataset == "mqar":
     from k3_jax.data import mqar
     train_iter = mqar.mqar_dataset(per_host, tc.seq_len, cfg.vocab_size, num_kv_pairs=8,
                                    seed=tc.seed, process_index=pidx)
@@ -253,6 +280,26 @@ def cmd_train() -> None:
   print(f"done: step {result.get('step')} loss {result.get('loss', float('nan')):.4f} "
         f"eval_loss {result.get('eval_loss', float('nan')):.4f} in "
         f"{result.get('wall_time', 0):.0f}s; checkpoints and metrics.jsonl in {FLAGS.workdir}")
+  if shapes_run and FLAGS.caption_eval_images > 0:
+    _caption_eval(cfg, tc, mesh, ckpt, tok)
+
+
+def _caption_eval(cfg, tc, mesh, ckpt, tok) -> None:
+  """Greedy captions of held-out shapes images from the last checkpoint, scored."""
+  import json
+  from k3_jax import train
+  from k3_jax.serve.multimodal import caption_accuracy
+  steps = train.build_steps(cfg, tc, mesh)
+  state, _ = ckpt.restore(steps.abstract_state, steps.state_shardings)
+  res = caption_accuracy(cfg, steps.graphdef, state["params"], state["rest"], tok,
+                         num_images=FLAGS.caption_eval_images, seed=tc.seed)
+  with open(os.path.join(FLAGS.workdir, "caption_eval.json"), "w") as f:
+    json.dump(res, f, indent=1)
+  acc, chance = res["accuracy"], res["chance"]
+  print(f"greedy captions of {res['num_images']} held-out images: " + ", ".join(
+      f"{k} {100 * acc[k]:.1f}% (chance {100 * chance[k]:.1f}%)" for k in acc))
+  for ex in res["examples"][:4]:
+    print(f"  {ex['label']!r} -> {ex['generated']!r}")
 
 
 def cmd_generate() -> None:
@@ -291,8 +338,15 @@ def cmd_generate() -> None:
   sys.stdout.write(FLAGS.prompt)
   sys.stdout.flush()
   stop = () if tok.eos_id is None else (tok.eos_id,)
-  for tid in engine.generate(ids, FLAGS.max_new_tokens, FLAGS.temperature, FLAGS.top_p,
-                             seed=FLAGS.seed or 0, stop_ids=stop):
+  if FLAGS.image:
+    from k3_jax.serve.multimodal import generate_with_images
+    tokens = generate_with_images(engine, tok, FLAGS.prompt, FLAGS.image, FLAGS.max_new_tokens,
+                                  FLAGS.temperature, FLAGS.top_p, seed=FLAGS.seed or 0,
+                                  stop_ids=stop)
+  else:
+    tokens = engine.generate(ids, FLAGS.max_new_tokens, FLAGS.temperature, FLAGS.top_p,
+                             seed=FLAGS.seed or 0, stop_ids=stop)
+  for tid in tokens:
     if tid in stop:
       break
     sys.stdout.write(stream.add(tid))

@@ -349,6 +349,16 @@ def decode_step(model: K3Model, cache: dict, token: jax.Array) -> tuple[jax.Arra
   return logits[:, 0], cache
 
 
+def vision_param_counts(cfg: ModelConfig) -> dict:
+  """Parameters of the vision tower and projector alone (abstract: nothing allocated)."""
+  if cfg.vision is None:
+    return {}
+  enc = nnx.eval_shape(lambda: VisionEncoder(cfg, init=Init(0, "abstract")))
+  parts = {name: sum(math.prod(v.shape) for _, v in nnx.to_flat_state(nnx.state(mod, nnx.Param)))
+           for name, mod in (("tower", enc.tower), ("projector", enc.projector))}
+  return {"vision_params": sum(parts.values()), "vision_by_module": parts}
+
+
 def _is_routed_expert(axes) -> bool:
   return "experts" in axes and "expert_mlp" in axes
 

@@ -22,8 +22,8 @@ class Engine:
     self.cfg = cfg
     self.graphdef, self.params, self.rest = graphdef, params, rest
 
-    def _prefill(params, rest, tokens, max_len):
-      return prefill(nnx.merge(graphdef, params, rest), tokens, max_len)
+    def _prefill(params, rest, tokens, max_len, images):
+      return prefill(nnx.merge(graphdef, params, rest), tokens, max_len, images)
 
     def _decode(params, rest, cache, token, key, temperature, top_p):
       logits, cache = decode_step(nnx.merge(graphdef, params, rest), cache, token)
@@ -33,9 +33,18 @@ class Engine:
     self._decode = jax.jit(_decode, donate_argnums=(2,))
 
   def generate(self, prompt_ids, max_new_tokens: int, temperature: float = 0.0,
-               top_p: float = 1.0, seed: int = 0, stop_ids=()) -> Iterator[int]:
-    """Yields up to max_new_tokens sampled token ids for one prompt."""
+               top_p: float = 1.0, seed: int = 0, stop_ids=(),
+               images: dict | None = None) -> Iterator[int]:
+    """Yields up to max_new_tokens sampled token ids for one prompt.
+
+    images: packed images (k3_jax/data/images.pack_images) whose features replace the
+    prompt's image placeholders; their count must match (checked here, before any work)."""
     prompt = check_tokens(prompt_ids, self.cfg).reshape(1, -1)
+    if images is not None:
+      if self.cfg.vision is None:
+        raise ValueError(f"{self.cfg.name} has no vision tower: it cannot take images")
+      from k3_jax.data.images import check_placeholders
+      check_placeholders(prompt, int(images["merge_idx"].shape[0]), self.cfg.vision)
     if prompt.shape[1] == 0:
       raise ValueError("the prompt is empty: give at least one token")
     total = prompt.shape[1] + max_new_tokens
@@ -46,7 +55,8 @@ class Engine:
       raise ValueError(f"top_p={top_p} must lie in (0, 1]")
     if temperature < 0:
       raise ValueError(f"temperature={temperature} must be >= 0")
-    logits, cache = self._prefill(self.params, self.rest, jnp.asarray(prompt, jnp.int32), total)
+    logits, cache = self._prefill(self.params, self.rest, jnp.asarray(prompt, jnp.int32), total,
+                                  images)
     key = jax.random.key(seed)
     key, sub = jax.random.split(key)
     token = sample(sub, logits[:, -1], temperature, top_p)

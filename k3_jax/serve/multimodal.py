@@ -1,0 +1,94 @@
+"""Generation with images: a prompt with images (what `generate --image` runs), and greedy
+captions of held-out `shapes` images scored against their labels (the multimodal training
+run's accuracy measure)."""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from k3_jax.config import ModelConfig
+from k3_jax.data import images as im
+from k3_jax.data import shapes
+from k3_jax.data.tokenizers import Tokenizer
+from k3_jax.model import decode_step, prefill
+
+
+def image_prompt(cfg: ModelConfig, tokenizer: Tokenizer, prompt: str,
+                 image_paths: Sequence[str]) -> tuple[list[int], dict]:
+  """The images (each as media tokens around its placeholders), then the prompt text
+  -> (ids, packed images). Bad images and a model without a tower are clear errors."""
+  if cfg.vision is None:
+    raise ValueError(f"model {cfg.name!r} has no vision tower (trained without images); "
+                     "--image needs a model trained with one, e.g. --dataset=shapes")
+  return im.prompt_with_images("", image_paths, prompt, cfg.vision, tokenizer.encode)
+
+
+def generate_with_images(engine, tokenizer: Tokenizer, prompt: str, image_paths: Sequence[str],
+                         max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+                         seed: int = 0, stop_ids=()) -> Iterator[int]:
+  """Token ids sampled after the images and prompt (see `image_prompt`)."""
+  ids, packed = image_prompt(engine.cfg, tokenizer, prompt, image_paths)
+  return engine.generate(ids, max_new_tokens, temperature, top_p, seed=seed, stop_ids=stop_ids,
+                         images=packed)
+
+
+def greedy_captions(cfg: ModelConfig, graphdef, params, rest, tokenizer: Tokenizer,
+                    pictures: Sequence[np.ndarray], max_new_tokens: int = 48,
+                    batch_size: int = 32) -> list[str]:
+  """Greedy captions of `shapes`-sized images, `batch_size` images per prefill/decode batch."""
+  v = cfg.vision
+  prefix = shapes.prompt_ids(v, tokenizer)
+  total = len(prefix) + max_new_tokens
+
+  @jax.jit
+  def start(params, rest, tokens, images):
+    logits, cache = prefill(nnx.merge(graphdef, params, rest), tokens, total, images)
+    return jnp.argmax(logits[:, -1], -1).astype(jnp.int32), cache
+
+  @jax.jit
+  def step(params, rest, cache, token):
+    logits, cache = decode_step(nnx.merge(graphdef, params, rest), cache, token)
+    return jnp.argmax(logits, -1).astype(jnp.int32), cache
+
+  out = []
+  for lo in range(0, len(pictures), batch_size):
+    chunk = list(pictures[lo:lo + batch_size])
+    n = len(chunk)
+    chunk += [chunk[-1]] * (batch_size - n)          # one compiled shape for every chunk
+    packed = im.pack_images([im.to_patches(p, v, resize=False) for p in chunk], v)
+    tokens = jnp.asarray(np.tile(np.asarray(prefix, np.int32), (batch_size, 1)))
+    token, cache = start(params, rest, tokens, packed)
+    produced = [np.asarray(token)]
+    for _ in range(max_new_tokens - 1):
+      if tokenizer.eos_id is not None and (np.stack(produced, 1) == tokenizer.eos_id).any(1).all():
+        break
+      token, cache = step(params, rest, cache, token)
+      produced.append(np.asarray(token))
+    ids = np.stack(produced, 1)[:n]
+    for row in ids:
+      row = row.tolist()
+      if tokenizer.eos_id is not None and tokenizer.eos_id in row:
+        row = row[:row.index(tokenizer.eos_id)]
+      out.append(tokenizer.decode(row))
+  return out
+
+
+def caption_accuracy(cfg: ModelConfig, graphdef, params, rest, tokenizer: Tokenizer,
+                     num_images: int = 192, seed: int = 0) -> dict:
+  """Greedy captions of `num_images` held-out shapes images vs their labels: accuracy of the
+  whole caption and of each attribute, with chance levels, and a few examples."""
+  examples = shapes.held_out_examples(num_images, seed)
+  texts = greedy_captions(cfg, graphdef, params, rest, tokenizer, [p for p, _ in examples])
+  scores = [shapes.score_caption(t, lab) for t, (_, lab) in zip(texts, examples)]
+  acc = {k: float(np.mean([s[k] for s in scores])) for k in shapes.CHANCE}
+  return {"num_images": num_images, "accuracy": acc, "chance": dict(shapes.CHANCE),
+          "examples": [{"label": lab["caption"], "generated": t}
+                       for t, (_, lab) in list(zip(texts, examples))[:8]]}
+
+
+__all__ = ["image_prompt", "generate_with_images", "greedy_captions", "caption_accuracy"]
