@@ -181,6 +181,11 @@ def _optimizer_table(cfg) -> None:
   from k3_jax.model import abstract_model
   from k3_jax.optim.muon import ADAMW, GROUPS, param_groups
   tc = _train_config(cfg)
+  from k3_jax.config import ConfigError
+  try:                                # with the preset's vision tower, if it has one
+    cfg = _model_config(vision=True)
+  except ConfigError:
+    pass
   rows = param_groups(nnx.state(abstract_model(cfg), nnx.Param))
   if tc.optimizer == "adamw":
     rows = [(n, s, type(g)(ADAMW)) for n, s, g in rows]

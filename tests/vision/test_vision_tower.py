@@ -75,6 +75,27 @@ def test_k3_tower_shapes_and_parameter_count():
   assert "mm_projector.post_norm.weight" in names
 
 
+def test_optimizer_groups_and_sharding_cover_the_tower():
+  from k3_jax.optim.muon import ADAMW, MUON, PER_HEAD, param_group
+  from sharding.mesh import make_mesh, parse_mesh
+  from sharding.rules import tree_shardings
+  cfg = configs.get_multimodal("k3_tiny")
+  state = nnx.state(abstract_model(cfg), nnx.Param)["vision"]
+  groups = {".".join(map(str, p)): param_group(v).group
+            for p, v in nnx.to_flat_state(state)}
+  assert groups["tower.blocks.0.wqkv.linear.w"] == PER_HEAD   # per (q/k/v, head)
+  for name in ("tower.blocks.0.wo.linear.w", "tower.blocks.1.fc0.linear.w",
+               "tower.patch_embed.linear.w", "projector.linear_2.linear.w"):
+    assert groups[name] == MUON, name
+  for name in ("tower.pos_emb", "tower.blocks.0.norm0.weight", "projector.post_norm.weight"):
+    assert groups[name] == ADAMW, name
+  # every vision parameter has a sharding rule; on a 2-way fsdp mesh the width is split
+  mesh = make_mesh(parse_mesh("fsdp:2"), devices=jax.devices()[:2])
+  sh = tree_shardings(state, mesh)
+  spec = sh["tower"]["blocks"][0]["fc0"]["linear"]["w"].spec
+  assert tuple(spec) == ("fsdp", None)
+
+
 def test_text_only_presets_have_no_tower():
   for name in ("k3", "k3_small", "k3_tiny"):
     assert configs.get(name).vision is None
