@@ -118,3 +118,30 @@ def test_train_step_on_images_and_text():
   l1, n1 = steps.eval(state, put)
   l2, n2 = steps.eval(state, train.put_batch(swapped, steps.batch_sharding))
   assert float(n1) == float(n2) and float(l1) != float(l2)
+
+
+def test_generate_with_images_matches_a_full_forward(tmp_path):
+  from PIL import Image
+  from k3_jax.serve.engine import Engine
+  from k3_jax.serve.multimodal import generate_with_images, image_prompt
+  model = create_model(MM1, seed=1)
+  graphdef, params, rest = train.split_model(model)
+  engine = Engine(MM1, graphdef, params, rest)
+  paths = []
+  for i, (h, w) in enumerate(((2, 4), (4, 2))):
+    img = np.random.default_rng(i).integers(0, 256, (h * 14, w * 14, 3), dtype=np.uint8)
+    paths.append(str(tmp_path / f"{i}.png"))
+    Image.fromarray(img).save(paths[-1])
+  out = list(generate_with_images(engine, TOK, " is", paths, max_new_tokens=3))
+  # greedy decoding after a prefill with images == argmax of one forward pass over the
+  # prompt + generated tokens with the same images (the decode path sees no images)
+  ids, packed = image_prompt(MM1, TOK, " is", paths)
+  full = jnp.asarray([ids + out[:-1]])
+  logits = nnx.jit(lambda m, t, images: m(t, images=images)[0])(model, full, packed)
+  want = np.asarray(jnp.argmax(logits[0, len(ids) - 1:], -1)).tolist()
+  assert out == want
+  with pytest.raises(ValueError, match="image placeholder tokens"):
+    first = ids.index(MM1.vision.image_token_id)
+    list(engine.generate(ids[:first] + ids[first + 1:], 2, images=packed))   # one short
+  with pytest.raises(ValueError, match="no vision tower"):
+    image_prompt(TEXT, TOK, "x", paths)
