@@ -354,6 +354,9 @@ def _replace_path(obj: Any, parts: list[str], raw: str, full: str) -> Any:
     if dataclasses.is_dataclass(current):
       raise ConfigError(f"override {full!r}: {parts[0]!r} is a group; name one of its fields")
     return dataclasses.replace(obj, **{parts[0]: _parse_value(raw, current, full)})
+  if current is None and parts[0] == "vision":
+    raise ConfigError(f"override {full!r}: this model has no vision tower (vision is None); "
+                      "vision fields apply to jobs with images, e.g. --dataset=shapes")
   if not dataclasses.is_dataclass(current):
     raise ConfigError(f"override {full!r}: {parts[0]!r} is not a group of fields")
   return dataclasses.replace(obj, **{parts[0]: _replace_path(current, parts[1:], raw, full)})
