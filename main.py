@@ -66,7 +66,10 @@ flags.DEFINE_integer("eval_every", None, "evaluate every N steps")
 flags.DEFINE_integer("checkpoint_every", None, "checkpoint every N steps")
 flags.DEFINE_integer("seed", None, "random seed (train: init and data order; generate: "
                      "sampling, default 0)")
-flags.DEFINE_string("dataset", None, "stdlib (default) | mqar | path to .txt/.jsonl/folder")
+flags.DEFINE_string("dataset", None, "stdlib (default) | mqar | shapes (synthetic images + "
+                    "captions; attaches the preset's vision tower) | path to .txt/.jsonl/folder")
+flags.DEFINE_integer("caption_eval_images", 192, "--dataset=shapes: held-out images captioned "
+                     "greedily after training to measure accuracy (0: skip)")
 flags.DEFINE_string("tokenizer", None, "byte | path to a tiktoken BPE file (train default: "
                     "byte; generate default: the run's)")
 flags.DEFINE_string("mesh", "", "mesh axes, e.g. data:2,fsdp:4 (default: fsdp over all devices)")
@@ -86,6 +89,8 @@ flags.DEFINE_integer("num_processes", None, "multi-host: number of processes")
 flags.DEFINE_integer("process_id", None, "multi-host: this process's index")
 # generate
 flags.DEFINE_string("prompt", "", "the prompt text")
+flags.DEFINE_multi_string("image", [], "an image file placed before the prompt (repeatable; "
+                          "needs a model trained with images, e.g. --dataset=shapes)")
 flags.DEFINE_integer("max_new_tokens", 200, "tokens to sample")
 flags.DEFINE_float("temperature", 0.0, "sampling temperature; 0 = greedy")
 flags.DEFINE_float("top_p", 1.0, "nucleus sampling: sample from the smallest set of tokens "
@@ -157,10 +162,21 @@ MULTIHOST_FLAGS = ("coordinator_address", "num_processes", "process_id")
 
 # ---- helpers that read flags ----
 
-def _model_config():
+def _model_config(vision: bool = False):
+  """The preset (with its vision tower attached when `vision`), then the overrides."""
   import configs
   from k3_jax.config import apply_overrides, validate
-  return validate(apply_overrides(configs.get(FLAGS.config), FLAGS.override))
+  base = configs.get_multimodal(FLAGS.config) if vision else configs.get(FLAGS.config)
+  return validate(apply_overrides(base, FLAGS.override))
+
+
+def _vision_model_config():
+  """The preset with its vision tower, or None when it has none (info reports it apart)."""
+  from k3_jax.config import ConfigError
+  try:
+    return _model_config(vision=True)
+  except ConfigError:
+    return None
 
 
 def _execution_overrides(cfg, gmm: str | None = None):
@@ -218,8 +234,9 @@ def cmd_train() -> None:
   from sharding.mesh import make_mesh, parse_mesh, validate_mesh
 
   maybe_initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+  shapes_run = FLAGS.dataset == "shapes"     # the tower only when the data has images
   cfg = _execution_overrides(_hf_model_config(FLAGS.init_from) if FLAGS.init_from
-                             else _model_config())
+                             else _model_config(vision=shapes_run))
   tc = _train_config(cfg)
   mesh = make_mesh(parse_mesh(FLAGS.mesh))
   validate_mesh(cfg, mesh, tc.batch_size, tc.seq_len)
@@ -237,12 +254,17 @@ def cmd_train() -> None:
                      max_bad_steps=FLAGS.max_bad_steps, restore_step=FLAGS.checkpoint_step,
                      init_state=init_state)
   print(train.summary_line(result, FLAGS.workdir))
+  if shapes_run and FLAGS.caption_eval_images > 0 and not result.get("interrupted"):
+    from k3_jax.data import tokenizers
+    from k3_jax.serve.multimodal import caption_eval
+    caption_eval(FLAGS.workdir, tokenizers.get_tokenizer(tc.tokenizer),
+                 FLAGS.caption_eval_images, seed=tc.seed)
 
 
 def cmd_generate() -> None:
   from k3_jax.config import UserError
   from k3_jax.serve import restore
-  if not FLAGS.prompt and not FLAGS.prompt_ids:
+  if not FLAGS.prompt and not FLAGS.prompt_ids and not FLAGS.image:
     raise UserError("--prompt is empty: give the text to continue, e.g. --prompt=\"def \" "
                     "(or token ids with --prompt_ids=1,2,3)")
   if FLAGS.max_new_tokens <= 0:
@@ -256,6 +278,22 @@ def cmd_generate() -> None:
   sampling = dict(temperature=FLAGS.temperature, top_p=FLAGS.top_p, seed=FLAGS.seed or 0,
                   frequency_penalty=FLAGS.frequency_penalty,
                   presence_penalty=FLAGS.presence_penalty)
+  if FLAGS.image:
+    from k3_jax.serve.multimodal import generate_with_images
+    tok = restored.tokenizer
+    stop = () if tok.eos_id is None else (tok.eos_id,)
+    tokens = generate_with_images(restored.engine, tok, FLAGS.prompt, FLAGS.image,
+                                  FLAGS.max_new_tokens, FLAGS.temperature, FLAGS.top_p,
+                                  seed=FLAGS.seed or 0, stop_ids=stop)
+    stream = tok.stream_decoder()
+    sys.stdout.write(FLAGS.prompt)
+    for tid in tokens:
+      if tid in stop:
+        break
+      sys.stdout.write(stream.add(tid))
+      sys.stdout.flush()
+    sys.stdout.write(stream.flush() + "\n")
+    return
   if FLAGS.prompt_ids or FLAGS.json:
     ids = (restore.parse_token_ids(FLAGS.prompt_ids) if FLAGS.prompt_ids
            else restored.tokenizer.encode(FLAGS.prompt))
@@ -282,7 +320,7 @@ def cmd_info() -> None:
     _print_param_groups(cfg)
     return
   from k3_jax.info import model_summary
-  out = model_summary(cfg, serving_bytes=FLAGS.serving_bytes)
+  out = model_summary(cfg, serving_bytes=FLAGS.serving_bytes, vision_cfg=_vision_model_config())
   if FLAGS.json:
     print(json.dumps(out))
     return
@@ -298,6 +336,10 @@ def cmd_info() -> None:
   print(f"routed expert params {_human(out['routed_expert_params'])}")
   for k, v in out["by_module"].items():
     print(f"  {k:<12} {_human(v)}")
+  if "vision_params" in out:
+    print(f"vision params {_human(out['vision_params'])} ({out['vision_params']:,}), not in "
+          f"the totals above: " + ", ".join(f"{k} {_human(v)}"
+                                            for k, v in out["vision_by_module"].items()))
   if "serving_mxfp4" in out:
     sb = out["serving_mxfp4"]
     print(f"serving bytes {_bytes(sb['total_bytes'])} ({sb['total_bytes']:,}): routed experts "
@@ -312,7 +354,7 @@ def _print_param_groups(cfg) -> None:
   from k3_jax.info import optimizer_groups
   from k3_jax.optim.muon import GROUPS
   tc = _train_config(cfg)
-  rows = optimizer_groups(cfg, tc.optimizer)
+  rows = optimizer_groups(_vision_model_config() or cfg, tc.optimizer)   # with any tower
   if FLAGS.json:
     print(json.dumps({"config": cfg.name, "optimizer": tc.optimizer, "params": [
         {"path": n, "shape": list(s), "group": g.group, "batch_axes": list(g.batch_axes)}
@@ -410,12 +452,14 @@ COMMANDS: dict[str, Command] = {
     "train": Command(cmd_train, "train --config for --steps, resuming from the latest "
                      "checkpoint in --workdir",
                      (*MODEL_FLAGS, "workdir", *TRAIN_CONFIG_FLAGS, "mesh", "ep_capacity",
-                      "max_bad_steps", "checkpoint_step", "init_from", *MULTIHOST_FLAGS)),
+                      "max_bad_steps", "checkpoint_step", "init_from", "caption_eval_images",
+                      *MULTIHOST_FLAGS)),
     "generate": Command(cmd_generate, "load the latest checkpoint in --workdir and stream a "
                         "completion of --prompt",
                         ("workdir", "prompt", "max_new_tokens", "temperature", "top_p", "seed",
                          "frequency_penalty", "presence_penalty", "tokenizer",
-                         "expert_format", "checkpoint_step", "prompt_ids", "json", "hf_dir")),
+                         "expert_format", "checkpoint_step", "prompt_ids", "json", "hf_dir",
+                         "image")),
     "info": Command(cmd_info, "layer plan and parameter counts (abstract, nothing allocated)",
                     (*MODEL_FLAGS, "json", "serving_bytes", "param_groups", "optimizer")),
     "compile": Command(cmd_compile, "ahead-of-time compile the train / prefill / decode step "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 from k3_jax.config import ConfigError, ModelConfig, TrainConfig, validate
@@ -13,6 +14,17 @@ def get(name: str) -> ModelConfig:
   if name not in PRESETS:
     raise ConfigError(f"unknown config {name!r}; valid configs are: {', '.join(PRESETS)}")
   return validate(importlib.import_module(f"configs.{name}").get_config())
+
+
+def get_multimodal(name: str) -> ModelConfig:
+  """The preset with its vision tower attached (ModelConfig.vision), for jobs that use images.
+  Text-only jobs use `get`: their model, checkpoints and outputs are exactly as before."""
+  cfg = get(name)
+  mod = importlib.import_module(f"configs.{name}")
+  if not hasattr(mod, "get_vision_config"):
+    raise ConfigError(f"config {name!r} has no vision tower; presets with one: "
+                      f"{', '.join(n for n in PRESETS if hasattr(importlib.import_module(f'configs.{n}'), 'get_vision_config'))}")
+  return validate(dataclasses.replace(cfg, vision=mod.get_vision_config()))
 
 
 def get_train(name: str) -> TrainConfig:

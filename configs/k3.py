@@ -34,3 +34,9 @@ def get_config() -> ModelConfig:
 def get_train_config() -> TrainConfig:
   """K3 trains with Per-Head Muon + QK-Clip (K3_SPEC section 6)."""
   return TrainConfig(optimizer="muon")
+
+
+def get_vision_config():
+  """The vision tower attached by configs.get_multimodal (jobs that use images)."""
+  from configs import vision
+  return vision.k3()

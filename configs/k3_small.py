@@ -39,3 +39,9 @@ def get_train_config() -> TrainConfig:
   return TrainConfig(steps=180, batch_size=8, seq_len=256, optimizer="muon", muon_lr=3e-3,
                      learning_rate=3e-3, eval_every=60, eval_batches=4, checkpoint_every=60,
                      log_every=10)
+
+
+def get_vision_config():
+  """The vision tower attached by configs.get_multimodal (jobs that use images)."""
+  from configs import vision
+  return vision.small()

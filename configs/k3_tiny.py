@@ -30,3 +30,9 @@ def get_config() -> ModelConfig:
 def get_train_config() -> TrainConfig:
   return TrainConfig(steps=4, batch_size=4, seq_len=32, eval_every=2, eval_batches=1,
                      checkpoint_every=2, log_every=1)
+
+
+def get_vision_config():
+  """The vision tower attached by configs.get_multimodal (jobs that use images)."""
+  from configs import vision
+  return vision.tiny()

@@ -100,6 +100,44 @@ EXECUTION_FIELDS = ("kda.backend", "moe.gmm", "moe.ep_capacity")
 
 
 @dataclass(frozen=True)
+class VisionConfig:
+  """The vision tower (MoonViT, K3_SPEC section 8) and its projector into the LM width.
+
+  The defaults are the released K3 tower (MoonViT-V2). The earlier MoonViT of Kimi K2.5 is
+  the same mechanism with norm="layernorm", bias=True, projector_norm="pre"."""
+  num_layers: int = 27
+  width: int = 1024                 # model width of the tower
+  num_heads: int = 12
+  head_dim: int = 128               # attention width num_heads * head_dim may differ from width
+  mlp_dim: int = 4096               # tanh-GELU MLP
+  patch_size: int = 14
+  pos_grid: int = 64                # learned position table [pos_grid, pos_grid, width]
+  rope_theta: float = 10000.0
+  merge: int = 2                    # k x k neighbouring patches -> one LM token
+  norm: str = "rmsnorm"             # "rmsnorm" (V2) | "layernorm" (K2.5, with biases)
+  bias: bool = False                # biases on the patch embedding, qkv, wo and MLP (K2.5)
+  norm_eps: float = 1e-5
+  projector_norm: str = "post"      # "post": Linear, GELU, Linear, RMSNorm (V2) |
+                                    # "pre": LayerNorm, Linear, GELU, Linear (K2.5)
+  projector_eps: float = 1e-5
+  max_patches: int = 65_536         # patch budget per image
+  max_side: int = 512               # patches per image side
+  # text-side ids: <|media_begin|>image {w}x{h}<|media_content|> [image] * h*w/4 <|media_end|>
+  media_begin_id: int = 163_602
+  media_content_id: int = 163_603
+  media_end_id: int = 163_604
+  image_token_id: int = 163_605
+
+  @property
+  def merged_dim(self) -> int:
+    return self.width * self.merge * self.merge
+
+  @property
+  def attn_dim(self) -> int:
+    return self.num_heads * self.head_dim
+
+
+@dataclass(frozen=True)
 class ModelConfig:
   name: str = "custom"
   vocab_size: int = 256
@@ -125,6 +163,7 @@ class ModelConfig:
   moe: MoEConfig = field(default_factory=MoEConfig)
   attn_res: AttnResConfig = field(default_factory=AttnResConfig)
   quant: QuantConfig = field(default_factory=QuantConfig)
+  vision: VisionConfig | None = None           # None: text only (no tower is built)
 
   # ----- derived structure -------------------------------------------------
   def layer_kinds(self) -> tuple[tuple[str, str], ...]:
@@ -259,7 +298,27 @@ def validate(cfg: ModelConfig) -> ModelConfig:
                "32 along each routed-expert contraction axis)")
   _require(cfg.attn_res.block_size > 0, "attn_res.block_size", cfg.attn_res.block_size,
            "must be positive")
+  if cfg.vision is not None:
+    validate_vision(cfg.vision, cfg.vocab_size)
   return cfg
+
+
+def validate_vision(v: VisionConfig, vocab_size: int) -> VisionConfig:
+  for f in ("num_layers", "width", "num_heads", "head_dim", "mlp_dim", "patch_size", "pos_grid",
+            "merge", "max_patches", "max_side"):
+    _require(getattr(v, f) > 0, f"vision.{f}", getattr(v, f), "must be positive")
+  _require(v.head_dim % 4 == 0, "vision.head_dim", v.head_dim,
+           "must be divisible by 4 (2-D RoPE: complex pairs alternate x and y)")
+  _require(v.norm in ("rmsnorm", "layernorm"), "vision.norm", v.norm,
+           "must be 'rmsnorm' (MoonViT-V2) or 'layernorm' (K2.5)")
+  _require(v.projector_norm in ("post", "pre"), "vision.projector_norm", v.projector_norm,
+           "must be 'post' (MoonViT-V2) or 'pre' (K2.5)")
+  ids = {f: getattr(v, f) for f in ("media_begin_id", "media_content_id", "media_end_id",
+                                     "image_token_id")}
+  for f, i in ids.items():
+    _require(0 <= i < vocab_size, f"vision.{f}", i, f"must lie in [0, vocab_size={vocab_size})")
+  _require(len(set(ids.values())) == 4, "vision media token ids", ids, "must be distinct")
+  return v
 
 
 def validate_train(tc: TrainConfig, cfg: ModelConfig) -> TrainConfig:
@@ -324,6 +383,9 @@ def _replace_path(obj: Any, parts: list[str], raw: str, full: str) -> Any:
     if dataclasses.is_dataclass(current):
       raise ConfigError(f"override {full!r}: {parts[0]!r} is a group; name one of its fields")
     return dataclasses.replace(obj, **{parts[0]: _parse_value(raw, current, full)})
+  if current is None and parts[0] == "vision":
+    raise ConfigError(f"override {full!r}: this model has no vision tower (vision is None); "
+                      "vision fields apply to jobs with images, e.g. --dataset=shapes")
   if not dataclasses.is_dataclass(current):
     raise ConfigError(f"override {full!r}: {parts[0]!r} is not a group of fields")
   return dataclasses.replace(obj, **{parts[0]: _replace_path(current, parts[1:], raw, full)})
@@ -344,10 +406,12 @@ def without_execution_fields(d: dict) -> dict:
 
 def from_dict(d: dict) -> ModelConfig:
   sub = {"kda": KDAConfig, "mla": MLAConfig, "moe": MoEConfig, "attn_res": AttnResConfig,
-         "quant": QuantConfig}
+         "quant": QuantConfig, "vision": VisionConfig}
   kw = {}
   for k, v in d.items():
-    if k in sub:
+    if k == "vision" and v is None:
+      kw[k] = None
+    elif k in sub:
       kw[k] = sub[k](**v)
     elif isinstance(v, list):
       kw[k] = tuple(v)
@@ -363,5 +427,6 @@ def jnp_dtype(name: str):
 
 __all__ = ["ConfigError", "KDAConfig", "MLAConfig", "MoEConfig", "AttnResConfig", "QuantConfig",
            "QAT_MODES", "KDA_BACKENDS", "GMM_KINDS", "EXECUTION_FIELDS", "ModelConfig",
+           "VisionConfig", "validate_vision",
            "TrainConfig", "MeshConfig", "validate", "validate_train", "apply_overrides",
            "to_dict", "without_execution_fields", "from_dict", "jnp_dtype"]

@@ -7,15 +7,17 @@ from __future__ import annotations
 from flax import nnx
 
 from k3_jax.config import ModelConfig
-from k3_jax.model import abstract_model, param_counts
+from k3_jax.model import abstract_model, param_counts, vision_param_counts
 from k3_jax.optim.muon import ADAMW, param_groups
 from k3_jax.serve.pack import serving_weight_bytes
 
 
-def model_summary(cfg: ModelConfig, serving_bytes: bool = False) -> dict:
+def model_summary(cfg: ModelConfig, serving_bytes: bool = False,
+                  vision_cfg: ModelConfig | None = None) -> dict:
   """Layer pattern (K = KDA, M = MLA, d = dense FFN), scan plan, total / activated / per-module
   parameter counts; with serving_bytes, also the bytes served with the routed experts packed
-  MXFP4 and the rest BF16 (key "serving_mxfp4")."""
+  MXFP4 and the rest BF16 (key "serving_mxfp4"); with vision_cfg (the preset with its tower),
+  the tower's counts on their own ("vision_params", "vision_by_module", not in the totals)."""
   prefix, reps, period = cfg.stack_plan()
   kinds = cfg.layer_kinds()
   pattern = "".join(("K" if m == "kda" else "M") + ("d" if f == "dense" else "")
@@ -27,6 +29,8 @@ def model_summary(cfg: ModelConfig, serving_bytes: bool = False) -> dict:
          "scan": {"unscanned_prefix": prefix, "repeats": reps, "period": period,
                   "unscanned_suffix": cfg.num_layers - prefix - reps * period},
          **param_counts(cfg)}
+  if vision_cfg is not None and vision_cfg.vision is not None:
+    out.update(vision_param_counts(vision_cfg))
   if serving_bytes:
     out["serving_mxfp4"] = serving_weight_bytes(cfg)
   return out

@@ -29,7 +29,9 @@ from k3_jax.layers.kda import KDA
 from k3_jax.layers.mla import MLA
 from k3_jax.layers.moe import MoE
 from k3_jax.layers.norm import RMSNorm
+from k3_jax.ops.vision import scatter_features
 from k3_jax.partitioning import constrain
+from k3_jax.vision.tower import VisionEncoder
 
 
 class DecoderLayer(nnx.Module):
@@ -176,6 +178,9 @@ class K3Model(nnx.Module):
     if cfg.attn_res.enabled:
       self.final_query = attn_res.PseudoQuery(cfg.d_model)
     self.lm_head = LMHead(cfg.d_model, cfg.vocab_size, init=init, dtype=dt, param_dtype=pdt)
+    # Built last, so a text model's initial values do not depend on whether it has a tower.
+    if cfg.vision is not None:
+      self.vision = VisionEncoder(cfg, init=init)
 
   # ----- caches ---------------------------------------------------------------
   def init_cache(self, batch: int, max_len: int) -> dict:
@@ -239,9 +244,25 @@ class K3Model(nnx.Module):
                                     (state, first_layers, jnp.arange(reps)))
     return x, caches, aux
 
+  def embed_inputs(self, tokens: jax.Array, images: dict | None = None) -> jax.Array:
+    """Token embeddings [B, T, D]; with `images` (the packed dict of k3_jax/ops/vision.py) the
+    image placeholders' embeddings are replaced, in order, by the projected image features."""
+    if images is not None and self.cfg.vision is None:
+      raise ConfigError(f"{self.cfg.name} has no vision tower (ModelConfig.vision is None); "
+                        "use configs.get_multimodal for a model that takes images")
+    x = self.embed(tokens)
+    if images is None:
+      return x
+    features = self.vision(images)                                   # [M, D]
+    return scatter_features(x, tokens, features, self.cfg.vision.image_token_id)
+
   def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
-               cache: dict | None = None, remat: str = "none", train: bool = False):
+               cache: dict | None = None, remat: str = "none", train: bool = False,
+               images: dict | None = None):
     """tokens [B, T] -> (logits [B, T, vocab] f32, new cache or None, aux).
+
+    images: packed image patches (k3_jax/ops/vision.py) whose features replace the image
+    placeholder tokens of `tokens`, in order; None (text only) runs exactly as before.
 
     aux: 'expert_load' [n_moe_layers, E] (tokens per expert), 'max_logit' [n_mla_layers, H],
     and with train=True 'new_bias' [n_moe_layers, E] (for `set_router_biases`). MoE layers
@@ -252,7 +273,7 @@ class K3Model(nnx.Module):
     if t > limit:
       raise ConfigError(f"sequence length {t} exceeds max_seq_len={limit}")
     pos = cache["pos"] if cache is not None else 0
-    x = constrain(self.embed(tokens), ("batch", "seq", "embed"))
+    x = constrain(self.embed_inputs(tokens, images), ("batch", "seq", "embed"))
     if self.cfg.attn_res.enabled:
       x = attn_res.init_stream(x, self.cfg.num_layers, self.cfg.attn_res.block_size)
     new_cache = None if cache is None else {"pos": pos + t}
@@ -335,10 +356,12 @@ def forward(model: K3Model, tokens, segment_ids=None, remat: str = "none") -> ja
   return model(tokens, segment_ids, remat=remat)[0]
 
 
-def prefill(model: K3Model, tokens: jax.Array, max_len: int) -> tuple[jax.Array, dict]:
-  """tokens [B, T] -> (logits [B, T, vocab], cache ready for decoding at position T)."""
+def prefill(model: K3Model, tokens: jax.Array, max_len: int,
+            images: dict | None = None) -> tuple[jax.Array, dict]:
+  """tokens [B, T] -> (logits [B, T, vocab], cache ready for decoding at position T).
+  images: packed images whose features replace the prompt's placeholders."""
   cache = model.init_cache(tokens.shape[0], max_len)
-  logits, cache, _ = model(tokens, cache=cache)
+  logits, cache, _ = model(tokens, cache=cache, images=images)
   return logits, cache
 
 
@@ -348,6 +371,16 @@ def decode_step(model: K3Model, cache: dict, token: jax.Array) -> tuple[jax.Arra
   return logits[:, 0], cache
 
 
+def vision_param_counts(cfg: ModelConfig) -> dict:
+  """Parameters of the vision tower and projector alone (abstract: nothing allocated)."""
+  if cfg.vision is None:
+    return {}
+  enc = nnx.eval_shape(lambda: VisionEncoder(cfg, init=Init(0, "abstract")))
+  parts = {name: sum(math.prod(v.shape) for _, v in nnx.to_flat_state(nnx.state(mod, nnx.Param)))
+           for name, mod in (("tower", enc.tower), ("projector", enc.projector))}
+  return {"vision_params": sum(parts.values()), "vision_by_module": parts}
+
+
 def _is_routed_expert(axes) -> bool:
   return "experts" in axes and "expert_mlp" in axes
 
@@ -355,10 +388,15 @@ def _is_routed_expert(axes) -> bool:
 def param_counts(cfg: ModelConfig) -> dict:
   """Total and activated parameters, from the abstract model (the code that builds it)."""
   model = abstract_model(cfg)
-  total = routed = lookup = 0
+  total = routed = lookup = vision = 0
   groups: dict[str, int] = {}
   for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
     n = math.prod(var.shape)
+    if str(path[0]) == "vision":       # the tower and projector, reported on their own
+      vision += n
+      part = f"vision.{path[1]}"
+      groups[part] = groups.get(part, 0) + n
+      continue
     total += n
     axes = tuple(var.get_metadata().get("logical_axes", ()))
     if _is_routed_expert(axes):
@@ -371,5 +409,9 @@ def param_counts(cfg: ModelConfig) -> dict:
   # routed experts in proportion top_k / num_experts, the input embedding table not at all
   # (the convention behind K3's "104B activated").
   active = total - lookup - routed + routed * cfg.moe.top_k / cfg.moe.num_experts
-  return {"total_params": int(total), "active_params": int(round(active)),
-          "routed_expert_params": int(routed), "by_module": groups}
+  out = {"total_params": int(total), "active_params": int(round(active)),
+         "routed_expert_params": int(routed), "by_module": groups}
+  if cfg.vision is not None:
+    # total_params / active_params stay the language model's (as released figures count it)
+    out["vision_params"] = int(vision)
+  return out

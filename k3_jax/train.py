@@ -102,13 +102,17 @@ def abstract_state(cfg: ModelConfig, tc: TrainConfig, optimizer):
 def loss_terms(graphdef, params, rest, batch, remat: str = "none", train: bool = False):
   """(sum of masked token cross-entropies, number of target tokens, aux)."""
   model = nnx.merge(graphdef, params, rest)
-  logits, _, aux = model(batch["inputs"], batch["segment_ids"], remat=remat, train=train)
+  logits, _, aux = model(batch["inputs"], batch["segment_ids"], remat=remat, train=train,
+                         images=batch.get("images"))
   ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
   mask = batch["loss_mask"].astype(jnp.float32)
   return jnp.sum(ce * mask), jnp.sum(mask), aux
 
 
 def _microbatches(batch: dict, n: int) -> dict:
+  if "images" in batch and n > 1:
+    raise ValueError(f"grad_accum={n}: batches with images (packed over the whole batch) "
+                     "take grad_accum=1")
   return jax.tree.map(lambda x: x.reshape((n, x.shape[0] // n) + x.shape[1:]), batch)
 
 
@@ -235,6 +239,8 @@ def _build_steps(cfg: ModelConfig, tc: TrainConfig, mesh: Mesh) -> Steps:
   # Rows over the batch's mesh axes (and the sequence over its axis), per the rules table.
   batch_sh = NamedSharding(mesh, logical_to_spec((tc.batch_size, tc.seq_len), ("batch", "seq"),
                                                  mesh))
+  if cfg.vision is not None:       # multimodal batches: the packed images are replicated
+    batch_sh = multimodal_batch_sharding(batch_sh, mesh)
 
   def with_rules(fn):
     @functools.wraps(fn)
@@ -259,10 +265,23 @@ def _build_steps(cfg: ModelConfig, tc: TrainConfig, mesh: Mesh) -> Steps:
   return Steps(graphdef, mesh, abstract, state_sh, batch_sh, init, train, evaluate)
 
 
-def put_batch(batch: dict, sharding: NamedSharding) -> dict:
+def multimodal_batch_sharding(text_sharding: NamedSharding, mesh: Mesh) -> dict:
+  """Shardings of a batch with packed images (k3_jax/data/shapes.py): the text keys as
+  text-only batches, the images' arrays replicated (the tower sees every image)."""
+  from jax.sharding import PartitionSpec
+  return {**{k: text_sharding for k in BATCH_KEYS},
+          "images": NamedSharding(mesh, PartitionSpec())}
+
+
+def put_batch(batch: dict, sharding: NamedSharding | dict) -> dict:
   """This process's rows of the global batch -> global arrays. With one process the rows
   are the whole batch; on a multi-host job each process passes its own slice (the data
   pipeline shards by process) and the global batch is their concatenation in process order."""
+  if isinstance(sharding, dict):   # with images
+    if jax.process_count() > 1:
+      raise NotImplementedError("batches with images are single-process for now")
+    return {k: jax.device_put(jax.tree.map(np.asarray, batch[k]), sh)
+            for k, sh in sharding.items()}
   if jax.process_count() == 1:
     return {k: jax.device_put(np.asarray(batch[k]), sharding) for k in BATCH_KEYS}
   return {k: jax.make_array_from_process_local_data(sharding, np.asarray(batch[k]))

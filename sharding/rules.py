@@ -43,7 +43,11 @@ RULES: dict[str, tuple[str, ...]] = {
     # split (tensor axis 1, or 96 heads over 64 devices)
     "q_lora": ("fsdp", "expert"),
     "kv_lora": ("fsdp", "expert"),
+    # vision tower (k3_jax/vision): its width is "embed", heads "heads", MLP "mlp"; the merged
+    # 2 x 2 features entering the projector split like "embed"
+    "merged": ("fsdp", "expert"),
     # never sharded
+    "patch": (), "pos_grid": (), "qkv": (),
     "head_dim": (), "conv": (), "rank": (), "latent": (),
     "norm": (), "layers": (),
 }

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Callable
 
 from k3_jax.config import ModelConfig, TrainConfig, UserError
-from k3_jax.data import mqar, pipeline, sources, tokenizers
+from k3_jax.data import mqar, pipeline, shapes, sources, tokenizers
 
 MQAR_KV_PAIRS = 8
 EVAL_SEED_OFFSET = 10_000          # MQAR eval draws from a seed the train stream never uses
@@ -25,6 +25,14 @@ def train_data(cfg: ModelConfig, tc: TrainConfig, process_index: int = 0,
     raise UserError(f"batch_size={tc.batch_size} must be divisible by the {process_count} "
                     f"processes")
   per_host = tc.batch_size // process_count
+  if tc.dataset == "shapes":          # synthetic images + captions (needs cfg.vision)
+    if cfg.vision is None:
+      raise UserError(f"--dataset=shapes needs a model with a vision tower; {cfg.name} has none")
+    tok = tokenizers.get_tokenizer(tc.tokenizer)
+    return (shapes.ShapesIterator(per_host, tc.seq_len, cfg.vision, tok, seed=tc.seed,
+                                  process_index=process_index),
+            shapes.eval_batches(per_host, tc.seq_len, cfg.vision, tok, tc.eval_batches,
+                                seed=tc.seed))
   if tc.dataset == "mqar":
     make = lambda seed: mqar.mqar_dataset(per_host, tc.seq_len, cfg.vocab_size,
                                           num_kv_pairs=MQAR_KV_PAIRS, seed=seed,
