@@ -74,7 +74,6 @@ def entries(cfg: ModelConfig, expert_format: str = "auto", prefix: str = PREFIX)
   check_expressible(cfg)
   fmt = resolve_expert_format(cfg, expert_format)
   b = Builder(cfg, None)       # each variable in its own dtype, except FP32_NAMES (below)
-  h, k = cfg.kda.num_heads, cfg.kda.head_dim
   d = cfg.d_model
   b.add(f"{prefix}model.embed_tokens.weight", ("embed", "table"), (), "reshape")
   for i, (mixer, ffn) in enumerate(cfg.layer_kinds()):
@@ -89,10 +88,6 @@ def entries(cfg: ModelConfig, expert_format: str = "auto", prefix: str = PREFIX)
     mix = base + ("mixer",)
     if mixer == "kda":
       add_kda(b, n + "self_attn.", mix, idx, lowrank_gate=False)
-      b.add(n + "self_attn.A_log", mix + ("a_log",), idx, "reshape", disk_shape=(1, 1, h, 1))
-      b.add(n + "self_attn.dt_bias", mix + ("dt_bias",), idx, "reshape", disk_shape=(h * k,))
-      b.add(n + "self_attn.o_norm.weight", mix + ("o_norm",), idx, "reshape")
-      b.add(n + "self_attn.o_proj.weight", mix + ("o_proj", "w"), idx, n_in=2)
     else:
       add_mla(b, n + "self_attn.", mix, idx)
     f = base + ("ffn",)

@@ -55,7 +55,8 @@ def check_expressible(cfg: ModelConfig) -> None:
 
 
 def add_kda(b: Builder, name: str, base: tuple, idx: tuple, lowrank_gate: bool) -> None:
-  """The KDA projections both layouts share (not A_log, dt_bias, o_norm, o_proj)."""
+  """The KDA tensors both layouts share (the output gate is low-rank in Kimi Linear)."""
+  h, k = b.cfg.kda.num_heads, b.cfg.kda.head_dim
   for p in ("q", "k", "v"):
     b.add(f"{name}{p}_proj.weight", base + (f"{p}_proj", "w"), idx)
     b.add(f"{name}{p}_conv1d.weight", base + (f"{p}_conv",), idx, "conv")
@@ -67,6 +68,10 @@ def add_kda(b: Builder, name: str, base: tuple, idx: tuple, lowrank_gate: bool) 
     b.add(f"{name}g_b_proj.weight", base + ("g_up", "w"), idx)
   else:
     b.add(f"{name}g_proj.weight", base + ("g_proj", "w"), idx)
+  b.add(f"{name}A_log", base + ("a_log",), idx, "reshape", disk_shape=(1, 1, h, 1))
+  b.add(f"{name}dt_bias", base + ("dt_bias",), idx, "reshape", disk_shape=(h * k,))
+  b.add(f"{name}o_norm.weight", base + ("o_norm",), idx, "reshape")
+  b.add(f"{name}o_proj.weight", base + ("o_proj", "w"), idx, n_in=2)
 
 
 def add_mla(b: Builder, name: str, base: tuple, idx: tuple) -> None:
@@ -95,7 +100,6 @@ def entries(cfg: ModelConfig, prefix: str = PREFIX):
   # each variable in its own dtype (lossless): BF16 parameters as BF16, the FP32 ones (the
   # router, its bias, A_log, dt_bias, and everything of an FP32 model) as F32
   b = Builder(cfg, None)
-  h, k = cfg.kda.num_heads, cfg.kda.head_dim
   b.add(f"{prefix}model.embed_tokens.weight", ("embed", "table"), (), "reshape")
   for i, (mixer, ffn) in enumerate(cfg.layer_kinds()):
     base, idx = layer_slot(cfg, i)
@@ -105,10 +109,6 @@ def entries(cfg: ModelConfig, prefix: str = PREFIX):
     mix = base + ("mixer",)
     if mixer == "kda":
       add_kda(b, n + "self_attn.", mix, idx, lowrank_gate=True)
-      b.add(n + "self_attn.A_log", mix + ("a_log",), idx, "reshape", disk_shape=(1, 1, h, 1))
-      b.add(n + "self_attn.dt_bias", mix + ("dt_bias",), idx, "reshape", disk_shape=(h * k,))
-      b.add(n + "self_attn.o_norm.weight", mix + ("o_norm",), idx, "reshape")
-      b.add(n + "self_attn.o_proj.weight", mix + ("o_proj", "w"), idx, n_in=2)
     else:
       add_mla(b, n + "self_attn.", mix, idx)
     f = base + ("ffn",)
