@@ -18,7 +18,6 @@ FP32-vs-FP32 is checked at 3e-4. Both bounds are far below what a real bug does 
 eps, a transposed weight, a missing gate or a different routing moves logits by >= 1e-2).
 """
 
-import math
 
 import numpy as np
 import pytest
@@ -33,6 +32,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from k3_jax.checkpoint import convert  # noqa: E402
+from tests.hf_reference import redraw  # noqa: E402
 from k3_jax.model import create_model  # noqa: E402
 
 ATOL = 1e-4        # ours (FP32) vs transformers in FLOAT64
@@ -51,35 +51,12 @@ def _hf_config():
       first_k_dense_replace=1, pad_token_id=None, bos_token_id=None, eos_token_id=None)
 
 
-def _redraw(model, seed=0):
-  """Weights at scales where every path matters (the HF init, std 0.02, nearly zeroes them)."""
-  g = torch.Generator().manual_seed(seed)
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      if name.endswith("A_log"):
-        p.copy_(torch.empty_like(p).uniform_(1.0, 16.0, generator=g).log())
-      elif name.endswith("dt_bias"):
-        p.copy_(torch.randn(p.shape, generator=g) * 0.5 - 2.0)
-      elif p.ndim == 1:                                   # norm gains
-        p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-      elif "gate.weight" in name:                         # router: sharp, uneven scores
-        p.copy_(torch.randn(p.shape, generator=g) * 2.0 / math.sqrt(p.shape[-1]))
-      elif "conv1d" in name:
-        p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-      else:
-        fan_in = p.shape[-1]
-        p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(fan_in))
-    for name, b in model.named_buffers():
-      if name.endswith("e_score_correction_bias"):
-        b.copy_(torch.randn(b.shape, generator=g) * 0.3)
-
-
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
   """(transformers model, its save_pretrained dir, our imported model)."""
   torch.manual_seed(0)
   hf = transformers.KimiLinearForCausalLM(_hf_config()).eval()
-  _redraw(hf)
+  redraw(hf)
   d = str(tmp_path_factory.mktemp("hf") / "kimi_linear")
   hf.save_pretrained(d)
   cfg, ours = convert.load_model(d)

@@ -71,6 +71,30 @@ def losses(wd):
   return {r["step"]: (r["loss"], r["grad_norm"]) for r in metrics(wd)}
 
 
+def signal_at_step_3(env, wd, sig, name):
+  """Runs train in `wd`, sends `sig` while it holds after step 3, and checks the run saved
+  step 3 and exited 0 without a traceback; returns its output."""
+  held = Held(env, ("train", *RUN, f"--workdir={wd}"), step=3)
+  held.wait_for("test hook: holding after step 3")
+  held.proc.send_signal(sig)
+  rc, out = held.finish()
+  assert rc == 0, out[-3000:]
+  assert f"{name}: saved step 3" in out and "Traceback" not in out
+  return out
+
+
+def resume_matches(env, wd, reference, step):
+  """Resumes train in `wd` and checks it started from `step` (any step when None), wrote one
+  metrics line per step across the resume, and every loss equals the uninterrupted run's."""
+  r = main(env, "train", *RUN, f"--workdir={wd}")
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "Traceback" not in r.stdout + r.stderr
+  assert f"resumed from step {'' if step is None else step}" in r.stdout
+  assert [m["step"] for m in metrics(wd)] == list(range(1, STEPS + 1))
+  assert losses(wd) == losses(reference)
+  return r
+
+
 def checksums(wd):
   out = {}
   for dirpath, _, files in os.walk(wd):

@@ -17,25 +17,17 @@ import signal
 
 import pytest
 
-from faultcli import MODEL, RUN, STEPS, Held, checksums, copy_run, losses, main, metrics
+from faultcli import (MODEL, RUN, STEPS, checksums, copy_run, losses, main, metrics,
+                      resume_matches, signal_at_step_3)
 
 
 def test_sigterm_mid_run_saves_then_resume_matches_uninterrupted(env, reference, tmp_path):
   wd = str(tmp_path / "run")
-  held = Held(env, ("train", *RUN, f"--workdir={wd}"), step=3)
-  held.wait_for("test hook: holding after step 3")
-  held.proc.send_signal(signal.SIGTERM)
-  rc, out = held.finish()
-  assert rc == 0, out[-3000:]
-  assert "SIGTERM: saved step 3" in out and "Traceback" not in out
+  signal_at_step_3(env, wd, signal.SIGTERM, "SIGTERM")
   assert os.path.isdir(os.path.join(wd, "checkpoints", "3"))    # off the every-2 cadence
   assert not [n for n in os.listdir(os.path.join(wd, "checkpoints")) if "tmp" in n]
-  r = main(env, "train", *RUN, f"--workdir={wd}")
-  assert r.returncode == 0, r.stderr[-3000:]
-  assert "resumed from step 3" in r.stdout
   # one line per step across the resume, and every loss equal to the uninterrupted run's
-  assert [m["step"] for m in metrics(wd)] == list(range(1, STEPS + 1))
-  assert losses(wd) == losses(reference)
+  resume_matches(env, wd, reference, 3)
 
 
 def test_truncated_file_in_newest_checkpoint_falls_back_in_one_line(env, reference, tmp_path):

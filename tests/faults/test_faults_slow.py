@@ -11,7 +11,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from faultcli import MODEL, RUN, STEPS, Held, losses, main, metrics
+from faultcli import MODEL, RUN, Held, main, metrics, resume_matches, signal_at_step_3
 
 pytestmark = pytest.mark.slow
 
@@ -22,17 +22,9 @@ def tmp_dirs(wd):
 
 def test_sigint_mid_run_saves_then_resume_matches_uninterrupted(env, reference, tmp_path):
   wd = str(tmp_path / "run")
-  held = Held(env, ("train", *RUN, f"--workdir={wd}"), step=3)
-  held.wait_for("test hook: holding after step 3")
-  held.proc.send_signal(signal.SIGINT)
-  rc, out = held.finish()
-  assert rc == 0, out[-3000:]
-  assert "SIGINT: saved step 3" in out and "Traceback" not in out
+  out = signal_at_step_3(env, wd, signal.SIGINT, "SIGINT")
   assert "KeyboardInterrupt" not in out and "cannot schedule" not in out
-  r = main(env, "train", *RUN, f"--workdir={wd}")
-  assert r.returncode == 0 and "resumed from step 3" in r.stdout, r.stderr[-3000:]
-  assert [m["step"] for m in metrics(wd)] == list(range(1, STEPS + 1))
-  assert losses(wd) == losses(reference)
+  resume_matches(env, wd, reference, 3)
 
 
 def test_second_sigint_aborts_at_once_and_resume_is_clean(env, reference, tmp_path):
@@ -54,10 +46,7 @@ def test_second_sigint_aborts_at_once_and_resume_is_clean(env, reference, tmp_pa
   assert rc == 130, out[-3000:]
   assert "aborted without saving" in out and "Traceback" not in out
   assert not os.path.exists(os.path.join(wd, "checkpoints", "3"))       # nothing saved
-  r = main(env, "train", *RUN, f"--workdir={wd}")
-  assert r.returncode == 0 and "resumed from step 2" in r.stdout, r.stderr[-3000:]
-  assert [m["step"] for m in metrics(wd)] == list(range(1, STEPS + 1))
-  assert losses(wd) == losses(reference)
+  resume_matches(env, wd, reference, 2)
 
 
 def test_kill_9_with_a_save_in_flight_then_resume(env, reference, tmp_path):
@@ -66,13 +55,8 @@ def test_kill_9_with_a_save_in_flight_then_resume(env, reference, tmp_path):
   assert r.returncode == -signal.SIGKILL
   steps = sorted(int(n) for n in os.listdir(os.path.join(wd, "checkpoints")) if n.isdigit())
   assert 2 in steps                         # the previous checkpoint is intact
-  r = main(env, "train", *RUN, f"--workdir={wd}")
-  assert r.returncode == 0, r.stderr[-3000:]
-  assert "Traceback" not in r.stdout + r.stderr
-  assert "resumed from step" in r.stdout
+  resume_matches(env, wd, reference, None)
   assert not tmp_dirs(wd)                   # an unfinished save is discarded
-  assert [m["step"] for m in metrics(wd)] == list(range(1, STEPS + 1))
-  assert losses(wd) == losses(reference)
 
 
 def _all_finite(step_dir):

@@ -27,7 +27,7 @@ import dataclasses
 
 from k3_jax.checkpoint.layouts.common import Builder, dense_prefix, layer_slot
 from k3_jax.checkpoint.layouts.entry import LayoutError
-from k3_jax.checkpoint.layouts.kimi_linear import add_gated_ffn, add_kda, add_mla
+from k3_jax.checkpoint.layouts.kimi_linear import add_gated_ffn, add_layer
 from k3_jax.config import (AttnResConfig, KDAConfig, MLAConfig, ModelConfig, MoEConfig,
                            validate)
 
@@ -79,24 +79,13 @@ def entries(cfg: ModelConfig, expert_format: str = "auto", prefix: str = PREFIX)
   for i, (mixer, ffn) in enumerate(cfg.layer_kinds()):
     base, idx = layer_slot(cfg, i)
     n = f"{prefix}model.layers.{i}."
-    b.add(n + "input_layernorm.weight", base + ("mixer_norm", "weight"), idx, "reshape")
-    b.add(n + "post_attention_layernorm.weight", base + ("ffn_norm", "weight"), idx, "reshape")
     for ours, theirs in (("mixer_query", "self_attention_res"), ("ffn_query", "mlp_res")):
       q = base + (ours, "w")
       b.add(f"{n}{theirs}_proj.weight", q, idx, "reshape", disk_shape=(1, d))
       b.add(f"{n}{theirs}_norm.weight", q, idx, "gain", disk_shape=(d,))
-    mix = base + ("mixer",)
-    if mixer == "kda":
-      add_kda(b, n + "self_attn.", mix, idx, lowrank_gate=False)
-    else:
-      add_mla(b, n + "self_attn.", mix, idx)
     f = base + ("ffn",)
-    if ffn == "dense":
-      add_gated_ffn(b, n + "mlp.", f, idx)
-    else:
-      moe = n + "mlp."
-      b.add(moe + "gate.weight", f + ("router",), idx)
-      b.add(moe + "gate.e_score_correction_bias", f + ("bias",), idx, "reshape")
+    moe = add_layer(b, n, base, idx, mixer, ffn, lowrank_gate=False, moe_name="mlp.")
+    if moe is not None:
       b.add(moe + "routed_expert_down_proj.weight", f + ("down", "w"), idx)
       b.add(moe + "routed_expert_norm.weight", f + ("norm", "weight"), idx, "reshape")
       b.add(moe + "routed_expert_up_proj.weight", f + ("up", "w"), idx)

@@ -74,6 +74,28 @@ def add_kda(b: Builder, name: str, base: tuple, idx: tuple, lowrank_gate: bool) 
   b.add(f"{name}o_proj.weight", base + ("o_proj", "w"), idx, n_in=2)
 
 
+def add_layer(b: Builder, n: str, base: tuple, idx: tuple, mixer: str, ffn: str,
+              lowrank_gate: bool, moe_name: str) -> str | None:
+  """The tensors of layer `n` both layouts name alike: the two sublayer norms, the mixer
+  (KDA or MLA), and the dense FFN or the MoE router and its bias. Returns the MoE's name
+  prefix (the layout adds its experts), or None for a dense layer."""
+  b.add(n + "input_layernorm.weight", base + ("mixer_norm", "weight"), idx, "reshape")
+  b.add(n + "post_attention_layernorm.weight", base + ("ffn_norm", "weight"), idx, "reshape")
+  mix = base + ("mixer",)
+  if mixer == "kda":
+    add_kda(b, n + "self_attn.", mix, idx, lowrank_gate=lowrank_gate)
+  else:
+    add_mla(b, n + "self_attn.", mix, idx)
+  f = base + ("ffn",)
+  if ffn == "dense":
+    add_gated_ffn(b, n + "mlp.", f, idx)
+    return None
+  moe = n + moe_name
+  b.add(moe + "gate.weight", f + ("router",), idx)
+  b.add(moe + "gate.e_score_correction_bias", f + ("bias",), idx, "reshape")
+  return moe
+
+
 def add_mla(b: Builder, name: str, base: tuple, idx: tuple) -> None:
   m = b.cfg.mla
   if m.q_lora_rank:
@@ -103,21 +125,10 @@ def entries(cfg: ModelConfig, prefix: str = PREFIX):
   b.add(f"{prefix}model.embed_tokens.weight", ("embed", "table"), (), "reshape")
   for i, (mixer, ffn) in enumerate(cfg.layer_kinds()):
     base, idx = layer_slot(cfg, i)
-    n = f"{prefix}model.layers.{i}."
-    b.add(n + "input_layernorm.weight", base + ("mixer_norm", "weight"), idx, "reshape")
-    b.add(n + "post_attention_layernorm.weight", base + ("ffn_norm", "weight"), idx, "reshape")
-    mix = base + ("mixer",)
-    if mixer == "kda":
-      add_kda(b, n + "self_attn.", mix, idx, lowrank_gate=True)
-    else:
-      add_mla(b, n + "self_attn.", mix, idx)
     f = base + ("ffn",)
-    if ffn == "dense":
-      add_gated_ffn(b, n + "mlp.", f, idx)
-    else:
-      moe = n + "block_sparse_moe."
-      b.add(moe + "gate.weight", f + ("router",), idx)
-      b.add(moe + "gate.e_score_correction_bias", f + ("bias",), idx, "reshape")
+    moe = add_layer(b, f"{prefix}model.layers.{i}.", base, idx, mixer, ffn, lowrank_gate=True,
+                    moe_name="block_sparse_moe.")
+    if moe is not None:
       for e in range(cfg.moe.num_experts):
         ex = f"{moe}experts.{e}."
         b.add(ex + "w1.weight", f + ("w_gate",), idx + (e,))
