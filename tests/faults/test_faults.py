@@ -17,7 +17,7 @@ import signal
 
 import pytest
 
-from faultcli import (MODEL, RUN, STEPS, checksums, copy_run, losses, main, metrics,
+from faultcli import (MODEL, RUN, checksums, copy_run, losses, main, metrics,
                       resume_matches, signal_at_step_3)
 
 
