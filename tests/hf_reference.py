@@ -1,6 +1,6 @@
 """Helpers for comparisons with Hugging Face transformers' KimiLinearForCausalLM (the parity
-tests and benchmarks/vs_transformers.py): weights redrawn at scales where every path
-matters. Needs torch (a test dependency)."""
+tests): weights redrawn at scales where every path matters. Needs torch (a test
+dependency)."""
 
 from __future__ import annotations
 
