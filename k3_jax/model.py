@@ -244,25 +244,32 @@ class K3Model(nnx.Module):
                                     (state, first_layers, jnp.arange(reps)))
     return x, caches, aux
 
-  def embed_inputs(self, tokens: jax.Array, images: dict | None = None) -> jax.Array:
+  def embed_inputs(self, tokens: jax.Array, images: dict | None = None,
+                   image_features: jax.Array | None = None) -> jax.Array:
     """Token embeddings [B, T, D]; with `images` (the packed dict of k3_jax/ops/vision.py) the
-    image placeholders' embeddings are replaced, in order, by the projected image features."""
-    if images is not None and self.cfg.vision is None:
+    image placeholders' embeddings are replaced, in order, by the projected image features.
+    image_features [M, D]: features the tower already computed (`self.vision(images)`), for
+    a prompt prefilled in pieces: the piece's placeholders take them in order."""
+    if (images is not None or image_features is not None) and self.cfg.vision is None:
       raise ConfigError(f"{self.cfg.name} has no vision tower (ModelConfig.vision is None); "
                         "use configs.get_multimodal for a model that takes images")
+    if images is not None and image_features is not None:
+      raise ValueError("give images or image_features, not both")
     x = self.embed(tokens)
-    if images is None:
+    if images is not None:
+      image_features = self.vision(images)                           # [M, D]
+    if image_features is None:
       return x
-    features = self.vision(images)                                   # [M, D]
-    return scatter_features(x, tokens, features, self.cfg.vision.image_token_id)
+    return scatter_features(x, tokens, image_features, self.cfg.vision.image_token_id)
 
   def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
                cache: dict | None = None, remat: str = "none", train: bool = False,
-               images: dict | None = None):
+               images: dict | None = None, image_features: jax.Array | None = None):
     """tokens [B, T] -> (logits [B, T, vocab] f32, new cache or None, aux).
 
     images: packed image patches (k3_jax/ops/vision.py) whose features replace the image
     placeholder tokens of `tokens`, in order; None (text only) runs exactly as before.
+    image_features [M, D]: or the projected features themselves (see embed_inputs).
 
     aux: 'expert_load' [n_moe_layers, E] (tokens per expert), 'max_logit' [n_mla_layers, H],
     and with train=True 'new_bias' [n_moe_layers, E] (for `set_router_biases`). MoE layers
@@ -273,7 +280,7 @@ class K3Model(nnx.Module):
     if t > limit:
       raise ConfigError(f"sequence length {t} exceeds max_seq_len={limit}")
     pos = cache["pos"] if cache is not None else 0
-    x = constrain(self.embed_inputs(tokens, images), ("batch", "seq", "embed"))
+    x = constrain(self.embed_inputs(tokens, images, image_features), ("batch", "seq", "embed"))
     if self.cfg.attn_res.enabled:
       x = attn_res.init_stream(x, self.cfg.num_layers, self.cfg.attn_res.block_size)
     new_cache = None if cache is None else {"pos": pos + t}

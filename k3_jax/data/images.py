@@ -2,6 +2,7 @@
 several images into one sequence, and the text side (media tokens, placeholders).
 
     load_image(path)            -> RGB PIL image (clear errors: missing, unreadable, zero size)
+    decode_data_url(url)        -> the same from a data:image/...;base64 URL (the server's)
     fit_grid(w, h, v)           -> (grid_h, grid_w) patches: sides multiples of merge (so the
                                    pixels are multiples of 28), at most max_side per side and
                                    max_patches in all, aspect ratio kept as well as it can be
@@ -31,21 +32,59 @@ class ImageError(ValueError):
   """An image that cannot be used; the message names the image and the reason."""
 
 
+MAX_PIXELS = 1 << 26          # larger images are refused before decoding (64M pixels)
+
+
 def load_image(path: str | os.PathLike):
   """Opens an image file as RGB. Raises ImageError for a missing, unreadable or empty file."""
-  from PIL import Image, UnidentifiedImageError
   path = os.fspath(path)
   if not os.path.exists(path):
     raise ImageError(f"image {path!r}: file not found")
+  return open_image(path, repr(path))
+
+
+def open_image(source, name: str):
+  """A file path or binary file object -> RGB PIL image; ImageError naming `name` when it is
+  not a readable image, is empty, or holds more than MAX_PIXELS pixels."""
+  from PIL import Image, UnidentifiedImageError
   try:
-    with Image.open(path) as im:
+    with Image.open(source) as im:
+      if im.width * im.height > MAX_PIXELS:
+        raise ImageError(f"image {name}: {im.width}x{im.height} pixels, more than the "
+                         f"{MAX_PIXELS:,} an image may have")
       im.load()
       img = im.convert("RGB")
   except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as e:
-    raise ImageError(f"image {path!r}: not a readable image ({type(e).__name__}: {e})") from e
+    raise ImageError(f"image {name}: not a readable image ({type(e).__name__}: {e})") from e
   if img.width == 0 or img.height == 0:
-    raise ImageError(f"image {path!r}: zero size ({img.width}x{img.height})")
+    raise ImageError(f"image {name}: zero size ({img.width}x{img.height})")
   return img
+
+
+def decode_data_url(url, name: str = "image_url"):
+  """A `data:image/...;base64,...` URL -> RGB PIL image. Only data URLs are accepted (nothing
+  is ever fetched from the network); a malformed URL, bad base64 or bytes that are not an
+  image raise ImageError naming `name`."""
+  import base64
+  import binascii
+  import io
+  if not isinstance(url, str) or not url.startswith("data:"):
+    shown = url[:48] + "..." if isinstance(url, str) and len(url) > 48 else url
+    raise ImageError(f"{name}: only data URLs are accepted (data:image/png;base64,...); "
+                     f"nothing is fetched from the network, got {shown!r}")
+  head, comma, data = url[len("data:"):].partition(",")
+  if not comma or not head.endswith(";base64"):
+    raise ImageError(f"{name}: a data URL must read data:<media type>;base64,<data>")
+  media = head[:-len(";base64")]
+  if media and not media.startswith("image/"):
+    raise ImageError(f"{name}: media type {media!r} is not an image")
+  try:
+    raw = base64.b64decode(data, validate=True)
+  except (binascii.Error, ValueError) as e:
+    raise ImageError(f"{name}: the data is not valid base64 ({e})") from None
+  if not raw:
+    raise ImageError(f"{name}: the data URL holds no bytes")
+  return open_image(io.BytesIO(raw), name)
 
 
 def fit_grid(width: int, height: int, v: VisionConfig) -> tuple[int, int]:
@@ -171,6 +210,24 @@ def image_token_ids(grid: tuple[int, int], v: VisionConfig,
           + [v.image_token_id] * num_image_tokens(grid, v) + [v.media_end_id])
 
 
+def feature_images(packed: dict) -> np.ndarray:
+  """The image (0, 1, ...) each merged feature of a packed dict comes from: [M]."""
+  return packed["segment_ids"][packed["merge_idx"][:, 0]] - 1
+
+
+def image_digests(packed: dict) -> list[bytes]:
+  """A content hash per packed image (its patches and their grid positions), in order."""
+  import hashlib
+  seg = np.asarray(packed["segment_ids"])
+  out = []
+  for i in range(1, int(seg.max()) + 1):
+    h = hashlib.blake2b(digest_size=16)
+    h.update(np.ascontiguousarray(packed["pos_hw"][seg == i]).tobytes())
+    h.update(np.ascontiguousarray(packed["patches"][seg == i]).tobytes())
+    out.append(h.digest())
+  return out
+
+
 def check_placeholders(tokens, num_features: int, v: VisionConfig) -> None:
   """The features replace the placeholders one for one; anything else is an error."""
   n = int(np.sum(np.asarray(tokens) == v.image_token_id))
@@ -196,5 +253,7 @@ def prompt_with_images(text_before: str, image_paths: Sequence[str], text_after:
   return ids, packed
 
 
-__all__ = ["ImageError", "load_image", "fit_grid", "to_patches", "check_grid", "pack_images",
-           "num_image_tokens", "image_token_ids", "check_placeholders", "prompt_with_images"]
+__all__ = ["ImageError", "load_image", "open_image", "decode_data_url", "fit_grid", "to_patches",
+           "check_grid", "pack_images",
+           "num_image_tokens", "image_token_ids", "feature_images", "image_digests",
+           "check_placeholders", "prompt_with_images"]

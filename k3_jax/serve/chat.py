@@ -20,11 +20,20 @@ Plain format (byte-level presets, no special tokens), documented in the README:
     <|system|>\n{content}\n<|user|>\n{content}\n<|assistant|>\n{content}\n ... <|assistant|>\n
 
 with the stop string "\n<|user|>" (the model would start the next user turn); no reasoning.
+
+Images (a model with a vision tower): a user message's content may be a list of OpenAI
+content parts, {"type": "text", "text": ...} and {"type": "image_url", "image_url": {"url":
+"data:image/png;base64,..."}}. An image part becomes the media tokens and placeholders of
+data/images.image_token_ids where it stands; Rendered.images holds the packed images (at most
+vision.max_patches patches per request). Only data URLs are accepted: nothing is fetched.
 """
 
 from __future__ import annotations
 
 import dataclasses
+
+from k3_jax.config import VisionConfig
+from k3_jax.data import images as im
 
 EFFORTS = ("low", "high", "max")
 ROLES = ("system", "user", "assistant", "tool")
@@ -34,20 +43,91 @@ class ChatError(ValueError):
   """Malformed messages (the server answers 400)."""
 
 
-def _check(messages) -> list[dict]:
+def _image_part(part: dict, where: str, role: str, vision: VisionConfig | None):
+  """An image_url content part -> (patches, grid) of data/images.to_patches."""
+  if vision is None:
+    raise ChatError(f"{where}: this model has no vision tower; it cannot take images")
+  if role != "user":
+    raise ChatError(f"{where}: images are accepted in user messages only")
+  ref = part.get("image_url")
+  url = ref.get("url") if isinstance(ref, dict) else ref
+  try:
+    return im.to_patches(im.decode_data_url(url, f"{where}.image_url"), vision)
+  except im.ImageError as e:
+    raise ChatError(str(e)) from None
+
+
+def _content(m: dict, i: int, vision: VisionConfig | None) -> list:
+  """A message's content -> pieces: text (adjacent parts joined) and (patches, grid) images."""
+  content = m.get("content") or ""
+  if isinstance(content, str):
+    return [content]
+  if not isinstance(content, list):
+    raise ChatError(f"messages[{i}].content must be a string or a list of content parts")
+  pieces = [""]
+  for j, part in enumerate(content):
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text" and isinstance(part.get("text"), str):
+      if isinstance(pieces[-1], str):
+        pieces[-1] += part["text"]
+      else:
+        pieces.append(part["text"])
+    elif kind == "image_url":
+      pieces.append(_image_part(part, f"messages[{i}].content[{j}]", m["role"], vision))
+    else:
+      raise ChatError(f"messages[{i}].content[{j}]: expected a {{\"type\": \"text\", \"text\": "
+                      f"...}} or {{\"type\": \"image_url\", ...}} part, got {str(part)[:60]}")
+  return pieces
+
+
+def _check(messages, vision: VisionConfig | None = None) -> list[dict]:
+  """Validated messages; each content becomes a list of pieces (see _content)."""
   if not isinstance(messages, list) or not messages:
     raise ChatError("messages must be a non-empty list")
   out = []
   for i, m in enumerate(messages):
     if not isinstance(m, dict) or m.get("role") not in ROLES:
       raise ChatError(f"messages[{i}] needs a role, one of {', '.join(ROLES)}")
-    content = m.get("content") or ""
-    if isinstance(content, list):          # OpenAI content parts: keep the text ones
-      content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    if not isinstance(content, str):
-      raise ChatError(f"messages[{i}].content must be a string or a list of text parts")
-    out.append({**m, "content": content})
+    out.append({**m, "content": _content(m, i, vision)})
   return out
+
+
+class _Prompt:
+  """Prompt ids built piece by piece: runs of text are encoded together (so a text-only
+  prompt encodes exactly as one string), images become their media tokens + placeholders."""
+
+  def __init__(self, tokenizer, vision: VisionConfig | None):
+    self.tok, self.vision = tokenizer, vision
+    self.ids: list[int] = []
+    self.images: list = []
+    self.text = ""
+
+  def add(self, *pieces) -> "_Prompt":
+    for p in pieces:
+      if isinstance(p, str):
+        self.text += p
+      else:
+        self.tokens(im.image_token_ids(p[1], self.vision, self.tok.encode))
+        self.images.append(p)
+    return self
+
+  def tokens(self, ids) -> "_Prompt":
+    if self.text:
+      self.ids += self.tok.encode(self.text)
+      self.text = ""
+    self.ids += list(ids)
+    return self
+
+  def rendered(self, **kw) -> "Rendered":
+    self.tokens([])
+    packed = None
+    if self.images:
+      try:
+        packed = im.pack_images(self.images, self.vision,
+                                max_total_patches=self.vision.max_patches)
+      except im.ImageError as e:
+        raise ChatError(f"messages: {e} (vision.max_patches, per request)") from None
+    return Rendered(self.ids, images=packed, **kw)
 
 
 def _special_ids(tokenizer) -> dict | None:
@@ -68,37 +148,39 @@ class Rendered:
   stop: tuple[str, ...] = ()          # stop strings
   stop_ids: tuple[int, ...] = ()
   thinking: bool = False              # generation starts in the think channel
+  images: dict | None = None          # packed images for the placeholders (data/images.py)
 
 
 class K3Template:
   name = "k3"
 
-  def __init__(self, tokenizer, ids: dict):
-    self.tok, self.sp = tokenizer, ids
+  def __init__(self, tokenizer, ids: dict, vision: VisionConfig | None = None):
+    self.tok, self.sp, self.vision = tokenizer, ids, vision
 
-  def _msg(self, channel: str, text: str) -> list[int]:
+  def _msg(self, out: _Prompt, channel: str, pieces) -> None:
     sp = self.sp
-    return [sp["open"], *self.tok.encode(channel), sp["sep"], *self.tok.encode(text), sp["close"]]
+    out.tokens([sp["open"]]).add(channel).tokens([sp["sep"]]).add(*pieces).tokens([sp["close"]])
 
   def render(self, messages, thinking: bool = True, effort: str | None = None) -> Rendered:
-    messages = _check(messages)
+    messages = _check(messages, self.vision)
     effort = effort or "max"
     if effort not in EFFORTS:
       raise ChatError(f"reasoning_effort={effort!r} must be one of {', '.join(EFFORTS)}")
     last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
-    ids = self._msg("system", f"reasoning_effort: {effort}") if thinking else []
+    out = _Prompt(self.tok, self.vision)
+    if thinking:
+      self._msg(out, "system", [f"reasoning_effort: {effort}"])
     for i, m in enumerate(messages):
       if m["role"] == "assistant":
         reasoning = m.get("reasoning_content") or ""
         if thinking and i > last_user and reasoning:      # kept only inside the current turn
-          ids += self._msg("think", reasoning)
-        ids += self._msg("response", m["content"])
+          self._msg(out, "think", [reasoning])
+        self._msg(out, "response", m["content"])
       else:
-        ids += self._msg(m["role"], m["content"])
-      ids.append(self.sp["eom"])
-    ids += [self.sp["open"], *self.tok.encode("think" if thinking else "response"),
-            self.sp["sep"]]
-    return Rendered(ids, stop_ids=(self.sp["eom"],), thinking=thinking)
+        self._msg(out, m["role"], m["content"])
+      out.tokens([self.sp["eom"]])
+    out.tokens([self.sp["open"]]).add("think" if thinking else "response").tokens([self.sp["sep"]])
+    return out.rendered(stop_ids=(self.sp["eom"],), thinking=thinking)
 
   def parser(self, thinking: bool) -> "ChannelParser":
     return ChannelParser(self.tok, self.sp, "think" if thinking else "response")
@@ -138,24 +220,27 @@ class PlainTemplate:
   name = "plain"
   STOP = "\n<|user|>"
 
-  def __init__(self, tokenizer):
-    self.tok = tokenizer
+  def __init__(self, tokenizer, vision: VisionConfig | None = None):
+    self.tok, self.vision = tokenizer, vision
 
   def render(self, messages, thinking: bool = False, effort: str | None = None) -> Rendered:
-    messages = _check(messages)
+    messages = _check(messages, self.vision)
     if effort is not None and effort not in EFFORTS:
       raise ChatError(f"reasoning_effort={effort!r} must be one of {', '.join(EFFORTS)}")
-    text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
-    return Rendered(self.tok.encode(text), stop=(self.STOP,))
+    out = _Prompt(self.tok, self.vision)
+    for m in messages:
+      out.add(f"<|{m['role']}|>\n", *m["content"], "\n")
+    return out.add("<|assistant|>\n").rendered(stop=(self.STOP,))
 
   def parser(self, thinking: bool):
     return None
 
 
-def template_for(tokenizer):
-  """The K3 template when the tokenizer has its special tokens, else the plain one."""
+def template_for(tokenizer, vision: VisionConfig | None = None):
+  """The K3 template when the tokenizer has its special tokens, else the plain one. vision:
+  the model's tower (ModelConfig.vision), without which image parts are refused."""
   ids = _special_ids(tokenizer)
-  return K3Template(tokenizer, ids) if ids else PlainTemplate(tokenizer)
+  return K3Template(tokenizer, ids, vision) if ids else PlainTemplate(tokenizer, vision)
 
 
 __all__ = ["template_for", "K3Template", "PlainTemplate", "ChannelParser", "ChatError",

@@ -10,6 +10,13 @@ KDA state is kept, their MLA writes go to the null page).
 
 Device state (kv_pages.py): the paged cache of K3Model.init_paged_cache, the read-only KDA
 checkpoint slots of the prefix cache, and per-slot generated-token counts (penalties).
+
+Images (a model with a vision tower): a request may carry packed images whose features take
+the prompt's placeholder tokens. The tower runs once per request, when its first prefill
+piece holding a placeholder comes up (a prefix-cache hit past the images skips it); each
+prefill piece then takes the features of its own placeholders, in order. The prefix cache
+keys the blocks holding placeholders on the images' content (prefix_cache.image_salts), so
+two images of one size never share KV or KDA state.
 """
 
 from __future__ import annotations
@@ -27,10 +34,11 @@ import numpy as np
 from flax import nnx
 
 from k3_jax.config import ModelConfig, UserError
+from k3_jax.data import images as im
 from k3_jax.model import check_tokens
 from k3_jax.serve import kv_pages as kv
 from k3_jax.serve.kv_pages import PAGE, PagePool
-from k3_jax.serve.prefix_cache import PrefixCache, block_hashes
+from k3_jax.serve.prefix_cache import PrefixCache, block_hashes, image_salts
 from k3_jax.serve.sampling import sample_rows
 from k3_jax.serve.scheduler import (QueueFull, Request, RequestError, SamplingParams,
                                     checkpoint_boundaries, prefill_plan)
@@ -110,14 +118,16 @@ class Engine:
     graphdef = self.graphdef
     rules = self._rules
 
-    def prefill(params, rest, cache, slot, tokens, pos, table_row):
-      """tokens [T] at positions pos + [0, T) of slot `slot` -> (last logits [V], cache)."""
+    def prefill(params, rest, cache, slot, tokens, pos, table_row, feats=None):
+      """tokens [T] at positions pos + [0, T) of slot `slot` -> (last logits [V], cache).
+      feats [T, D]: the features of the piece's image placeholders, in order (models with a
+      tower; zeros for a piece without placeholders)."""
       with rules():
         model = nnx.merge(graphdef, params, rest)
         states = kv.kda_states(cache)
         sub = kv.with_kda_states(cache, kv.take_rows(states, slot[None]))
         sub = kv.with_pages(sub, pos[None], table_row[None])
-        logits, new, _ = model(tokens[None], cache=sub)
+        logits, new, _ = model(tokens[None], cache=sub, image_features=feats)
         new = kv.without_pages(new)
         out = kv.with_kda_states(new, kv.put_rows(states, slot[None], kv.kda_states(new)))
         out["pos"] = cache["pos"]
@@ -157,16 +167,22 @@ class Engine:
     def save_ckpt(ckpts, cache, slot, c):
       return kv.put_rows(ckpts, c[None], kv.take_rows(kv.kda_states(cache), slot[None]))
 
+    def encode(params, rest, images):
+      """packed images -> projected features [M, D] f32 (one dtype for every prefill)."""
+      with rules():
+        return nnx.merge(graphdef, params, rest).vision(images).astype(jnp.float32)
+
     self._prefill = jax.jit(prefill, donate_argnums=(2,))
     self._decode = jax.jit(decode, donate_argnums=(2, 3))
     self._first_token = jax.jit(first_token)
     self._load_slot = jax.jit(load_slot, donate_argnums=(0,))
     self._zero_slot = jax.jit(zero_slot, donate_argnums=(0, 1))
     self._save_ckpt = jax.jit(save_ckpt, donate_argnums=(0,))
+    self._encode = jax.jit(encode)
 
   # ----- submission ---------------------------------------------------------------------
-  def validate(self, prompt_ids, params: SamplingParams,
-               openai_ranges: bool = True) -> np.ndarray:
+  def validate(self, prompt_ids, params: SamplingParams, openai_ranges: bool = True,
+               images: dict | None = None) -> np.ndarray:
     params.validate(openai_ranges)
     if np.size(prompt_ids) == 0:
       raise RequestError("the prompt is empty: give at least one token")
@@ -174,6 +190,7 @@ class Engine:
       prompt = check_tokens(prompt_ids, self.cfg).reshape(-1).astype(np.int32)
     except ValueError as e:
       raise RequestError(str(e)) from None
+    self._check_images(prompt, images)
     if prompt.size + params.max_tokens > self.max_len:
       raise RequestError(
           f"prompt ({prompt.size} tokens) + max_tokens ({params.max_tokens}) exceeds the "
@@ -182,13 +199,28 @@ class Engine:
       raise RequestError("stop strings need a tokenizer; this engine has none")
     return prompt
 
+  def _check_images(self, prompt: np.ndarray, images: dict | None) -> None:
+    v = self.cfg.vision
+    if images is None:
+      if v is not None and np.any(prompt == v.image_token_id):
+        raise RequestError(f"the prompt holds image placeholder tokens (id {v.image_token_id}) "
+                           "but no images: send images as image content parts")
+      return
+    if v is None:
+      raise RequestError(f"model {self.cfg.name!r} has no vision tower: it cannot take images")
+    try:
+      im.check_placeholders(prompt, int(images["merge_idx"].shape[0]), v)
+    except ValueError as e:
+      raise RequestError(str(e)) from None
+
   def submit(self, prompt_ids, params: SamplingParams = SamplingParams(),
-             openai_ranges: bool = True, **kw) -> Request:
+             openai_ranges: bool = True, images: dict | None = None, **kw) -> Request:
     """Queues a request (thread-safe). Raises RequestError for bad input, QueueFull when
     max_queue requests are already waiting. openai_ranges=False lifts the OpenAI bounds on
-    the penalties (any finite value)."""
-    prompt = self.validate(prompt_ids, params, openai_ranges)
-    req = Request(prompt, params, **kw)
+    the penalties (any finite value). images: packed images (data/images.pack_images) whose
+    features replace the prompt's placeholders in order (their counts must match)."""
+    prompt = self.validate(prompt_ids, params, openai_ranges, images)
+    req = Request(prompt, params, images=images, **kw)
     with self.lock:
       if len(self.waiting) >= self.max_queue:
         raise QueueFull(f"{len(self.waiting)} requests are waiting (the bound is "
@@ -245,7 +277,9 @@ class Engine:
       need = math.ceil((n + r.params.max_tokens) / PAGE)
       hit_blocks, hit_pages, ckpt = 0, [], None
       if self.prefix is not None:
-        r.hashes = block_hashes(r.prompt)
+        salts = None if r.images is None else image_salts(
+            r.prompt, r.images, self.cfg.vision.image_token_id)
+        r.hashes = block_hashes(r.prompt, salts=salts)
       if self.prefix is not None and r.use_prefix_cache:
         hit = self.prefix.lookup(r.hashes, (n - 1) // PAGE, self.step_no)   # pins the hit
         hit_blocks, hit_pages, ckpt = hit.blocks, hit.pages, hit.ckpt
@@ -287,12 +321,14 @@ class Engine:
     for size in prefill_plan(r.pos, n, max(PAGE, budget // PAGE * PAGE)):
       tokens = jnp.asarray(r.prompt[r.pos:r.pos + size])
       logits, self.cache = self._prefill(self.params, self.rest, self.cache, jnp.int32(r.slot),
-                                         tokens, jnp.int32(r.pos), table_row)
+                                         tokens, jnp.int32(r.pos), table_row,
+                                         self._piece_features(r, size))
       r.pos += size
     if self.prefix is not None:
       with self.lock:
         self._register(r)
     if r.pos == n:
+      r.features = r.images = None                    # the prompt is in the cache now
       tok = self._first_token(logits, jnp.int32(r.seed), jnp.float32(r.params.temperature),
                               jnp.float32(r.params.top_p))
       if r.record_logits:
@@ -300,6 +336,21 @@ class Engine:
       r.state = "decode"
       self._emit(r, int(tok))
     return r.pos - start
+
+  def _piece_features(self, r: Request, size: int):
+    """Features [size, D] f32 for the placeholders of the prompt piece [r.pos, r.pos + size),
+    in order (rows past them repeat the last one; never read); None for a text-only model."""
+    v = self.cfg.vision
+    if v is None:
+      return None
+    piece = r.prompt[r.pos:r.pos + size]
+    if r.images is None or not np.any(piece == v.image_token_id):
+      return jnp.zeros((size, self.cfg.d_model), jnp.float32)
+    if r.features is None:                            # the tower runs once per request
+      r.features = self._encode(self.params, self.rest, jax.tree.map(jnp.asarray, r.images))
+    done = int(np.count_nonzero(r.prompt[:r.pos] == v.image_token_id))
+    rows = np.minimum(done + np.arange(size), r.features.shape[0] - 1)
+    return r.features[jnp.asarray(rows)]
 
   def _register(self, r: Request) -> None:
     """Hands the prompt's finished blocks to the prefix cache, and keeps the KDA state of
@@ -392,6 +443,7 @@ class Engine:
       self.free_slots.append(r.slot)
       self.tables[r.slot] = 0
     r.pages = []
+    r.features = r.images = None
     r.finish_reason, r.state = reason, "done"
     self.finished_requests += 1
     if reason != "cancelled":
@@ -401,16 +453,17 @@ class Engine:
   # ----- a simple front end ---------------------------------------------------------------
   def generate(self, prompt_ids, max_new_tokens: int, temperature: float = 0.0,
                top_p: float = 1.0, seed: int = 0, stop_ids=(), frequency_penalty: float = 0.0,
-               presence_penalty: float = 0.0) -> Iterator[int]:
+               presence_penalty: float = 0.0, images: dict | None = None) -> Iterator[int]:
     """Yields up to max_new_tokens sampled token ids for one prompt (a stop id is yielded,
     then generation ends). The penalties lower the logits of tokens already generated
     (sampling.penalize; the prompt is not counted); unlike the server, which keeps the
-    OpenAI range [-2, 2], any finite value is accepted here."""
+    OpenAI range [-2, 2], any finite value is accepted here. images: packed images for the
+    prompt's placeholders (see submit)."""
     try:
       req = self.submit(prompt_ids, SamplingParams(
           max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
           stop_ids=tuple(stop_ids), frequency_penalty=frequency_penalty,
-          presence_penalty=presence_penalty), openai_ranges=False)
+          presence_penalty=presence_penalty), openai_ranges=False, images=images)
     except RequestError as e:
       raise UserError(str(e)) from None
     sent = 0

@@ -16,6 +16,7 @@ class ServeOptions:
   hf_dir: str | None = None           # or a Hugging Face directory (config.json + safetensors)
   config: str | None = None           # or a preset with random weights (smoke tests only)
   overrides: tuple[str, ...] = ()
+  vision: bool = False                # with `config`: attach the preset's vision tower
   seed: int = 0
   tokenizer: str | None = None        # default: the workdir's (train_config.json), else byte
   expert_format: str = "dense"        # "mxfp4": routed experts packed to MXFP4
@@ -48,12 +49,14 @@ def load_hf(hf_dir: str):
   return (cfg, *nnx.split(model, nnx.Param, ...))
 
 
-def random_weights(config: str, overrides=(), seed: int = 0):
-  """(cfg, graphdef, params, rest) of a freshly initialised preset."""
+def random_weights(config: str, overrides=(), seed: int = 0, vision: bool = False):
+  """(cfg, graphdef, params, rest) of a freshly initialised preset (with its vision tower
+  when `vision`)."""
   import configs
   from flax import nnx
   from k3_jax.model import create_model
-  cfg: ModelConfig = validate(apply_overrides(configs.get(config), list(overrides)))
+  base = configs.get_multimodal(config) if vision else configs.get(config)
+  cfg: ModelConfig = validate(apply_overrides(base, list(overrides)))
   return (cfg, *nnx.split(create_model(cfg, seed=seed), nnx.Param, ...))
 
 
@@ -73,7 +76,8 @@ def build_engine(opts: ServeOptions):
     cfg, graphdef, params, rest = load_hf(opts.hf_dir)
     tok_spec = opts.tokenizer or "byte"
   else:
-    cfg, graphdef, params, rest = random_weights(opts.config, opts.overrides, opts.seed)
+    cfg, graphdef, params, rest = random_weights(opts.config, opts.overrides, opts.seed,
+                                                 opts.vision)
     tok_spec = opts.tokenizer or "byte"
   if opts.expert_format == "mxfp4":
     from k3_jax.serve.pack import pack_state

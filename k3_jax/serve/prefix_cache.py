@@ -1,7 +1,8 @@
 """The KDA-aware prefix cache (K3_SPEC section 9): host-side bookkeeping.
 
 - Prompts are cut into hash blocks of 512 tokens with chained hashes (block i's hash covers
-  every token before its end), so equal hashes mean equal prefixes.
+  every token before its end, and the content of the images whose placeholders it holds),
+  so equal hashes mean equal prefixes.
 - A cached block owns one MLA page id. The page id indexes every MLA layer's pool, so a
   block is present in all MLA layers or in none.
 - A boundary (the end of a block) may carry a KDA checkpoint: one slot index into the
@@ -22,19 +23,37 @@ import hashlib
 
 import numpy as np
 
+from k3_jax.data import images as im
 from k3_jax.serve.kv_pages import PAGE, PagePool
 
 
-def block_hashes(tokens, block: int = PAGE) -> list[bytes]:
-  """Chained hashes of the full `block`-token blocks of `tokens`."""
+def block_hashes(tokens, block: int = PAGE, salts: dict[int, bytes] | None = None
+                 ) -> list[bytes]:
+  """Chained hashes of the full `block`-token blocks of `tokens`. salts: {block index: bytes}
+  mixed into that block's hash (what the tokens alone do not say, see image_salts)."""
   arr = np.asarray(tokens, np.int64)
   out, prev = [], b"k3-prefix"
   for i in range(len(arr) // block):
     h = hashlib.blake2b(prev, digest_size=16)
     h.update(arr[i * block:(i + 1) * block].tobytes())
+    if salts and i in salts:
+      h.update(salts[i])
     prev = h.digest()
     out.append(prev)
   return out
+
+
+def image_salts(tokens, images: dict, placeholder_id: int, block: int = PAGE
+                ) -> dict[int, bytes]:
+  """{block index: content hashes of the images whose placeholders lie in that block}: the
+  placeholder tokens of two different images of one size are identical, so without these a
+  block (and, chained, everything after it) would match another image's KV and KDA state."""
+  pos = np.flatnonzero(np.asarray(tokens) == placeholder_id)        # [M] placeholder positions
+  owner = im.feature_images(images)                                 # [M] image of each
+  digests = im.image_digests(images)
+  blocks = pos // block
+  return {int(b): b"".join(digests[i] for i in np.unique(owner[blocks == b]))
+          for b in np.unique(blocks)}
 
 
 @dataclasses.dataclass
@@ -184,4 +203,4 @@ class PrefixCache:
             "bytes": self.used, "budget_bytes": self.budget, "evictions": self.evictions}
 
 
-__all__ = ["block_hashes", "PrefixCache", "Hit", "Entry"]
+__all__ = ["block_hashes", "image_salts", "PrefixCache", "Hit", "Entry"]

@@ -65,6 +65,8 @@ class Request:
   on_update: Callable[["Request", str], None] | None = None   # (request, new text) per step
   record_logits: bool = False                         # keep each sampled position's logits
   use_prefix_cache: bool = True                       # False: always a cold prefill
+  images: dict | None = None         # packed images (data/images.pack_images) whose features
+                                     # take the prompt's placeholders, in order
   id: int = dataclasses.field(default_factory=lambda: next(_ids))
   # ----- engine-owned state ---------------------------------------------------------
   state: str = "waiting"             # waiting | prefill | decode | done
@@ -79,6 +81,7 @@ class Request:
   text: str = ""
   sent: int = 0                      # chars of text already passed to on_update
   decoder: object = None
+  features: object = None            # [M, D] f32 projected image features (during prefill)
   finish_reason: str | None = None
   cancelled: bool = False
   seed: int = 0

@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP server over the batched engine (FastAPI + uvicorn).
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (streaming as server-sent events
-ending in `data: [DONE]`, `stream_options.include_usage`), GET /v1/models, GET /health,
+ending in `data: [DONE]`, `stream_options.include_usage`; image_url content parts with data
+URLs for a model with a vision tower, see chat.py), GET /v1/models, GET /health,
 GET /metrics (Prometheus). The engine steps in one background thread; each HTTP request
 submits to it and waits on its own asyncio queue. Bad input gets an OpenAI-style JSON error
 ({"error": {"message", "type", "param", "code"}}) and never reaches the engine; a client
@@ -175,7 +176,7 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, start_loop: bool = 
 
   app = FastAPI(title="k3-jax")
   loop_runner = EngineLoop(engine) if start_loop else None
-  template = template_for(tokenizer)
+  template = template_for(tokenizer, engine.cfg.vision)
   registry, metrics = make_metrics(engine)
   created = int(time.time())
   eos = () if tokenizer.eos_id is None else (tokenizer.eos_id,)
@@ -208,7 +209,7 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, start_loop: bool = 
             "total_tokens": int(req.prompt.size) + len(req.output_ids),
             "prompt_tokens_details": {"cached_tokens": int(req.cached_tokens)}}
 
-  def submit(ids, params):
+  def submit(ids, params, images=None):
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -216,7 +217,7 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, start_loop: bool = 
       loop.call_soon_threadsafe(queue.put_nowait, (delta, r.state == "done"))
 
     try:
-      req = engine.submit(ids, params, on_update=on_update)
+      req = engine.submit(ids, params, on_update=on_update, images=images)
     except QueueFull as e:
       raise ApiError(429, str(e), type_="rate_limit_error", code="queue_full") from None
     except RequestError as e:
@@ -302,14 +303,14 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, start_loop: bool = 
     body = await read_body(http)
     kwargs = body.get("chat_template_kwargs") or {}
     thinking = bool(kwargs.get("thinking", True))
-    try:
-      rendered = template.render(body.get("messages"), thinking=thinking,
-                                 effort=body.get("reasoning_effort"))
+    try:           # in a worker thread: image parts are decoded and resized here
+      rendered = await asyncio.to_thread(template.render, body.get("messages"),
+                                         thinking=thinking, effort=body.get("reasoning_effort"))
     except ChatError as e:
       raise ApiError(400, str(e), "messages") from None
     params = sampling_from(body, engine, len(rendered.ids), stop_extra=rendered.stop,
                            stop_ids=tuple(rendered.stop_ids) + eos)
-    req, queue = submit(rendered.ids, params)
+    req, queue = submit(rendered.ids, params, rendered.images)
     parser = template.parser(rendered.thinking)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     head = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
