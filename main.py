@@ -269,6 +269,9 @@ def cmd_generate() -> None:
                     "(or token ids with --prompt_ids=1,2,3)")
   if FLAGS.max_new_tokens <= 0:
     raise UserError(f"--max_new_tokens={FLAGS.max_new_tokens}: must be positive")
+  if FLAGS.image and FLAGS.prompt_ids:
+    raise UserError("--image puts the images before the --prompt text; it cannot be combined "
+                    "with --prompt_ids")
   if FLAGS.hf_dir:                    # released weights, read straight into place
     restored = restore.restore_from_hf(FLAGS.hf_dir, _expert_format(), FLAGS.tokenizer)
   else:
@@ -278,34 +281,19 @@ def cmd_generate() -> None:
   sampling = dict(temperature=FLAGS.temperature, top_p=FLAGS.top_p, seed=FLAGS.seed or 0,
                   frequency_penalty=FLAGS.frequency_penalty,
                   presence_penalty=FLAGS.presence_penalty)
-  if FLAGS.image:
-    from k3_jax.serve.multimodal import generate_with_images
-    tok = restored.tokenizer
-    stop = () if tok.eos_id is None else (tok.eos_id,)
-    tokens = generate_with_images(restored.engine, tok, FLAGS.prompt, FLAGS.image,
-                                  FLAGS.max_new_tokens, FLAGS.temperature, FLAGS.top_p,
-                                  seed=FLAGS.seed or 0, stop_ids=stop)
-    stream = tok.stream_decoder()
-    sys.stdout.write(FLAGS.prompt)
-    for tid in tokens:
-      if tid in stop:
-        break
-      sys.stdout.write(stream.add(tid))
-      sys.stdout.flush()
-    sys.stdout.write(stream.flush() + "\n")
-    return
   if FLAGS.prompt_ids or FLAGS.json:
-    ids = (restore.parse_token_ids(FLAGS.prompt_ids) if FLAGS.prompt_ids
-           else restored.tokenizer.encode(FLAGS.prompt))
+    ids, images = ((restore.parse_token_ids(FLAGS.prompt_ids), None) if FLAGS.prompt_ids
+                   else restore.prompt_ids(restored, FLAGS.prompt, FLAGS.image))
     out = list(restore.generate_ids(restored, ids, FLAGS.max_new_tokens, **sampling,
-                                    token_ids_given=bool(FLAGS.prompt_ids)))
+                                    token_ids_given=bool(FLAGS.prompt_ids), images=images))
     if FLAGS.json:
       print(json.dumps({"prompt_ids": list(ids), "token_ids": out,
                         "text": restore.decode_or_none(restored.tokenizer, out)}))
     else:
       print(" ".join(map(str, out)))
     return
-  pieces = restore.stream_completion(restored, FLAGS.prompt, FLAGS.max_new_tokens, **sampling)
+  pieces = restore.stream_completion(restored, FLAGS.prompt, FLAGS.max_new_tokens, **sampling,
+                                     image_paths=FLAGS.image)
   sys.stdout.write(FLAGS.prompt)
   sys.stdout.flush()
   for piece in pieces:

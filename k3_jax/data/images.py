@@ -23,13 +23,14 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from k3_jax.config import VisionConfig
+from k3_jax.config import UserError, VisionConfig
 
 MEAN, STD = 0.5, 0.5          # per channel, on [0, 1] pixels (MoonViT's normalisation)
 
 
-class ImageError(ValueError):
-  """An image that cannot be used; the message names the image and the reason."""
+class ImageError(UserError):
+  """An image that cannot be used; the message names the image and the reason (bad user
+  input: the command line prints it without a traceback)."""
 
 
 MAX_PIXELS = 1 << 26          # larger images are refused before decoding (64M pixels)

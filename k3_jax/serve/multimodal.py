@@ -1,11 +1,11 @@
-"""Generation with images: a prompt with images (what `generate --image` runs), and greedy
-captions of held-out `shapes` images scored against their labels (the multimodal training
-run's accuracy measure)."""
+"""Greedy captions of held-out `shapes` images scored against their labels (the multimodal
+training run's accuracy measure), batched over many images with fixed shapes. Generation with
+images for one prompt (`generate --image`, the server's image parts) runs on the batched
+engine (serve/engine.py, restore.prompt_ids)."""
 
 from __future__ import annotations
 
-import functools
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -16,72 +16,7 @@ from k3_jax.config import ModelConfig
 from k3_jax.data import images as im
 from k3_jax.data import shapes
 from k3_jax.data.tokenizers import Tokenizer
-from k3_jax.model import check_tokens, decode_step, prefill
-from k3_jax.serve.sampling import sample
-
-
-def image_prompt(cfg: ModelConfig, tokenizer: Tokenizer, prompt: str,
-                 image_paths: Sequence[str]) -> tuple[list[int], dict]:
-  """The images (each as media tokens around its placeholders), then the prompt text
-  -> (ids, packed images). Bad images and a model without a tower are clear errors."""
-  if cfg.vision is None:
-    raise ValueError(f"model {cfg.name!r} has no vision tower (trained without images); "
-                     "--image needs a model trained with one, e.g. --dataset=shapes")
-  return im.prompt_with_images("", image_paths, prompt, cfg.vision, tokenizer.encode)
-
-
-def generate_ids_with_images(cfg: ModelConfig, graphdef, params, rest, prompt_ids,
-                             images: dict, max_new_tokens: int, temperature: float = 0.0,
-                             top_p: float = 1.0, seed: int = 0, stop_ids=()) -> Iterator[int]:
-  """Token ids sampled after `prompt_ids`, whose image placeholders take the features of the
-  packed `images` (k3_jax/data/images.pack_images; their count is checked before any work):
-  one prefill with the images, then one decode step per token (single request; the batched
-  serving engine is text-only)."""
-  if cfg.vision is None:
-    raise ValueError(f"{cfg.name} has no vision tower: it cannot take images")
-  prompt = check_tokens(prompt_ids, cfg).reshape(1, -1)
-  im.check_placeholders(prompt, int(images["merge_idx"].shape[0]), cfg.vision)
-  total = prompt.shape[1] + max_new_tokens
-  if total > cfg.max_seq_len:
-    raise ValueError(f"prompt ({prompt.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) "
-                     f"exceeds max_seq_len={cfg.max_seq_len}")
-  logits, cache = _image_prefill(graphdef, total)(params, rest, jnp.asarray(prompt), images)
-  key = jax.random.key(seed)
-  key, sub = jax.random.split(key)
-  token = sample(sub, logits[:, -1], temperature, top_p)
-  step = _decode(graphdef)
-  for i in range(max_new_tokens):
-    tid = int(token[0])
-    yield tid
-    if tid in stop_ids or i == max_new_tokens - 1:
-      return
-    key, sub = jax.random.split(key)
-    token, cache = step(params, rest, cache, token, sub, jnp.float32(temperature),
-                        jnp.float32(top_p))
-
-
-@functools.lru_cache(maxsize=8)
-def _image_prefill(graphdef, total: int):
-  return jax.jit(lambda params, rest, tokens, images: prefill(
-      nnx.merge(graphdef, params, rest), tokens, total, images))
-
-
-@functools.lru_cache(maxsize=8)
-def _decode(graphdef):
-  def step(params, rest, cache, token, key, temperature, top_p):
-    logits, cache = decode_step(nnx.merge(graphdef, params, rest), cache, token)
-    return sample(key, logits, temperature, top_p), cache
-  return jax.jit(step, donate_argnums=(2,))
-
-
-def generate_with_images(engine, tokenizer: Tokenizer, prompt: str, image_paths: Sequence[str],
-                         max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                         seed: int = 0, stop_ids=()) -> Iterator[int]:
-  """Token ids sampled after the images and prompt (see `image_prompt`), with the weights of
-  `engine` (a serve.engine.Engine)."""
-  ids, packed = image_prompt(engine.cfg, tokenizer, prompt, image_paths)
-  return generate_ids_with_images(engine.cfg, engine.graphdef, engine.params, engine.rest, ids,
-                                  packed, max_new_tokens, temperature, top_p, seed, stop_ids)
+from k3_jax.model import decode_step, prefill
 
 
 def greedy_captions(cfg: ModelConfig, graphdef, params, rest, tokenizer: Tokenizer,
@@ -159,4 +94,4 @@ def caption_eval(workdir: str, tokenizer: Tokenizer, num_images: int = 192, seed
   return res
 
 
-__all__ = ["image_prompt", "generate_ids_with_images", "caption_eval", "generate_with_images", "greedy_captions", "caption_accuracy"]
+__all__ = ["caption_eval", "greedy_captions", "caption_accuracy"]

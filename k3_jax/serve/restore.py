@@ -4,12 +4,13 @@ checkpoint's parameters, optionally with the routed experts packed to MXFP4, in 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import jax
 
 from k3_jax.checkpoint.inference import load_for_inference, trained_tokenizer
 from k3_jax.config import EXPERT_FORMATS, ModelConfig, UserError
+from k3_jax.data import images as im
 from k3_jax.data import tokenizers
 from k3_jax.serve.pack import pack_state
 from k3_jax.serve.engine import Engine
@@ -87,12 +88,13 @@ def stop_ids(restored: Restored, token_ids_given: bool = False) -> tuple[int, ..
 def generate_ids(restored: Restored, ids: list[int], max_new_tokens: int,
                  temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
                  frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
-                 token_ids_given: bool = False) -> Iterator[int]:
-  """Token ids continuing `ids` as they are sampled (stops before an EOS id, see stop_ids)."""
+                 token_ids_given: bool = False, images: dict | None = None) -> Iterator[int]:
+  """Token ids continuing `ids` as they are sampled (stops before an EOS id, see stop_ids).
+  images: packed images whose features take the placeholders of `ids` (see prompt_ids)."""
   stop = stop_ids(restored, token_ids_given)
   for tid in restored.engine.generate(ids, max_new_tokens, temperature, top_p, seed=seed,
                                       stop_ids=stop, frequency_penalty=frequency_penalty,
-                                      presence_penalty=presence_penalty):
+                                      presence_penalty=presence_penalty, images=images):
     if tid in stop:
       break
     yield tid
@@ -106,14 +108,34 @@ def decode_or_none(tok: tokenizers.Tokenizer, ids: list[int]) -> str | None:
   return tok.decode(ids)
 
 
+def prompt_ids(restored: Restored, prompt: str, image_paths: Sequence[str] = ()
+               ) -> tuple[list[int], dict | None]:
+  """(ids, packed images or None) of `prompt` text, after the images (each as its media tokens
+  and placeholders) when image files are given; a bad image or a model without a vision tower
+  is a UserError."""
+  if not image_paths:
+    return restored.tokenizer.encode(prompt), None
+  if restored.cfg.vision is None:
+    raise UserError(f"model {restored.cfg.name!r} has no vision tower (trained without images); "
+                    "--image needs a model trained with one, e.g. --dataset=shapes")
+  return im.prompt_with_images("", image_paths, prompt, restored.cfg.vision,
+                               restored.tokenizer.encode)
+
+
 def stream_completion(restored: Restored, prompt: str, max_new_tokens: int,
                       temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-                      frequency_penalty: float = 0.0,
-                      presence_penalty: float = 0.0) -> Iterator[str]:
-  """Text pieces of the completion of `prompt` as they are sampled (stops at EOS)."""
+                      frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
+                      image_paths: Sequence[str] = ()) -> Iterator[str]:
+  """Text pieces of the completion of `prompt` (after the images of `image_paths`, see
+  prompt_ids) as they are sampled (stops at EOS). Bad input raises here, before any text."""
+  ids, images = prompt_ids(restored, prompt, image_paths)
+  return _pieces(restored, generate_ids(restored, ids, max_new_tokens, temperature, top_p, seed,
+                                        frequency_penalty, presence_penalty, images=images))
+
+
+def _pieces(restored: Restored, ids: Iterator[int]) -> Iterator[str]:
   stream = restored.tokenizer.stream_decoder()
-  for tid in generate_ids(restored, restored.tokenizer.encode(prompt), max_new_tokens,
-                          temperature, top_p, seed, frequency_penalty, presence_penalty):
+  for tid in ids:
     piece = stream.add(tid)
     if piece:
       yield piece

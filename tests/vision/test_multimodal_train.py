@@ -121,29 +121,35 @@ def test_train_step_on_images_and_text():
 
 
 def test_generate_with_images_matches_a_full_forward(tmp_path):
+  """`generate --image` (restore.prompt_ids + the batched engine) == argmax of one forward
+  pass over the prompt + generated tokens with the same images."""
   from PIL import Image
+  from k3_jax.config import UserError
   from k3_jax.serve.engine import Engine
-  from k3_jax.serve.multimodal import (generate_ids_with_images, generate_with_images,
-                                       image_prompt)
+  from k3_jax.serve.restore import Restored, prompt_ids
   model = create_model(MM1, seed=1)
   graphdef, params, rest = train.split_model(model)
-  engine = Engine(MM1, graphdef, params, rest)
+  restored = Restored(MM1, Engine(MM1, graphdef, params, rest), TOK, 0)
   paths = []
   for i, (h, w) in enumerate(((2, 4), (4, 2))):
     img = np.random.default_rng(i).integers(0, 256, (h * 14, w * 14, 3), dtype=np.uint8)
     paths.append(str(tmp_path / f"{i}.png"))
     Image.fromarray(img).save(paths[-1])
-  out = list(generate_with_images(engine, TOK, " is", paths, max_new_tokens=3))
+  ids, packed = prompt_ids(restored, " is", paths)
+  out = list(restored.engine.generate(ids, 3, images=packed))
   # greedy decoding after a prefill with images == argmax of one forward pass over the
   # prompt + generated tokens with the same images (the decode path sees no images)
-  ids, packed = image_prompt(MM1, TOK, " is", paths)
   full = jnp.asarray([ids + out[:-1]])
   logits = nnx.jit(lambda m, t, images: m(t, images=images)[0])(model, full, packed)
   want = np.asarray(jnp.argmax(logits[0, len(ids) - 1:], -1)).tolist()
   assert out == want
-  with pytest.raises(ValueError, match="image placeholder tokens"):
-    first = ids.index(MM1.vision.image_token_id)
-    list(generate_ids_with_images(MM1, graphdef, params, rest, ids[:first] + ids[first + 1:],
-                                  packed, 2))   # one placeholder short
-  with pytest.raises(ValueError, match="no vision tower"):
-    image_prompt(TEXT, TOK, "x", paths)
+  first = ids.index(MM1.vision.image_token_id)
+  with pytest.raises(UserError, match="image placeholder tokens"):
+    list(restored.engine.generate(ids[:first] + ids[first + 1:], 2, images=packed))
+  with pytest.raises(UserError, match="no images"):
+    list(restored.engine.generate(ids, 2))          # placeholders without their images
+  with pytest.raises(UserError, match="no vision tower"):
+    prompt_ids(Restored(TEXT, None, TOK, 0), "x", paths)
+  with pytest.raises(UserError, match="not a readable image"):
+    (tmp_path / "junk.png").write_bytes(b"not a png")
+    prompt_ids(restored, "x", [str(tmp_path / "junk.png")])
