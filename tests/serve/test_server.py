@@ -1,12 +1,16 @@
 """The OpenAI-compatible server, as a subprocess on 127.0.0.1, driven by the `openai` client.
 
-One server (module fixture): the 5-layer k3_tiny variant of test_engine.py with random
-weights, the byte tokenizer (plain chat template), 4 slots, a queue bound of 16. Greedy
-decoding (temperature 0) is deterministic, so "correct" means: the same text as the same
-request alone, and streamed deltas that add up to the non-streamed text.
+One server (module fixture): the 5-layer k3_tiny variant of test_engine.py with its tiny
+vision tower and random weights, the byte tokenizer (plain chat template), 4 slots, a queue
+bound of 16. Greedy decoding (temperature 0) is deterministic, so "correct" means: the same
+text as the same request alone, and streamed deltas that add up to the non-streamed text;
+with an image, the same tokens as one unpaged prefill of the whole prompt with the images,
+then decode_step (the model's own path).
 """
 
+import base64
 import concurrent.futures
+import io
 import json
 import os
 import socket
@@ -15,16 +19,18 @@ import sys
 import time
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODEL = "k3-test"
 MAX_LEN = 2048
+OVERRIDES = ("max_seq_len=2048", "num_layers=5", "mla_layers=(4,5)")
 LAUNCH = """
 from k3_jax.serve.loader import ServeOptions, run_server
-run_server(ServeOptions(config="k3_tiny", overrides=("max_seq_len=2048", "num_layers=5",
-           "mla_layers=(4,5)"), seed=3, max_batch=4, max_queue=16, model_name="{model}",
+run_server(ServeOptions(config="k3_tiny", overrides={overrides}, vision=True,
+           seed=3, max_batch=4, max_queue=16, model_name="{model}",
            prefix_cache_bytes=1 << 22, host="127.0.0.1", port={port}))
 """
 
@@ -42,7 +48,8 @@ def server(tmp_path_factory):
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT,
          "XLA_FLAGS": ""}                       # one CPU device is enough here
   with open(log, "w") as out:
-    proc = subprocess.Popen([sys.executable, "-c", LAUNCH.format(model=MODEL, port=port)],
+    proc = subprocess.Popen([sys.executable, "-c", LAUNCH.format(model=MODEL, port=port,
+                                                                overrides=OVERRIDES)],
                             cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
   base = f"http://127.0.0.1:{port}"
   try:
@@ -212,3 +219,121 @@ def test_queue_bound_429(server):
   assert codes.count(429) >= 1 and codes.count(200) >= 4 and set(codes) <= {200, 429}
   r = httpx.post(f"{server}/v1/completions", json={**body, "max_tokens": 2}, timeout=60)
   assert r.status_code == 200                  # and it recovers
+
+
+# ----- images in chat messages -------------------------------------------------------------
+
+def data_url(pixels: np.ndarray, fmt: str = "PNG") -> str:
+  from PIL import Image
+  buf = io.BytesIO()
+  Image.fromarray(pixels).save(buf, format=fmt)
+  return f"data:image/{fmt.lower()};base64,{base64.b64encode(buf.getvalue()).decode()}"
+
+
+def picture(seed: int, h: int = 28, w: int = 56) -> np.ndarray:
+  return np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+
+
+def image_message(urls, before: str = "", after: str = "?") -> list:
+  """A user message: text, the images, text. Two small images of different shapes keep the
+  prompt under 64 tokens (the prefill pieces other tests compiled) and every request on one
+  packed shape (one tower compile)."""
+  if isinstance(urls, str):
+    urls = [urls]
+  return [{"role": "user", "content": [
+      {"type": "text", "text": before},
+      *({"type": "image_url", "image_url": {"url": u}} for u in urls),
+      {"type": "text", "text": after}]}]
+
+
+def two_pictures(seed: int) -> list[str]:
+  return [data_url(picture(seed)), data_url(picture(seed + 100, 56, 28))]
+
+
+def test_chat_with_image_matches_a_full_forward(client):
+  """The served greedy tokens of an image prompt == greedy tokens of the model's own full
+  forward pass (no cache; K3Model.__call__ runs the tower inside), one position at a time
+  over a fixed-length padded sequence (causal: the padding after a position never reaches
+  it). So the engine's chunked paged prefill, its separate tower call and its per-piece
+  feature slicing change nothing."""
+  import jax
+  import jax.numpy as jnp
+  from k3_jax.data.tokenizers import ByteTokenizer
+  from k3_jax.serve.chat import template_for
+  from k3_jax.serve.loader import random_weights
+  from flax import nnx
+
+  messages = image_message(two_pictures(0))
+  n = 6
+  served = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=n,
+                                          temperature=0)
+  cfg, g, p, r = random_weights("k3_tiny", OVERRIDES, seed=3, vision=True)
+  model = nnx.merge(g, p, r)
+  tok = ByteTokenizer()
+  rendered = template_for(tok, cfg.vision).render(messages)
+  assert served.usage.prompt_tokens == len(rendered.ids)
+  forward = jax.jit(lambda t, images: model(t, images=images)[0][0])
+  seq = np.zeros((1, len(rendered.ids) + n), np.int32)
+  seq[0, :len(rendered.ids)] = rendered.ids
+  ids = []
+  for k in range(n):
+    at = len(rendered.ids) + k
+    ids.append(int(jnp.argmax(forward(jnp.asarray(seq), rendered.images)[at - 1])))
+    if ids[-1] == tok.eos_id or k == n - 1:
+      break
+    seq[0, at] = ids[-1]
+  assert served.usage.completion_tokens == len(ids)
+  assert served.choices[0].message.content == tok.decode([i for i in ids if i != tok.eos_id])
+  # streamed, the same
+  chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=n,
+                                               temperature=0, stream=True))
+  assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+      served.choices[0].message.content
+
+
+def test_prefix_cache_keys_blocks_on_image_content(client):
+  """Two images of one size give identical placeholder tokens: the second must not hit the
+  first one's blocks (its image sits in block 0), while each repeated exactly hits 1,024
+  tokens and answers what its cold run answered."""
+  text = "".join(chr(97 + (i * 11) % 26) for i in range(1000))    # 1,024 + a short tail
+
+  def ask(seed):
+    return client.chat.completions.create(model=MODEL, max_tokens=4, temperature=0,
+                                          messages=image_message(two_pictures(seed), "", text))
+  a, b = ask(10), ask(11)
+  assert a.usage.prompt_tokens == b.usage.prompt_tokens > 1024
+  assert a.usage.prompt_tokens_details.cached_tokens == 0
+  assert b.usage.prompt_tokens_details.cached_tokens == 0      # other pixels: no reuse
+  for seed, cold in ((10, a), (11, b)):
+    hit = ask(seed)
+    assert hit.usage.prompt_tokens_details.cached_tokens == 1024
+    assert hit.choices[0].message.content == cold.choices[0].message.content
+
+
+def test_bad_images_are_400(server):
+  huge = data_url(np.zeros((896, 896, 3), np.uint8))        # 64 x 64 patches, resized to 1,024
+  cases = [
+      (image_message("https://example.com/cat.png"), "only data URLs"),
+      (image_message("data:image/png;base64,@@not base64@@"), "not valid base64"),
+      (image_message("data:image/png;base64," + base64.b64encode(b"hello").decode()),
+       "not a readable image"),
+      (image_message("data:text/plain;base64,aGVsbG8="), "not an image"),
+      ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": huge}},
+                                     {"type": "image_url", "image_url": {"url": huge}}]}],
+       "beyond the patch budget"),
+      ([{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}],
+       "expected a"),
+      ([{"role": "assistant", "content": [{"type": "image_url",
+                                           "image_url": {"url": data_url(picture(1))}}]}],
+       "user messages only"),
+  ]
+  for messages, needle in cases:
+    r = httpx.post(f"{server}/v1/chat/completions", timeout=60,
+                   json={"model": MODEL, "messages": messages, "max_tokens": 2})
+    assert r.status_code == 400, (needle, r.text)
+    assert needle in error_of(r)["message"] and error_of(r)["param"] == "messages"
+  # placeholder ids smuggled into a text prompt (the byte vocabulary reserves 252-255)
+  r = httpx.post(f"{server}/v1/completions", timeout=60,
+                 json={"model": MODEL, "prompt": [65, 255, 66], "max_tokens": 2})
+  assert r.status_code == 400 and "no images" in error_of(r)["message"]
+  assert health(server)["status"] == "ok"                   # still up
