@@ -69,3 +69,43 @@ def test_plain_template():
   for bad in ([], [{"role": "wizard", "content": "x"}], [{"role": "user", "content": 3}]):
     with pytest.raises(ChatError):
       t.render(bad)
+
+
+def test_image_parts_render_in_place(k3_tok):
+  """An image part becomes its media tokens + placeholders where it stands (between the text
+  parts around it), in the plain and the K3 template; its patches are what to_patches gives;
+  a model without a tower refuses it."""
+  import base64
+  import io
+  import numpy as np
+  from PIL import Image
+  import configs
+  from k3_jax.data import images as im
+  from k3_jax.serve.prefix_cache import block_hashes, image_salts
+  v = configs.get_multimodal("k3_tiny").vision
+  pixels = np.random.default_rng(0).integers(0, 256, (28, 56, 3), dtype=np.uint8)
+  buf = io.BytesIO()
+  Image.fromarray(pixels).save(buf, format="PNG")
+  url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+  msg = [{"role": "user", "content": [{"type": "text", "text": "A "},
+                                      {"type": "image_url", "image_url": {"url": url}},
+                                      {"type": "text", "text": " B"}]}]
+  tok = ByteTokenizer()
+  patches, grid = im.to_patches(pixels, v)
+  media = im.image_token_ids(grid, v, tok.encode)
+  r = template_for(tok, v).render(msg)
+  assert r.ids == tok.encode("<|user|>\nA ") + media + tok.encode(" B\n<|assistant|>\n")
+  np.testing.assert_array_equal(r.images["patches"], patches)
+  k3 = K3Template(k3_tok, {"open": 256, "sep": 257, "close": 258, "eom": 259}, v)
+  ids = k3.render(msg, thinking=False).ids
+  text_only = k3.render([{"role": "user", "content": "A  B"}], thinking=False).ids
+  at = text_only.index(ord(" ")) + 1                   # between "A " and " B"
+  assert ids == text_only[:at] + im.image_token_ids(grid, v, k3_tok.encode) + text_only[at:]
+  with pytest.raises(ChatError, match="no vision tower"):
+    template_for(tok).render(msg)
+  # the prefix cache keys a block holding placeholders on the image's content
+  other = dict(r.images, patches=r.images["patches"] + 1)
+  salted = [block_hashes(r.ids, 16, image_salts(r.ids, x, v.image_token_id, 16))
+            for x in (r.images, r.images, other)]
+  assert salted[0] == salted[1] and salted[0][0] == block_hashes(r.ids, 16)[0]   # no image
+  assert salted[0][-1] != salted[2][-1] and salted[0][-1] != block_hashes(r.ids, 16)[-1]
