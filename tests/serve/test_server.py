@@ -284,11 +284,18 @@ def test_chat_with_image_matches_a_full_forward(client):
     seq[0, at] = ids[-1]
   assert served.usage.completion_tokens == len(ids)
   assert served.choices[0].message.content == tok.decode([i for i in ids if i != tok.eos_id])
-  # streamed, the same
+  # streamed, and batched with text requests: the same
   chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=n,
                                                temperature=0, stream=True))
   assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
       served.choices[0].message.content
+  texts = [f"Request {i}: the quick brown fox number {i * 37}" for i in range(3)]
+  with concurrent.futures.ThreadPoolExecutor(4) as pool:
+    image = pool.submit(client.chat.completions.create, model=MODEL, messages=messages,
+                        max_tokens=n, temperature=0)
+    others = [pool.submit(complete, client, t, 6) for t in texts]
+    assert image.result().choices[0].message.content == served.choices[0].message.content
+    assert all(o.result().usage.completion_tokens >= 1 for o in others)
 
 
 def test_prefix_cache_keys_blocks_on_image_content(client):
