@@ -7,11 +7,16 @@ Layout: <workdir>/checkpoints/<step>/{state,data} and <workdir>/checkpoints/mode
   directory and renamed when complete, and older steps beyond `keep` are deleted only after
   that, so a crash or kill mid-save never damages or removes the last good checkpoint; the
   unfinished temporary directory is discarded when the next training run opens the manager.
-- Restores try the newest step first; a step that cannot be read (a truncated or missing
-  file) or whose parameters are not finite is reported in one line and the previous one is
-  used. Training moves such a step aside (renamed `<step>.damaged-<time>`; `<step>.newer-<time>`
+- Each completed step gets an integrity manifest (integrity.py: size and CRC-32 of every
+  file), written once Orbax has committed it; a restore checks it before handing any file
+  to Orbax, so a damaged step is refused without a read being started (a failed Orbax read
+  leaves abandoned reads that print tracebacks).
+- Restores try the newest step first; a step that cannot be read (a truncated, zeroed or
+  missing file) or whose parameters are not finite is reported in one line and the previous
+  one is used. Training moves such a step aside (renamed `<step>.damaged-<time>`; `<step>.newer-<time>`
   for steps after an explicit --step), never deleted) so
-  its number can be written again.
+  its number can be written again; on a multi-host job every process waits at a barrier
+  until process 0 has renamed them.
 - `restore_params` reads only what inference needs (parameters and balancing biases), never
   the optimizer state.
 - A workdir whose checkpoints were made for a different model config is refused, never
@@ -32,6 +37,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging as absl_logging
 
+from k3_jax.checkpoint import integrity
 from k3_jax.config import ModelConfig, UserError, from_dict, to_dict, without_execution_fields
 
 
@@ -98,6 +104,7 @@ class CheckpointManager:
     self.workdir = workdir
     self.read_only = read_only
     self.keep = keep
+    self._unsealed: list[int] = []      # saved by us, integrity manifest not yet written
     cfg_path = os.path.join(self.directory, "model_config.json")
     wanted = json.loads(json.dumps(to_dict(cfg)))
     if os.path.exists(cfg_path):
@@ -145,10 +152,27 @@ class CheckpointManager:
   def all_steps(self) -> list[int]:
     return sorted(self._mgr.all_steps())
 
+  def step_path(self, step: int) -> str:
+    return os.path.join(self.directory, str(step))
+
   def save(self, step: int, state, data_state: dict | None) -> None:
-    """Starts an asynchronous save of `step` (returns before the write completes)."""
+    """Starts an asynchronous save of `step` (returns before the write completes). The
+    previous save is finished first (Orbax would wait for it anyway) and sealed."""
+    self.wait()
     self._mgr.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state or {})))
+    self._unsealed.append(step)
+
+  def _seal(self) -> None:
+    """Writes the integrity manifest of each step this manager saved whose save has
+    finished (call only after Orbax's wait_until_finished). A step Orbax did not commit (no
+    final directory) gets none."""
+    pending, self._unsealed = self._unsealed, []
+    if jax.process_index() != 0:          # multi-host: the primary writes, as Orbax commits
+      return
+    for s in pending:
+      if os.path.isdir(self.step_path(s)) and not integrity.has_manifest(self.step_path(s)):
+        integrity.write_manifest(self.step_path(s))
 
   # ----- restoring -----------------------------------------------------------------------
 
@@ -196,15 +220,21 @@ class CheckpointManager:
       return None
     problems = []
     for i, s in enumerate(candidates):
-      try:
-        out = load(s)
-      except Exception as e:           # any read error: damaged files, missing manifest
-        problem = f"checkpoint step {s} in {self.directory} is unreadable ({_short(e)})"
+      # The integrity manifest first: a damaged step is refused before Orbax starts a read
+      # (a failed Orbax restore leaves reads behind that print tracebacks).
+      damage = integrity.check_manifest(self.step_path(s))
+      if damage:
+        problem = f"checkpoint step {s} in {self.directory} is damaged ({damage})"
       else:
-        params = out[0]["params"] if isinstance(out, tuple) else out["params"]
-        if _finite(params):
-          return s, out
-        problem = f"checkpoint step {s} in {self.directory} holds non-finite parameters"
+        try:
+          out = load(s)
+        except Exception as e:         # any read error: an unverified step's damaged files
+          problem = f"checkpoint step {s} in {self.directory} is unreadable ({_short(e)})"
+        else:
+          params = out[0]["params"] if isinstance(out, tuple) else out["params"]
+          if _finite(params):
+            return s, out
+          problem = f"checkpoint step {s} in {self.directory} holds non-finite parameters"
       problems.append((s, problem))
       if step is not None:
         raise CheckpointUnusable(problem)
@@ -243,20 +273,33 @@ class CheckpointManager:
 
   def set_aside(self, steps: list[int], why: str, log: Callable[[str], None]) -> None:
     """Renames these step directories to `<step>.<why>-<time>`: kept on disk, no longer
-    restored, their numbers free to be written again."""
-    self._mgr.wait_until_finished()
+    restored, their numbers free to be written again. Process 0 renames; on a multi-host
+    job every process waits for it at a barrier before reopening the directory, so none
+    lists or writes a step that is being moved."""
+    self.wait()
     self._mgr.close()
     stamp = time.strftime("%Y%m%d-%H%M%S")
     if jax.process_index() == 0:
       for s in steps:
-        src = os.path.join(self.directory, str(s))
+        src = self.step_path(s)
         dst = f"{src}.{why}-{stamp}"
         os.replace(src, dst)
         log(f"moved checkpoint step {s} aside to {dst} (kept, not deleted)")
+    sync_processes(f"k3_set_aside_{why}_{'_'.join(map(str, steps))}")
     self._mgr = self._open()
 
   def wait(self) -> None:
+    """Waits for the save in flight and seals the steps it completed."""
     self._mgr.wait_until_finished()
+    self._seal()
 
   def close(self) -> None:
+    self.wait()
     self._mgr.close()
+
+
+def sync_processes(name: str) -> None:
+  """A barrier across the job's processes (no-op with one process)."""
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices(name)
