@@ -26,27 +26,38 @@ RUN = (*MODEL, "--steps=6", "--batch_size=2", "--seq_len=32", "--checkpoint_ever
        "--eval_every=100", "--optimizer=adamw")
 PATTERNS = ("truncate", "zero", "delete")
 
-# The child: both restores of each damaged workdir given, our reports on stdout as "LOG ...".
-CHILD = r"""
-import json, sys
-from k3_jax.checkpoint.inference import load_for_inference
-from k3_jax.checkpoint.manager import CheckpointManager, saved_config
-from k3_jax.config import TrainConfig
-from k3_jax.train import build_steps
-from sharding.mesh import make_mesh, parse_mesh
-log = lambda m: print("LOG", m, flush=True)
-mesh = make_mesh(parse_mesh(""))
-for wd in sys.argv[1:]:
-  print("CASE", wd, flush=True)
-  print("INFER", load_for_inference(wd, mesh, log=log).step, flush=True)
+def restore_both(wd: str, mesh, log) -> dict:
+  """Both restores with fallback of workdir `wd`, in this process: inference (parameters
+  only, read-only), then training (the whole state; moves an unusable newest step aside).
+  {"infer": step used, "train": step used}; the one-line reports go to `log`."""
+  import json
+  from k3_jax.checkpoint.inference import load_for_inference
+  from k3_jax.checkpoint.manager import CheckpointManager, saved_config
+  from k3_jax.config import TrainConfig
+  from k3_jax.train import build_steps
+  out = {"infer": load_for_inference(wd, mesh, log=log).step}
   cfg = saved_config(wd)
-  with open(wd + "/train_config.json") as f:
+  with open(os.path.join(wd, "train_config.json")) as f:
     tc = TrainConfig(**json.load(f))
   steps = build_steps(cfg, tc, mesh)
   ckpt = CheckpointManager(wd, cfg, keep=tc.keep_checkpoints)
   state, _ = ckpt.restore_for_training(steps.abstract_state, steps.state_shardings, log=log)
-  print("TRAIN", int(state["step"]), flush=True)
   ckpt.close()
+  out["train"] = int(state["step"])
+  return out
+
+
+# The child process of the survey: restore_both on each workdir given.
+CHILD = r"""
+import sys
+from benchmarks.ckpt_damage import restore_both
+from sharding.mesh import make_mesh, parse_mesh
+mesh = make_mesh(parse_mesh(""))
+for wd in sys.argv[1:]:
+  print("CASE", wd, flush=True)
+  got = restore_both(wd, mesh, lambda m: print("LOG", m, flush=True))
+  print("INFER", got["infer"], flush=True)
+  print("TRAIN", got["train"], flush=True)
 """
 
 
