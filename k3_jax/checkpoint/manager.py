@@ -134,11 +134,16 @@ class CheckpointManager:
       os.replace(tmp, cfg_path)
 
   def _open(self):
+    # lightweight_initialize: Orbax does not read every step's _CHECKPOINT_METADATA when
+    # opening (we use neither its save times nor its metrics; steps are kept by number), so
+    # a damaged one is first met by our integrity check, not logged by Orbax on the way.
     if not self.read_only:
       opts = ocp.CheckpointManagerOptions(max_to_keep=self.keep, create=True,
-                                          cleanup_tmp_directories=True)
+                                          cleanup_tmp_directories=True,
+                                          lightweight_initialize=True)
       return ocp.CheckpointManager(self.directory, options=opts, item_names=("state", "data"))
-    opts = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0)
+    opts = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0,
+                                        lightweight_initialize=True)
     old = absl_logging.get_verbosity()
     absl_logging.set_verbosity(absl_logging.ERROR)   # Orbax warns that read-only is read-only
     try:

@@ -111,6 +111,10 @@ def test_divergence_keeps_finite_checkpoints_stops_and_resumes(env, tmp_path):
   assert [m["step"] for m in recs] == list(range(1, 11))   # one line per step
   after = [m for m in recs if m["step"] > max(steps)]
   assert after and all(m["loss"] is not None and np.isfinite(m["loss"]) for m in after)
+  # skipped_steps carries across the resume: the skipped steps kept before it (those past
+  # the resumed checkpoint were dropped and retrained)
+  kept_skipped = sum(bool(m.get("skipped")) for m in recs if m["step"] <= max(steps))
+  assert all(m.get("skipped_steps", 0) == kept_skipped for m in after)
   r = main(env, "generate", f"--workdir={wd}", "--prompt=def ", "--max_new_tokens=4")
   assert r.returncode == 0 and r.stdout.startswith("def "), r.stderr[-3000:]
 
