@@ -6,7 +6,8 @@ Layout: <workdir>/checkpoints/<step>/{state,data} and <workdir>/checkpoints/mode
   and the write goes on in a background thread. Each step is written to a temporary
   directory and renamed when complete, and older steps beyond `keep` are deleted only after
   that, so a crash or kill mid-save never damages or removes the last good checkpoint; the
-  unfinished temporary directory is discarded when the next training run opens the manager.
+  unfinished temporary directory is discarded (synchronously) when the next training run
+  opens the manager.
 - Each completed step gets an integrity manifest (integrity.py: size and CRC-32 of every
   file), written once Orbax has committed it; a restore checks it before handing any file
   to Orbax, so a damaged step is refused without a read being started (a failed Orbax read
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from typing import Callable
 
@@ -39,6 +41,9 @@ from absl import logging as absl_logging
 
 from k3_jax.checkpoint import integrity
 from k3_jax.config import ModelConfig, UserError, from_dict, to_dict, without_execution_fields
+
+
+TMP_MARK = ".orbax-checkpoint-tmp"     # Orbax's suffix of a step directory being written
 
 
 class CheckpointMismatch(UserError):
@@ -123,6 +128,8 @@ class CheckpointManager:
     else:
       os.makedirs(self.directory, exist_ok=True)
       self._write_config(cfg_path, wanted)
+    if not read_only:
+      self.discard_unfinished()
     self._mgr = self._open()
 
   @staticmethod
@@ -137,9 +144,11 @@ class CheckpointManager:
     # lightweight_initialize: Orbax does not read every step's _CHECKPOINT_METADATA when
     # opening (we use neither its save times nor its metrics; steps are kept by number), so
     # a damaged one is first met by our integrity check, not logged by Orbax on the way.
+    # Unfinished saves are discarded by discard_unfinished, synchronously: Orbax's own
+    # cleanup_tmp_directories runs in a thread that nothing but the next save waits for, so
+    # a process ending before that (a failed or interrupted start) printed its traceback.
     if not self.read_only:
       opts = ocp.CheckpointManagerOptions(max_to_keep=self.keep, create=True,
-                                          cleanup_tmp_directories=True,
                                           lightweight_initialize=True)
       return ocp.CheckpointManager(self.directory, options=opts, item_names=("state", "data"))
     opts = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0,
@@ -150,6 +159,17 @@ class CheckpointManager:
       return ocp.CheckpointManager(self.directory, options=opts, item_names=("state", "data"))
     finally:
       absl_logging.set_verbosity(old)
+
+  def discard_unfinished(self) -> None:
+    """Removes the temporary directories of saves that never completed (a kill mid-save):
+    `<step>.orbax-checkpoint-tmp-*`, which no restore reads. Process 0 removes, the others
+    wait for it."""
+    if jax.process_index() == 0:
+      for n in os.listdir(self.directory):
+        path = os.path.join(self.directory, n)
+        if TMP_MARK in n and os.path.isdir(path):
+          shutil.rmtree(path)
+    sync_processes("k3_discard_unfinished")
 
   def latest_step(self) -> int | None:
     return self._mgr.latest_step()
