@@ -14,8 +14,11 @@ the damage; it also catches silent damage (e.g. a zeroed block) no reader would 
 A step without a manifest (written before this existed, or cut off between Orbax's commit and
 the manifest) is unverified and restored as before. The manifest is `<step>/k3_integrity.json`
 (it moves with the step when the step is set aside). Cost: each file is read once more after
-the save (at the next save, wait or close, when Orbax has finished) and once before the
-restore; zlib's CRC-32 runs at well over 1 GB/s per core.
+the save (from the next save, wait or close on, when Orbax has finished; in a background
+thread after a save, so the step does not wait for it) and once before the restore. zlib's
+CRC-32 reads about 1 GB/s per core (0.37 GiB/s measured on the shared 2-core dev machine at
+load 14), so a huge step is sealed some seconds after it is committed; a process killed in
+between leaves that step unverified, not refused.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 import time
 from typing import Callable
 
@@ -110,6 +111,8 @@ class CheckpointManager:
     self.read_only = read_only
     self.keep = keep
     self._unsealed: list[int] = []      # saved by us, integrity manifest not yet written
+    self._sealer: threading.Thread | None = None
+    self._seal_error: BaseException | None = None
     cfg_path = os.path.join(self.directory, "model_config.json")
     wanted = json.loads(json.dumps(to_dict(cfg)))
     if os.path.exists(cfg_path):
@@ -182,22 +185,49 @@ class CheckpointManager:
 
   def save(self, step: int, state, data_state: dict | None) -> None:
     """Starts an asynchronous save of `step` (returns before the write completes). The
-    previous save is finished first (Orbax would wait for it anyway) and sealed."""
-    self.wait()
+    previous save is finished first (Orbax would wait for it anyway) and sealed in a
+    background thread, so the step never waits on hashing."""
+    self._mgr.wait_until_finished()
+    self._seal(background=True)
     self._mgr.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state or {})))
     self._unsealed.append(step)
 
-  def _seal(self) -> None:
+  def _seal(self, background: bool = False) -> None:
     """Writes the integrity manifest of each step this manager saved whose save has
-    finished (call only after Orbax's wait_until_finished). A step Orbax did not commit (no
-    final directory) gets none."""
+    finished (call only after Orbax's wait_until_finished), in a thread if `background`
+    (joined by the next _seal). A step Orbax did not commit (no final directory), or deleted
+    meanwhile (max_to_keep), gets none."""
+    if self._sealer is not None:
+      self._sealer.join()
+      self._sealer, error = None, self._seal_error
+      self._seal_error = None
+      if error is not None:
+        raise error
     pending, self._unsealed = self._unsealed, []
-    if jax.process_index() != 0:          # multi-host: the primary writes, as Orbax commits
+    if jax.process_index() != 0 or not pending:   # multi-host: the primary writes
       return
-    for s in pending:
-      if os.path.isdir(self.step_path(s)) and not integrity.has_manifest(self.step_path(s)):
-        integrity.write_manifest(self.step_path(s))
+
+    def work():
+      try:
+        for s in pending:
+          path = self.step_path(s)
+          if os.path.isdir(path) and not integrity.has_manifest(path):
+            try:
+              integrity.write_manifest(path)
+            except FileNotFoundError:      # the step was deleted under us (max_to_keep)
+              pass
+      except BaseException as e:           # re-raised by the next _seal
+        self._seal_error = e
+
+    if background:
+      self._sealer = threading.Thread(target=work, name="k3-seal", daemon=True)
+      self._sealer.start()
+    else:
+      work()
+      if self._seal_error is not None:
+        error, self._seal_error = self._seal_error, None
+        raise error
 
   # ----- restoring -----------------------------------------------------------------------
 
