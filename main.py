@@ -225,6 +225,15 @@ def _bytes(n: float) -> str:
 # ---- commands ----
 
 def cmd_train() -> None:
+  from k3_jax import faults
+  # First thing: from here on SIGTERM / SIGINT request a stop at the next step boundary (one
+  # in setup or compilation: after the first step, which is saved), never a bare kill.
+  with faults.StopRequest() as stop:
+    faults.hold_for_signal(0, stop, print)      # test hook: a signal during setup
+    _train_job(stop)
+
+
+def _train_job(stop) -> None:
   import jax
   from k3_jax import train
   from k3_jax.checkpoint.manager import CheckpointManager
@@ -252,7 +261,7 @@ def cmd_train() -> None:
     init_state = lambda steps: train_state_from_hf(FLAGS.init_from, steps, tc)
   result = train.run(cfg, tc, FLAGS.workdir, mesh, train_iter, evals, ckpt=ckpt,
                      max_bad_steps=FLAGS.max_bad_steps, restore_step=FLAGS.checkpoint_step,
-                     init_state=init_state)
+                     init_state=init_state, stop=stop)
   print(train.summary_line(result, FLAGS.workdir))
   if shapes_run and FLAGS.caption_eval_images > 0 and not result.get("interrupted"):
     from k3_jax.data import tokenizers

@@ -2,7 +2,10 @@
 JSON-safe metrics, and the test hooks that make fault tests deterministic.
 
 - `StopRequest`: while active, SIGTERM / SIGINT only set a flag; the loop finishes the step
-  in flight, checkpoints it, waits for the save and returns. A second SIGINT aborts at once
+  in flight, checkpoints it, waits for the save and returns. The train job installs it first
+  thing, so a signal during setup (restoring, compiling) is deferred to the first step
+  boundary: that step is trained and saved, then the job exits 0 - a workdir is never left
+  half-made and no traceback is printed. A second SIGINT aborts at once
   (exit 130, nothing more is written; an unfinished Orbax save stays a temporary directory
   that no restore reads).
 - `BadSteps`: counts steps whose loss, gradient norm or updated parameters were not finite
@@ -60,8 +63,9 @@ class StopRequest:
     self.count += 1
     if self.requested is None:
       self.requested = name
-      self.log(f"{name} received: finishing the step in flight, then saving a checkpoint "
-               f"(press Ctrl-C again to abort at once without saving)")
+      self.log(f"{name} received: finishing the step in flight (in setup: the first "
+               f"step), then saving a checkpoint (press Ctrl-C again to abort at once "
+               f"without saving)")
       return
     if signum == signal.SIGINT:
       # os._exit: no interpreter teardown, so no traceback and no half-started Orbax work

@@ -8,6 +8,7 @@ bias), both as nnx States that carry their logical axes. The steps are pure func
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -304,12 +305,14 @@ class MetricsWriter:
     with open(self.path, "a") as f:
       f.write(json.dumps(faults.json_record(record), allow_nan=False) + "\n")
 
-  def resume_at(self, step: int) -> None:
+  def resume_at(self, step: int) -> int:
+    """Drops the lines past `step`; returns how many kept lines are skipped (non-finite)
+    steps, the run's `skipped_steps` so far (each skipped step is always logged)."""
     if jax.process_index() or not os.path.exists(self.path):
-      return
+      return 0
     with open(self.path) as f:
       lines = f.readlines()
-    kept = []
+    kept, skipped = [], 0
     for line in lines:
       try:
         rec = json.loads(line)
@@ -317,11 +320,13 @@ class MetricsWriter:
         continue
       if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= step:
         kept.append(json.dumps(faults.json_record(rec), allow_nan=False) + "\n")
+        skipped += rec.get("skipped") is True
     if kept != lines:
       tmp = self.path + ".tmp"
       with open(tmp, "w") as f:
         f.writelines(kept)
       os.replace(tmp, self.path)
+    return skipped
 
 
 def evaluate(steps: Steps, state, batches) -> float:
@@ -335,7 +340,8 @@ def evaluate(steps: Steps, state, batches) -> float:
 def run(cfg: ModelConfig, tc: TrainConfig, workdir: str, mesh: Mesh,
         train_iter, eval_batches: list, ckpt=None, log: Callable[[str], None] = print,
         stop_after: int | None = None, max_bad_steps: int = 3,
-        restore_step: int | None = None, init_state: Callable | None = None) -> dict:
+        restore_step: int | None = None, init_state: Callable | None = None,
+        stop: faults.StopRequest | None = None) -> dict:
   """Trains for tc.steps steps (resuming from `ckpt` if it holds a checkpoint).
 
   stop_after: leave the loop after this step (as an interruption would; the schedule is
@@ -345,6 +351,9 @@ def run(cfg: ModelConfig, tc: TrainConfig, workdir: str, mesh: Mesh,
   restore_step: resume from this checkpoint step instead of the newest good one.
   SIGTERM / SIGINT: the step in flight finishes, is checkpointed (and the save waited for),
   and the loop returns with record["interrupted"] = the signal's name.
+  stop: a StopRequest the caller entered earlier (the CLI job installs it first thing, so a
+  signal during setup or compilation is deferred to the first step boundary); default: one
+  installed here.
 
   train_iter: iterator of numpy batches with get_state()/set_state() (saved in checkpoints).
   ckpt: a k3_jax.checkpoint.manager.CheckpointManager or None.
@@ -371,7 +380,7 @@ def run(cfg: ModelConfig, tc: TrainConfig, workdir: str, mesh: Mesh,
     state = steps.init() if init_state is None else init_state(steps)
   start = int(state["step"])
   writer = MetricsWriter(os.path.join(workdir, "metrics.jsonl"))
-  writer.resume_at(start)
+  bad.total = writer.resume_at(start)         # skipped_steps carries across resumes
   tokens_per_step = tc.batch_size * tc.seq_len
   last: dict = {"step": start}
   window_t, window_steps = time.time(), 0
@@ -380,7 +389,7 @@ def run(cfg: ModelConfig, tc: TrainConfig, workdir: str, mesh: Mesh,
   end = tc.steps if stop_after is None else min(stop_after, tc.steps)
   saved = start if ckpt is not None and start > 0 else None
   try:
-    with faults.StopRequest(log) as stop:
+    with contextlib.nullcontext(stop) if stop is not None else faults.StopRequest(log) as stop:
       for step in range(start, end):
         batch = put_batch(next(train_iter), steps.batch_sharding)
         state, metrics = steps.train(state, batch)

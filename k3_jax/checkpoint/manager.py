@@ -6,12 +6,18 @@ Layout: <workdir>/checkpoints/<step>/{state,data} and <workdir>/checkpoints/mode
   and the write goes on in a background thread. Each step is written to a temporary
   directory and renamed when complete, and older steps beyond `keep` are deleted only after
   that, so a crash or kill mid-save never damages or removes the last good checkpoint; the
-  unfinished temporary directory is discarded when the next training run opens the manager.
-- Restores try the newest step first; a step that cannot be read (a truncated or missing
-  file) or whose parameters are not finite is reported in one line and the previous one is
-  used. Training moves such a step aside (renamed `<step>.damaged-<time>`; `<step>.newer-<time>`
+  unfinished temporary directory is discarded (synchronously) when the next training run
+  opens the manager.
+- Each completed step gets an integrity manifest (integrity.py: size and CRC-32 of every
+  file), written once Orbax has committed it; a restore checks it before handing any file
+  to Orbax, so a damaged step is refused without a read being started (a failed Orbax read
+  leaves abandoned reads that print tracebacks).
+- Restores try the newest step first; a step that cannot be read (a truncated, zeroed or
+  missing file) or whose parameters are not finite is reported in one line and the previous
+  one is used. Training moves such a step aside (renamed `<step>.damaged-<time>`; `<step>.newer-<time>`
   for steps after an explicit --step), never deleted) so
-  its number can be written again.
+  its number can be written again; on a multi-host job every process waits at a barrier
+  until process 0 has renamed them.
 - `restore_params` reads only what inference needs (parameters and balancing biases), never
   the optimizer state.
 - A workdir whose checkpoints were made for a different model config is refused, never
@@ -24,6 +30,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import threading
 import time
 from typing import Callable
 
@@ -32,7 +40,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging as absl_logging
 
+from k3_jax.checkpoint import integrity
 from k3_jax.config import ModelConfig, UserError, from_dict, to_dict, without_execution_fields
+
+
+TMP_MARK = ".orbax-checkpoint-tmp"     # Orbax's suffix of a step directory being written
 
 
 class CheckpointMismatch(UserError):
@@ -98,6 +110,9 @@ class CheckpointManager:
     self.workdir = workdir
     self.read_only = read_only
     self.keep = keep
+    self._unsealed: list[int] = []      # saved by us, integrity manifest not yet written
+    self._sealer: threading.Thread | None = None
+    self._seal_error: BaseException | None = None
     cfg_path = os.path.join(self.directory, "model_config.json")
     wanted = json.loads(json.dumps(to_dict(cfg)))
     if os.path.exists(cfg_path):
@@ -116,6 +131,8 @@ class CheckpointManager:
     else:
       os.makedirs(self.directory, exist_ok=True)
       self._write_config(cfg_path, wanted)
+    if not read_only:
+      self.discard_unfinished()
     self._mgr = self._open()
 
   @staticmethod
@@ -127,11 +144,18 @@ class CheckpointManager:
       os.replace(tmp, cfg_path)
 
   def _open(self):
+    # lightweight_initialize: Orbax does not read every step's _CHECKPOINT_METADATA when
+    # opening (we use neither its save times nor its metrics; steps are kept by number), so
+    # a damaged one is first met by our integrity check, not logged by Orbax on the way.
+    # Unfinished saves are discarded by discard_unfinished, synchronously: Orbax's own
+    # cleanup_tmp_directories runs in a thread that nothing but the next save waits for, so
+    # a process ending before that (a failed or interrupted start) printed its traceback.
     if not self.read_only:
       opts = ocp.CheckpointManagerOptions(max_to_keep=self.keep, create=True,
-                                          cleanup_tmp_directories=True)
+                                          lightweight_initialize=True)
       return ocp.CheckpointManager(self.directory, options=opts, item_names=("state", "data"))
-    opts = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0)
+    opts = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0,
+                                        lightweight_initialize=True)
     old = absl_logging.get_verbosity()
     absl_logging.set_verbosity(absl_logging.ERROR)   # Orbax warns that read-only is read-only
     try:
@@ -139,16 +163,71 @@ class CheckpointManager:
     finally:
       absl_logging.set_verbosity(old)
 
+  def discard_unfinished(self) -> None:
+    """Removes the temporary directories of saves that never completed (a kill mid-save):
+    `<step>.orbax-checkpoint-tmp-*`, which no restore reads. Process 0 removes, the others
+    wait for it."""
+    if jax.process_index() == 0:
+      for n in os.listdir(self.directory):
+        path = os.path.join(self.directory, n)
+        if TMP_MARK in n and os.path.isdir(path):
+          shutil.rmtree(path)
+    sync_processes("k3_discard_unfinished")
+
   def latest_step(self) -> int | None:
     return self._mgr.latest_step()
 
   def all_steps(self) -> list[int]:
     return sorted(self._mgr.all_steps())
 
+  def step_path(self, step: int) -> str:
+    return os.path.join(self.directory, str(step))
+
   def save(self, step: int, state, data_state: dict | None) -> None:
-    """Starts an asynchronous save of `step` (returns before the write completes)."""
+    """Starts an asynchronous save of `step` (returns before the write completes). The
+    previous save is finished first (Orbax would wait for it anyway) and sealed in a
+    background thread, so the step never waits on hashing."""
+    self._mgr.wait_until_finished()
+    self._seal(background=True)
     self._mgr.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state or {})))
+    self._unsealed.append(step)
+
+  def _seal(self, background: bool = False) -> None:
+    """Writes the integrity manifest of each step this manager saved whose save has
+    finished (call only after Orbax's wait_until_finished), in a thread if `background`
+    (joined by the next _seal). A step Orbax did not commit (no final directory), or deleted
+    meanwhile (max_to_keep), gets none."""
+    if self._sealer is not None:
+      self._sealer.join()
+      self._sealer, error = None, self._seal_error
+      self._seal_error = None
+      if error is not None:
+        raise error
+    pending, self._unsealed = self._unsealed, []
+    if jax.process_index() != 0 or not pending:   # multi-host: the primary writes
+      return
+
+    def work():
+      try:
+        for s in pending:
+          path = self.step_path(s)
+          if os.path.isdir(path) and not integrity.has_manifest(path):
+            try:
+              integrity.write_manifest(path)
+            except FileNotFoundError:      # the step was deleted under us (max_to_keep)
+              pass
+      except BaseException as e:           # re-raised by the next _seal
+        self._seal_error = e
+
+    if background:
+      self._sealer = threading.Thread(target=work, name="k3-seal", daemon=True)
+      self._sealer.start()
+    else:
+      work()
+      if self._seal_error is not None:
+        error, self._seal_error = self._seal_error, None
+        raise error
 
   # ----- restoring -----------------------------------------------------------------------
 
@@ -196,15 +275,21 @@ class CheckpointManager:
       return None
     problems = []
     for i, s in enumerate(candidates):
-      try:
-        out = load(s)
-      except Exception as e:           # any read error: damaged files, missing manifest
-        problem = f"checkpoint step {s} in {self.directory} is unreadable ({_short(e)})"
+      # The integrity manifest first: a damaged step is refused before Orbax starts a read
+      # (a failed Orbax restore leaves reads behind that print tracebacks).
+      damage = integrity.check_manifest(self.step_path(s))
+      if damage:
+        problem = f"checkpoint step {s} in {self.directory} is damaged ({damage})"
       else:
-        params = out[0]["params"] if isinstance(out, tuple) else out["params"]
-        if _finite(params):
-          return s, out
-        problem = f"checkpoint step {s} in {self.directory} holds non-finite parameters"
+        try:
+          out = load(s)
+        except Exception as e:         # any read error: an unverified step's damaged files
+          problem = f"checkpoint step {s} in {self.directory} is unreadable ({_short(e)})"
+        else:
+          params = out[0]["params"] if isinstance(out, tuple) else out["params"]
+          if _finite(params):
+            return s, out
+          problem = f"checkpoint step {s} in {self.directory} holds non-finite parameters"
       problems.append((s, problem))
       if step is not None:
         raise CheckpointUnusable(problem)
@@ -243,20 +328,33 @@ class CheckpointManager:
 
   def set_aside(self, steps: list[int], why: str, log: Callable[[str], None]) -> None:
     """Renames these step directories to `<step>.<why>-<time>`: kept on disk, no longer
-    restored, their numbers free to be written again."""
-    self._mgr.wait_until_finished()
+    restored, their numbers free to be written again. Process 0 renames; on a multi-host
+    job every process waits for it at a barrier before reopening the directory, so none
+    lists or writes a step that is being moved."""
+    self.wait()
     self._mgr.close()
     stamp = time.strftime("%Y%m%d-%H%M%S")
     if jax.process_index() == 0:
       for s in steps:
-        src = os.path.join(self.directory, str(s))
+        src = self.step_path(s)
         dst = f"{src}.{why}-{stamp}"
         os.replace(src, dst)
         log(f"moved checkpoint step {s} aside to {dst} (kept, not deleted)")
+    sync_processes(f"k3_set_aside_{why}_{'_'.join(map(str, steps))}")
     self._mgr = self._open()
 
   def wait(self) -> None:
+    """Waits for the save in flight and seals the steps it completed."""
     self._mgr.wait_until_finished()
+    self._seal()
 
   def close(self) -> None:
+    self.wait()
     self._mgr.close()
+
+
+def sync_processes(name: str) -> None:
+  """A barrier across the job's processes (no-op with one process)."""
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices(name)

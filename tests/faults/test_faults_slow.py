@@ -1,6 +1,7 @@
 """Fault tolerance, the heavier scenarios (pytest -m slow): Ctrl-C once and twice, kill -9
-with a save in flight, the divergence reproduction, and generate on a tiktoken-trained
-workdir. Same setup and tolerances as test_faults.py (resumes bit for bit on CPU)."""
+with a save in flight, a signal during a fresh job's setup, the divergence reproduction, and
+generate on a tiktoken-trained workdir. Same setup and
+tolerances as test_faults.py (resumes bit for bit on CPU)."""
 
 import json
 import os
@@ -11,7 +12,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from faultcli import MODEL, RUN, Held, main, metrics, resume_matches, signal_at_step_3
+from faultcli import (MODEL, RUN, Held, losses, main, metrics, resume_matches,
+                      signal_at_step_3)
 
 pytestmark = pytest.mark.slow
 
@@ -47,6 +49,24 @@ def test_second_sigint_aborts_at_once_and_resume_is_clean(env, reference, tmp_pa
   assert "aborted without saving" in out and "Traceback" not in out
   assert not os.path.exists(os.path.join(wd, "checkpoints", "3"))       # nothing saved
   resume_matches(env, wd, reference, 2)
+
+
+def test_signal_during_setup_is_deferred_to_the_first_step(env, reference, tmp_path):
+  """SIGTERM while the job is still setting up (held by the test hook before anything is
+  written; compilation comes later): the handler is already installed, so the first step
+  is trained, saved and the job exits 0 with one line, no traceback, no half-made workdir."""
+  wd = str(tmp_path / "run")
+  held = Held(env, ("train", *RUN, f"--workdir={wd}"), step=0)
+  held.wait_for("test hook: holding after step 0")
+  assert not os.path.exists(wd)                # still in setup: nothing written yet
+  held.proc.send_signal(signal.SIGTERM)
+  rc, out = held.finish()
+  assert rc == 0, out[-3000:]
+  assert "SIGTERM: saved step 1" in out and "Traceback" not in out, out[-3000:]
+  ckdir = os.path.join(wd, "checkpoints")
+  assert sorted(os.listdir(ckdir)) == ["1", "model_config.json"]       # no tmp directory
+  assert os.path.exists(os.path.join(ckdir, "1", "k3_integrity.json"))  # complete, sealed
+  assert losses(wd) == {1: losses(reference)[1]}       # bit for bit the reference's step 1
 
 
 def test_kill_9_with_a_save_in_flight_then_resume(env, reference, tmp_path):
@@ -91,6 +111,10 @@ def test_divergence_keeps_finite_checkpoints_stops_and_resumes(env, tmp_path):
   assert [m["step"] for m in recs] == list(range(1, 11))   # one line per step
   after = [m for m in recs if m["step"] > max(steps)]
   assert after and all(m["loss"] is not None and np.isfinite(m["loss"]) for m in after)
+  # skipped_steps carries across the resume: the skipped steps kept before it (those past
+  # the resumed checkpoint were dropped and retrained)
+  kept_skipped = sum(bool(m.get("skipped")) for m in recs if m["step"] <= max(steps))
+  assert all(m.get("skipped_steps", 0) == kept_skipped for m in after)
   r = main(env, "generate", f"--workdir={wd}", "--prompt=def ", "--max_new_tokens=4")
   assert r.returncode == 0 and r.stdout.startswith("def "), r.stderr[-3000:]
 
