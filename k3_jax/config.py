@@ -41,6 +41,8 @@ class MLAConfig:
   qk_rope_head_dim: int = 16    # kept in weights and scale, never rotated (NoPE)
   v_head_dim: int = 32
   output_gate: bool = True      # sigmoid(W_g x) gate before W_o (K3); False for Kimi Linear
+  latent_norm_eps: float = 0.0  # eps of the q / kv latent RMSNorms; 0 = norm_eps. transformers'
+                                # Kimi Linear uses 1e-6 there (K3_SPEC s11), vLLM norm_eps
 
 
 @dataclass(frozen=True)

@@ -86,6 +86,39 @@ class CheckpointManager:
         state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
     return out.state, (out.data or None)
 
+  def restore_params(self, abstract_state, shardings, step: int | None = None) -> dict:
+    """Only the model variables ('params', 'rest') of `step` (default latest), as a flat
+    dict variable path -> array; the optimizer state stays on disk (Orbax partial restore),
+    so an export holds the model once, not three times."""
+    from flax import nnx
+    step = self.latest_step() if step is None else step
+    if step is None:
+      raise FileNotFoundError(f"no checkpoint in {self.directory}")
+    target: dict = {}
+    for part in ("params", "rest"):
+      shard = dict(nnx.to_flat_state(shardings[part]))
+      for path, var in nnx.to_flat_state(abstract_state[part]):
+        node = target.setdefault(part, {})
+        for k in path:
+          node = node.setdefault(str(k), {})
+        sh = shard[path]
+        sh = sh.get_value() if hasattr(sh, "get_value") else sh
+        node["value"] = jax.ShapeDtypeStruct(var.shape, var.dtype, sharding=sh)
+    out = self._mgr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+        target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+        partial_restore=True)))
+    flat = {}
+    for part in ("params", "rest"):
+      for path, var in nnx.to_flat_state(abstract_state[part]):
+        node = out.state[part]
+        for k in path:
+          node = node[str(k)]
+        flat[tuple(path)] = node["value"]
+    return flat
+
+  def all_steps(self) -> list[int]:
+    return sorted(self._mgr.all_steps())
+
   def wait(self) -> None:
     self._mgr.wait_until_finished()
 

@@ -34,16 +34,17 @@ class MLA(nnx.Module):
     self.c, self.dtype = c, dt
     self.scale = (n + p) ** -0.5
     lin = dict(init=init, dtype=dt, param_dtype=pdt)
+    latent_eps = c.latent_norm_eps or cfg.norm_eps
     if c.q_lora_rank:
       self.q_a = Linear(d, c.q_lora_rank, ("embed", "q_lora"), **lin)
-      self.q_norm = RMSNorm(c.q_lora_rank, eps=cfg.norm_eps, param_dtype=pdt, axis_name="q_lora")
+      self.q_norm = RMSNorm(c.q_lora_rank, eps=latent_eps, param_dtype=pdt, axis_name="q_lora")
       self.q_b = Linear(c.q_lora_rank, (h, n + p), ("q_lora", "heads", "head_dim"),
                         batch_axes=("heads",), **lin)
     else:
       self.q_proj = Linear(d, (h, n + p), ("embed", "heads", "head_dim"), batch_axes=("heads",),
                            **lin)
     self.kv_a = Linear(d, r + p, ("embed", "kv_lora"), **lin)
-    self.kv_norm = RMSNorm(r, eps=cfg.norm_eps, param_dtype=pdt, axis_name="kv_lora")
+    self.kv_norm = RMSNorm(r, eps=latent_eps, param_dtype=pdt, axis_name="kv_lora")
     self.kv_b = Linear(r, (h, n + vd), ("kv_lora", "heads", "head_dim"), batch_axes=("heads",),
                        **lin)
     if c.output_gate:

@@ -1,0 +1,363 @@
+"""Orbax / in-memory model state  <->  Hugging Face safetensors directories.
+
+Export: model state -> config.json in the release's format of the model family +
+model-0000i-of-0000n.safetensors shards + model.safetensors.index.json. Every check (the
+layout can express the model, shapes, the output directory) runs before a byte is written;
+the files go to a temporary directory that is renamed into place when complete, so an
+existing directory is replaced only with --force and only by a complete export.
+
+Import: such a directory (either kimi_linear dialect, or kimi_k3) -> ModelConfig + model
+state, after checking that exactly the expected tensors are present with the expected shapes
+and dtypes; then an Orbax checkpoint `train` resumes from and `generate` loads.
+
+Both stream tensor by tensor (safetensors_io); the state itself is held once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import time
+
+import numpy as np
+from flax import nnx
+
+from k3_jax.checkpoint import layouts
+from k3_jax.checkpoint import safetensors_io as stio
+from k3_jax.checkpoint.layouts import entry as E
+from k3_jax.checkpoint.layouts.entry import LayoutError
+from k3_jax.config import ModelConfig
+
+DEFAULT_MAX_SHARD = "5GB"
+
+
+# ----- the layout of a config --------------------------------------------------------------
+
+def layout_entries(cfg: ModelConfig, expert_format: str = "auto"):
+  """(layout module, entries) for exporting `cfg`."""
+  lay = layouts.for_config(cfg)
+  kw = {"expert_format": expert_format} if lay is layouts.kimi_k3 else {}
+  return lay, lay.entries(cfg, **kw), lay.config_to_hf(cfg, **kw)
+
+
+def plan(cfg: ModelConfig, max_shard_size="5GB", expert_format: str = "auto") -> dict:
+  """What an export writes, from the abstract model (no allocation): tensors with their
+  files, the shard plan, total bytes."""
+  lay, entries, hf_config = layout_entries(cfg, expert_format)
+  tensors = [t for e in entries for t in e.tensors]
+  shards = stio.plan_shards(tensors, stio.parse_size(max_shard_size))
+  files = {t.name: stio.shard_name(i, len(shards)) for i, s in enumerate(shards) for t in s}
+  return {
+      "layout": lay.MODEL_TYPE, "config": hf_config,
+      "num_tensors": len(tensors), "total_bytes": sum(t.nbytes for t in tensors),
+      "num_shards": len(shards),
+      "shards": [{"file": stio.shard_name(i, len(shards)), "num_tensors": len(s),
+                  "bytes": sum(t.nbytes for t in s)} for i, s in enumerate(shards)],
+      "tensors": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype,
+                   "file": files[t.name]} for t in tensors],
+      "_entries": entries, "_shards": shards,
+  }
+
+
+# ----- model state <-> flat dict -------------------------------------------------------------
+
+def flat_state(model) -> dict[tuple, np.ndarray]:
+  """path -> host array of every variable (parameters and router biases)."""
+  return {tuple(p): v.get_value() for p, v in nnx.to_flat_state(nnx.state(model))}
+
+
+def model_from_flat(cfg: ModelConfig, flat: dict):
+  """A K3Model holding the values of `flat` (path -> array)."""
+  import jax.numpy as jnp
+  from k3_jax.model import abstract_model
+  graphdef, state = nnx.split(abstract_model(cfg))
+  pairs = []
+  for p, v in nnx.to_flat_state(state):
+    p = tuple(p)
+    if p not in flat:
+      raise LayoutError(f"no value for model variable {'/'.join(map(str, p))}")
+    pairs.append((p, v.replace(jnp.asarray(flat[p]))))
+  return nnx.merge(graphdef, nnx.from_flat_state(pairs))
+
+
+# ----- export -------------------------------------------------------------------------------
+
+def _prepare_out_dir(out_dir: str, force: bool) -> str:
+  if os.path.exists(out_dir) and not force:
+    raise FileExistsError(f"{out_dir} exists; refusing to overwrite it (pass --force)")
+  parent = os.path.dirname(os.path.abspath(out_dir))
+  os.makedirs(parent, exist_ok=True)
+  tmp = os.path.abspath(out_dir) + f".tmp-{os.getpid()}"
+  if os.path.exists(tmp):
+    shutil.rmtree(tmp)
+  os.makedirs(tmp)
+  return tmp
+
+
+def _finish_out_dir(tmp: str, out_dir: str) -> None:
+  if os.path.exists(out_dir):
+    old = os.path.abspath(out_dir) + f".old-{os.getpid()}"
+    os.replace(out_dir, old)
+    os.replace(tmp, out_dir)
+    shutil.rmtree(old)
+  else:
+    os.replace(tmp, out_dir)
+
+
+def export_state(cfg: ModelConfig, get_value, out_dir: str, max_shard_size="5GB",
+                 force: bool = False, expert_format: str = "auto",
+                 metadata: dict | None = None) -> dict:
+  """Writes a Hugging Face directory. get_value(path) -> that variable's full host array
+  (or a dict path -> array). Returns the plan plus timing."""
+  if isinstance(get_value, dict):
+    values = get_value
+    get_value = lambda p: values[p]
+  p = plan(cfg, max_shard_size, expert_format)
+  entries, shards = p.pop("_entries"), p.pop("_shards")
+  by_tensor = {t.name: (e, i) for e in entries for i, t in enumerate(e.tensors)}
+  tmp = _prepare_out_dir(out_dir, force)
+  t0 = time.time()
+  cache: dict = {}
+
+  def produce(t):
+    e, i = by_tensor[t.name]
+    if e.kind == "mxfp4":             # quantize the whole stacked variable once (vectorised);
+      mx = cache.setdefault("mx", {})   # a layer's w1/w2/w3 interleave: keep the last three
+      if e.path not in mx:
+        if len(mx) >= 3:
+          mx.pop(next(iter(mx)))
+        mx[e.path] = E.pack_mxfp4_stacked(get_value(e.path))
+      codes, scales = mx[e.path]
+      return np.ascontiguousarray((codes if i == 0 else scales)[e.index].T)
+    if cache.get("entry") is not e:
+      var = np.asarray(get_value(e.path))
+      cache["entry"], cache["arrays"] = e, E.to_disk(e, var[e.index] if e.index else var)
+    return cache["arrays"][i]
+
+  try:
+    meta = {"format": "pt", "producer": "k3_jax"}
+    for i, s in enumerate(shards):
+      stio.write_shard(os.path.join(tmp, stio.shard_name(i, len(shards))), s, produce, meta)
+    stio.write_index(tmp, shards, metadata)
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+      json.dump(p["config"], f, indent=2, sort_keys=True)
+      f.write("\n")
+    _finish_out_dir(tmp, out_dir)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  p["seconds"] = time.time() - t0
+  p["out_dir"] = out_dir
+  return p
+
+
+def export_model(model, out_dir: str, **kw) -> dict:
+  return export_state(model.cfg, flat_state(model), out_dir, **kw)
+
+
+# ----- import -------------------------------------------------------------------------------
+
+def read_hf_config(hf_dir: str) -> tuple[object, ModelConfig, dict]:
+  path = os.path.join(hf_dir, "config.json")
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{hf_dir} has no config.json")
+  with open(path) as f:
+    hf = json.load(f)
+  lay = layouts.by_model_type(hf.get("model_type"))
+  return lay, lay.config_from_hf(hf), hf
+
+
+def import_entries(hf_dir: str, reader: stio.Reader | None = None):
+  """(cfg, entries, reader, names): the entries to read, each tensor name resolved to the
+  spelling found on disk, after checking nothing is missing, extra, or of the wrong shape or
+  dtype."""
+  lay, cfg, hf = read_hf_config(hf_dir)
+  reader = reader or stio.Reader(hf_dir)
+  on_disk = set(reader.names())
+  kw = {}
+  if lay is layouts.kimi_k3:
+    has_packed = any(n.endswith(".weight_packed") for n in on_disk)
+    kw["expert_format"] = "mxfp4" if has_packed else "dense"
+  entries = lay.entries(cfg, **kw)
+  resolved: dict[str, str] = {}
+  problems: list[str] = []
+  for e in entries:
+    for t in e.tensors:
+      name = next((n for n in [t.name] + lay.dialect_aliases(t.name) if n in on_disk), None)
+      if name is None:
+        problems.append(f"missing tensor {t.name}")
+        continue
+      resolved[t.name] = name
+      shape, dtype = reader.info(name)
+      a_log_ok = (t.name.endswith("A_log") and np.prod(shape) >= np.prod(t.shape))
+      if tuple(shape) != tuple(t.shape) and not a_log_ok:
+        problems.append(f"tensor {name} has shape {list(shape)}, expected {list(t.shape)}")
+      if e.kind == "mxfp4" and dtype != "U8":
+        problems.append(f"tensor {name} has dtype {dtype}, expected U8")
+      elif e.kind != "mxfp4" and dtype not in ("F32", "BF16", "F16"):
+        problems.append(f"tensor {name} has dtype {dtype}, expected a float type")
+  extra = sorted(on_disk - set(resolved.values()))
+  problems += [f"unexpected tensor {n} (not part of the {lay.MODEL_TYPE} layout for this "
+               f"config)" for n in extra]
+  if problems:
+    more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
+    raise LayoutError(f"{hf_dir}: " + "; ".join(problems[:10]) + more)
+  return cfg, entries, reader, resolved
+
+
+def load_flat(hf_dir: str) -> tuple[ModelConfig, dict]:
+  """(cfg, path -> host array) of a Hugging Face directory, read tensor by tensor."""
+  from k3_jax.checkpoint.layouts.common import variable_shapes
+  cfg, entries, reader, names = import_entries(hf_dir)
+  shapes = variable_shapes(cfg)
+  flat = {p: np.empty(s, np.dtype(d)) for p, (s, d) in shapes.items()}
+  filled: dict[tuple, int] = {}
+  gains = []
+  try:
+    for e in entries:
+      shape, dtype = shapes[e.path]
+      arrays = [reader.get(names[t.name]) for t in e.tensors]
+      value = E.from_disk(e, arrays, shape[len(e.index):], dtype)
+      if e.kind == "gain":
+        gains.append((e, value))
+        continue
+      flat[e.path][e.index] = value
+      filled[e.path] = filled.get(e.path, 0) + 1
+  finally:
+    reader.close()
+  for e, g in gains:
+    flat[e.path][e.index] = (flat[e.path][e.index].astype(np.float32) * g.astype(np.float32)
+                             ).astype(flat[e.path].dtype)
+  missing = [p for p in shapes if p not in filled]
+  if missing:
+    raise LayoutError("the layout left model variables unset: " +
+                      ", ".join("/".join(map(str, p)) for p in missing[:5]))
+  return cfg, flat
+
+
+def load_model(hf_dir: str):
+  """(cfg, K3Model) from a Hugging Face directory."""
+  cfg, flat = load_flat(hf_dir)
+  return cfg, model_from_flat(cfg, flat)
+
+
+# ----- Orbax workdirs -----------------------------------------------------------------------
+
+def _train_config(workdir: str):
+  from k3_jax.config import TrainConfig
+  tc = TrainConfig()
+  path = os.path.join(workdir, "train_config.json")
+  if os.path.exists(path):
+    with open(path) as f:
+      tc = TrainConfig(optimizer=json.load(f).get("optimizer", tc.optimizer))
+  return tc
+
+
+def restore_workdir(workdir: str, step: int | None = None):
+  """(cfg, step, flat state path -> host array) of an Orbax checkpoint in `workdir`."""
+  import jax
+  from k3_jax import train
+  from k3_jax.checkpoint.manager import CheckpointManager, saved_config
+  from sharding.mesh import make_mesh
+  cfg = saved_config(workdir)
+  if cfg is None:
+    raise FileNotFoundError(f"{workdir} holds no checkpoints (no checkpoints/model_config.json)")
+  mgr = CheckpointManager(workdir, cfg)
+  step = mgr.latest_step() if step is None else step
+  if step is None or step not in mgr.all_steps():
+    raise FileNotFoundError(f"{workdir}: no checkpoint at step {step}; have {mgr.all_steps()}")
+  steps = train.build_steps(cfg, _train_config(workdir), make_mesh(devices=jax.devices()[:1]))
+  flat = mgr.restore_params(steps.abstract_state, steps.state_shardings, step)
+  mgr.close()
+  return cfg, step, flat
+
+
+def export_workdir(workdir: str, out_dir: str, step: int | None = None, **kw) -> dict:
+  cfg, step, flat = restore_workdir(workdir, step)
+  layout_entries(cfg, kw.get("expert_format", "auto"))   # fail before touching out_dir
+  out = export_state(cfg, lambda p: np.asarray(flat[p]), out_dir,
+                     metadata={"source_step": step}, **kw)
+  out["step"] = step
+  return out
+
+
+def import_to_workdir(hf_dir: str, workdir: str, force: bool = False,
+                      optimizer: str = "adamw") -> dict:
+  """Writes an Orbax checkpoint (step 0, fresh optimizer state) that `train` resumes from and
+  `generate` loads."""
+  import jax
+  import jax.numpy as jnp
+  from k3_jax import train
+  from k3_jax.checkpoint.manager import CheckpointManager
+  from k3_jax.config import TrainConfig
+  ck = os.path.join(workdir, "checkpoints")
+  if os.path.exists(ck) and os.listdir(ck) and not force:
+    raise FileExistsError(f"{workdir} already holds checkpoints; refusing to overwrite them "
+                          f"(pass --force, or choose another workdir)")
+  t0 = time.time()
+  cfg, flat = load_flat(hf_dir)
+  model = model_from_flat(cfg, flat)
+  del flat
+  if os.path.exists(ck) and force:
+    shutil.rmtree(ck)
+  tc = TrainConfig(optimizer=optimizer)
+  _, params, rest = train.split_model(model)
+  opt = train.make_optimizer(tc)
+  state = {"step": jnp.zeros((), jnp.int32), "params": params, "rest": rest,
+           "opt_state": jax.jit(opt.init)(params)}
+  mgr = CheckpointManager(workdir, cfg)
+  mgr.save(0, state, {})
+  mgr.wait()
+  mgr.close()
+  with open(os.path.join(workdir, "train_config.json"), "w") as f:
+    json.dump(dataclasses.asdict(tc), f, indent=1)
+  return {"workdir": workdir, "config": cfg.name, "seconds": time.time() - t0}
+
+
+# ----- the `convert` command ----------------------------------------------------------------
+
+def source_kind(src: str) -> str:
+  """"hf" (config.json + safetensors), "orbax" (a workdir with checkpoints), else an error."""
+  if os.path.exists(os.path.join(src, "config.json")) and any(
+      p.endswith(".safetensors") for p in os.listdir(src)):
+    return "hf"
+  if os.path.exists(os.path.join(src, "checkpoints", "model_config.json")):
+    return "orbax"
+  raise FileNotFoundError(f"{src} holds neither a Hugging Face checkpoint (config.json + "
+                          f".safetensors) nor Orbax checkpoints (checkpoints/model_config.json)")
+
+
+def run(src: str | None, dst: str | None, *, cfg: ModelConfig | None = None,
+        step: int | None = None, max_shard_size="5GB", dry_run: bool = False,
+        force: bool = False, expert_format: str = "auto") -> dict:
+  """What `main.py convert` does; returns a JSON-able summary.
+
+  dry_run with cfg (a preset) or an Orbax src: the export plan from the abstract model.
+  Otherwise the direction follows what src holds: Orbax -> HF export, HF -> Orbax import."""
+  stio.parse_size(max_shard_size)
+  if dry_run and (src is None or source_kind(src) == "orbax"):
+    if src is not None:
+      from k3_jax.checkpoint.manager import saved_config
+      cfg = saved_config(src)
+    if cfg is None:
+      raise ValueError("convert --dry_run needs --from=WORKDIR or --config=PRESET")
+    out = plan(cfg, max_shard_size, expert_format)
+    out.pop("_entries"), out.pop("_shards")
+    return {"direction": "export", "dry_run": True, **out}
+  if not src or not dst:
+    raise ValueError("convert needs --from=SRC and --to=DST (or --dry_run with --config)")
+  kind = source_kind(src)
+  if kind == "orbax":
+    out = export_workdir(src, dst, step, max_shard_size=max_shard_size, force=force,
+                         expert_format=expert_format)
+    out.pop("tensors", None)
+    gb = out["total_bytes"] / 1e9
+    return {"direction": "export", **out, "gb_per_s": gb / max(out["seconds"], 1e-9)}
+  if dry_run:
+    cfg, entries, reader, _ = import_entries(src)
+    reader.close()
+    return {"direction": "import", "dry_run": True, "config": dataclasses.asdict(cfg),
+            "num_tensors": sum(len(e.tensors) for e in entries)}
+  return {"direction": "import", **import_to_workdir(src, dst, force=force)}

@@ -1,0 +1,106 @@
+"""Loading a Hugging Face checkpoint straight into sharded jax arrays.
+
+Every variable is built with `jax.make_array_from_callback`: the callback receives the
+index (a tuple of slices) of one addressable device's shard and reads just that part from
+the safetensors files (`safe_open(...).get_slice`, through the layout's Entries: for a
+"linear" entry only the rows / columns the shard needs). So each process reads only the
+slices its own devices hold, and a 1.56 TB checkpoint never passes through one host.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import numpy as np
+
+from k3_jax.checkpoint import convert
+from k3_jax.checkpoint.layouts import entry as E
+
+
+def load_sharded(hf_dir: str, shardings: dict, log=None):
+  """(cfg, {path: jax.Array}) with each variable placed per `shardings` (path -> Sharding,
+  or a callable cfg -> that dict). log: optional list receiving (path, index, bytes) per
+  callback, to see what each device's read cost."""
+  cfg, entries, reader, names = convert.import_entries(hf_dir)
+  from k3_jax.checkpoint.layouts.common import variable_shapes
+  shapes = variable_shapes(cfg)
+  if callable(shardings):
+    shardings = shardings(cfg)
+  by_path: dict[tuple, dict] = {}
+  gains: dict[tuple, list] = {}
+  for e in entries:
+    (gains if e.kind == "gain" else by_path).setdefault(e.path, {} if e.kind != "gain"
+                                                        else [])
+    if e.kind == "gain":
+      gains[e.path].append(e)
+    else:
+      by_path[e.path][e.index] = e
+  get_slice = lambda n: reader.get_slice(names.get(n, n))
+  out = {}
+  try:
+    for path, (shape, dtype) in shapes.items():
+      table = by_path[path]
+      lead = len(next(iter(table)))
+
+      def callback(index, path=path, shape=shape, dtype=dtype, table=table, lead=lead):
+        before = reader.bytes_read
+        index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+        lead_ranges = [range(*s.indices(n)) for s, n in zip(index[:lead], shape[:lead])]
+        trailing = index[lead:]
+        parts = []
+        for idx in itertools.product(*lead_ranges):
+          e = table[idx]
+          v = E.read_slice(e, get_slice, shape[lead:], dtype, trailing)
+          for g in gains.get(path, []):
+            if g.index == idx:
+              gv = E.read_slice(g, get_slice, shape[lead:], np.float32, trailing)
+              v = (v.astype(np.float32) * gv).astype(dtype)
+          parts.append(v)
+        sub = [len(r) for r in lead_ranges]
+        arr = np.stack(parts).reshape(sub + list(parts[0].shape)) if lead else parts[0]
+        if log is not None:
+          log.append((path, index, reader.bytes_read - before))
+        return arr
+
+      out[path] = jax.make_array_from_callback(shape, shardings[path], callback)
+  finally:
+    reader.close()
+  return cfg, out
+
+
+def model_shardings(cfg, mesh) -> dict:
+  """path -> NamedSharding of every model variable, by its logical axes and sharding/'s rules
+  (the placement train and serve use)."""
+  from flax import nnx
+  from jax.sharding import NamedSharding, PartitionSpec
+  from k3_jax.model import abstract_model
+  from sharding.rules import named_sharding
+  out = {}
+  for p, v in nnx.to_flat_state(nnx.state(abstract_model(cfg))):
+    axes = v.get_metadata().get("logical_axes")
+    out[tuple(p)] = (named_sharding(mesh, v.shape, axes) if axes is not None
+                     and len(axes) == len(v.shape) else NamedSharding(mesh, PartitionSpec()))
+  return out
+
+
+def load_model_sharded(hf_dir: str, mesh):
+  """(cfg, K3Model) whose variables are sharded over `mesh`, read slice by slice."""
+  cfg, flat = load_sharded(hf_dir, lambda c: model_shardings(c, mesh))
+  return cfg, convert.model_from_flat(cfg, flat)
+
+
+def train_state_from_hf(hf_dir: str, steps, tc) -> dict:
+  """A step-0 train state (fresh optimizer state) whose parameters come from `hf_dir`, each
+  read straight into its shard of steps.mesh (`train --init_from`)."""
+  import jax
+  import jax.numpy as jnp
+  from k3_jax import train
+  cfg, model = load_model_sharded(hf_dir, steps.mesh)
+  _, params, rest = train.split_model(model)
+  sh = steps.state_shardings
+  params = jax.device_put(params, sh["params"])
+  rest = jax.device_put(rest, sh["rest"])
+  opt_state = jax.jit(train.make_optimizer(tc).init, out_shardings=sh["opt_state"])(params)
+  return {"step": jax.device_put(jnp.zeros((), jnp.int32), sh["step"]), "params": params,
+          "rest": rest, "opt_state": opt_state}
