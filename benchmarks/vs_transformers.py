@@ -86,11 +86,14 @@ def redraw(model, seed=0):
         p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
 
 
-def build_pair(tmpdir, overrides):
+def build_pair(tmpdir, overrides, hf_experts="grouped_mm"):
   torch.manual_seed(0)
   hf = transformers.KimiLinearForCausalLM(hf_config())
   redraw(hf)
   hf.save_pretrained(tmpdir)
+  if hf_experts != "grouped_mm":
+    hf = transformers.KimiLinearForCausalLM.from_pretrained(
+        tmpdir, experts_implementation=hf_experts)
   cfg, flat = convert.load_flat(tmpdir)
   if overrides:
     cfg = validate(apply_overrides(cfg, overrides))
@@ -128,7 +131,7 @@ def hf_steps(hf):
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
     loss.backward()
     opt.step()
-    return float(loss)
+    return float(loss.detach())
 
   def prefill(inputs):
     with torch.no_grad():
@@ -145,13 +148,15 @@ def main(argv=None):
   ap.add_argument("--prefill-runs", type=int, default=3)
   ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                   help="override of OUR model config (execution choices only)")
+  ap.add_argument("--hf-experts", default="grouped_mm", choices=("grouped_mm", "eager"),
+                  help="transformers' routed-expert implementation (its default: grouped_mm)")
   ap.add_argument("--json", default=None)
   a = ap.parse_args(argv)
   if a.steps < 2:
     ap.error("--steps must be >= 2 (the first step is a warm-up)")
 
   with tempfile.TemporaryDirectory() as d:
-    hf, cfg, ours = build_pair(d, a.set)
+    hf, cfg, ours = build_pair(d, a.set, a.hf_experts)
   n_params = sum(p.numel() for p in hf.parameters())
   print(f"model: {n_params / 1e6:.2f}M parameters; batch {a.batch} x {a.seq}; "
         f"jax {jax.__version__} ({jax.devices()[0].platform}), torch {torch.__version__} "
