@@ -14,7 +14,8 @@ exp, masks and reshapes not counted):
 
   recurrent (per token): decay K*V + read k^T S 2*K*V + write 2*K*V
                          + output S^T q 2*K*V                   = 7*K*V
-  chunk (per token, C = chunk, t = tile = 16, sub-tile 4):
+  chunk (per token, C = chunk (--chunk-size; 0 = 16, the reference default),
+         t = tile = 16, sub-tile 4):
     intra-chunk scores, q and k, between tiles as dense
       [2t, K] x [K, C] per tile                                = 4*C*K
     inside tiles, [8, K] x [K, t] per 4-token sub-tile         = 4*t*K
@@ -29,6 +30,7 @@ over recurrent tokens/s for the same T and pass.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -92,10 +94,15 @@ def main():
   p.add_argument("--quick", action="store_true", help="T=1024 only")
   p.add_argument("--json", default=None, help="write results to this file")
   p.add_argument("--runs", type=int, default=3, help="timed runs (median)")
+  p.add_argument("--chunk-size", type=int, default=0,
+                 help="chunk_kda chunk length; 0 = the reference backend's default "
+                      "(k3_jax.ops.kda.CHUNK_BY_BACKEND)")
   args = p.parse_args()
+  C = kda.resolve_chunk_size(args.chunk_size, "reference")
 
   lengths = [1024] if args.quick else [1024, 4096, 16384]
-  ops = {"chunk": (kda.chunk_kda, flops_chunk),
+  ops = {"chunk": (functools.partial(kda.chunk_kda, chunk_size=C),
+                   functools.partial(flops_chunk, C=C)),
          "recurrent": (kda.recurrent_kda, flops_recurrent)}
   compiled = {name: build(op) for name, (op, _) in ops.items()}
 
@@ -118,8 +125,9 @@ def main():
         res[(pass_name, name)]["chunk_over_recurrent"] = ratio
     rows.extend(res.values())
 
-  print(f"\njnp.dot 2048x2048 f32: {matmul_gflops:.1f} GFLOP/s "
-        f"(backend {jax.default_backend()}, {os.cpu_count()} CPUs)\n")
+  print(f"\njnp.dot 2048x2048 f32 (the machine's matmul peak, same run): "
+        f"{matmul_gflops:.1f} GFLOP/s (backend {jax.default_backend()}, {os.cpu_count()} CPUs); "
+        f"chunk_kda chunk_size={C}\n")
   print("| T | pass | op | ms | tokens/s | GFLOP/s | % of dot | chunk/recurrent |")
   print("|---:|---|---|---:|---:|---:|---:|---:|")
   for r in rows:
@@ -129,7 +137,7 @@ def main():
           f"| {r['chunk_over_recurrent']:.2f}x |")
 
   if args.json:
-    out = dict(config=dict(B=B, H=H, K=K, V=V, chunk=CHUNK, dtype="float32",
+    out = dict(config=dict(B=B, H=H, K=K, V=V, chunk=C, dtype="float32",
                            backend=jax.default_backend(), runs=args.runs),
                matmul_gflops=matmul_gflops,
                results=[{("pass" if k_ == "pass_" else k_): v_

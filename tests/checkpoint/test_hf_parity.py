@@ -6,7 +6,7 @@ KDA + MoE, KDA + MoE, MLA + MoE; 8 experts top-2), re-draws its weights at sizes
 every path matter (unit-scale activations, a router with a random correction bias so the
 routing is uneven), saves it with save_pretrained (transformers' own dialect) and imports it
 with k3_jax.checkpoint.convert. Compared: logits on the same tokens (prompts longer than one
-KDA chunk of 64), greedy prefill + 32 decode steps vs transformers' generate with its cache,
+KDA chunk), greedy prefill + 32 decode steps vs transformers' generate with its cache,
 and the reverse direction (our export -> from_pretrained).
 
 Tolerance: we run FP32. The reference for the logits is the same transformers model in
