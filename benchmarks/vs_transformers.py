@@ -48,22 +48,17 @@ from flax import nnx  # noqa: E402
 
 from k3_jax.checkpoint import convert  # noqa: E402
 from k3_jax.config import apply_overrides, validate  # noqa: E402
-from tests.hf_reference import redraw  # noqa: E402
+from tests.hf_reference import kimi_linear_config, redraw  # noqa: E402
 
 VOCAB = 512
 LR, B1, B2, EPS, WD = 1e-3, 0.9, 0.95, 1e-8, 0.01
 
 
 def hf_config():
-  return transformers.KimiLinearConfig(
-      vocab_size=VOCAB, hidden_size=256, intermediate_size=1024, moe_intermediate_size=128,
-      num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64,
-      q_lora_rank=None, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
-      num_experts=16, num_experts_per_token=4, n_shared_experts=1, routed_scaling_factor=2.446,
-      linear_attn_config={"num_heads": 4, "head_dim": 64, "short_conv_kernel_size": 4,
-                          "kda_layers": [1, 2, 3, 5, 6, 7], "full_attn_layers": [4, 8]},
-      first_k_dense_replace=1, pad_token_id=None, bos_token_id=None, eos_token_id=None,
-      tie_word_embeddings=False)
+  return kimi_linear_config(vocab=VOCAB, d=256, dense=1024, expert=128, layers=8, heads=4,
+                            kv_lora=64, rope=16, nope=32, v=32, experts=16, top_k=4,
+                            kda_heads=4, kda_dim=64, full_attn_layers=[4, 8],
+                            tie_word_embeddings=False)
 
 
 def build_pair(tmpdir, overrides, hf_experts="grouped_mm"):
