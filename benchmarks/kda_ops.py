@@ -26,10 +26,11 @@ exp, masks and reshapes not counted):
   forward+backward is counted as 3x the forward (the usual 1 fwd + 2 bwd).
 
 Achieved GFLOP/s = FLOPs / median time, with two FLOP counts: the analytic one
-above and XLA's count for the compiled program (cost_analysis; it counts every
-multiply-add of the masked tile products and the batched exps' neighbours, so it
-is higher than the analytic count for chunk). The ratio column is chunk tokens/s
-over recurrent tokens/s for the same T and pass.
+above and XLA's count for the compiled program (cost_analysis). XLA counts a
+while loop's body once, not once per trip: its count covers chunk's parallel
+work (every multiply-add of the masked tile products included) but not its scan
+over chunks, and next to nothing of the recurrent scan. The ratio column is
+chunk tokens/s over recurrent tokens/s for the same T and pass.
 """
 
 from __future__ import annotations
