@@ -36,7 +36,8 @@ class KDAConfig:
   g_min: float = -5.0
   gate_rank: int = 0            # output gate: 0 = full rank (K3); r > 0 = low rank d -> r -> H*V
   decay_rank: int = 0           # rank of the decay logit projection; 0 = head_dim
-  chunk_size: int = 64
+  chunk_size: int = 0           # 0: by backend (16 on the XLA reference path, 64 for Pallas;
+                                # k3_jax.ops.kda.CHUNK_BY_BACKEND); results equal up to rounding
   backend: str = "auto"         # execution only: "reference" (k3_jax.ops) | "pallas"
                                 # (pallas_kernels) | "auto": pallas when compiling for TPU,
                                 # else reference (k3_jax.ops.kda.resolve_backend)
@@ -96,7 +97,7 @@ GMM_KINDS = ("auto", "ragged_dot", "tiled")
 # Fields that choose how the model executes (kernels, buffer bounds), not what it computes
 # up to numerics: changing one changes the traced program but never the parameters, so a
 # checkpoint made with one value resumes with another (k3_jax/checkpoint/manager.py).
-EXECUTION_FIELDS = ("kda.backend", "moe.gmm", "moe.ep_capacity")
+EXECUTION_FIELDS = ("kda.backend", "kda.chunk_size", "moe.gmm", "moe.ep_capacity")
 
 
 @dataclass(frozen=True)
@@ -252,8 +253,9 @@ def validate(cfg: ModelConfig) -> ModelConfig:
     _require(getattr(cfg, f) in ("float32", "bfloat16"), f, getattr(cfg, f),
              "must be 'float32' or 'bfloat16'")
   k = cfg.kda
-  for f in ("num_heads", "head_dim", "conv_size", "chunk_size"):
+  for f in ("num_heads", "head_dim", "conv_size"):
     _require(getattr(k, f) > 0, f"kda.{f}", getattr(k, f), "must be positive")
+  _require(k.chunk_size >= 0, "kda.chunk_size", k.chunk_size, "must be >= 0 (0 = by backend)")
   _require(k.decay in ("lower_bound", "softplus"), "kda.decay", k.decay,
            "must be 'lower_bound' (K3) or 'softplus' (Kimi Linear)")
   _require(k.g_min < 0, "kda.g_min", k.g_min, "must be negative (log of the smallest decay)")

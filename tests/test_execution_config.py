@@ -1,5 +1,5 @@
-"""Execution-only config fields (kda.backend, moe.gmm, moe.ep_capacity): validated by name,
-seen by jit (they are part of the traced program, not context variables), and not part of a
+"""Execution-only config fields (kda.backend, kda.chunk_size, moe.gmm, moe.ep_capacity):
+validated by name, seen by jit (they are part of the traced program, not context variables), and not part of a
 checkpoint's model identity (resuming under another backend works; another architecture is
 still refused). Also the typed parallel-op record of k3_jax/partitioning.py."""
 
@@ -25,7 +25,8 @@ CFG = configs.get("k3_tiny")
 
 @pytest.mark.parametrize("override, field", [("moe.gmm=cuda", "moe.gmm"),
                                              ("moe.ep_capacity=-1", "moe.ep_capacity"),
-                                             ("kda.backend=triton", "kda.backend")])
+                                             ("kda.backend=triton", "kda.backend"),
+                                             ("kda.chunk_size=-16", "kda.chunk_size")])
 def test_bad_execution_values_name_the_field(override, field):
   with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
     validate(apply_overrides(CFG, [override]))
@@ -43,9 +44,10 @@ def test_resume_under_other_execution_fields(tmp_path):
   cfg_path = os.path.join(tmp_path, "checkpoints", "model_config.json")
   saved_text = open(cfg_path).read()
 
-  other = validate(apply_overrides(CFG, ["kda.backend=pallas", "moe.gmm=ragged_dot",
-                                         "moe.ep_capacity=1.25"]))
-  assert set(EXECUTION_FIELDS) == {"kda.backend", "moe.gmm", "moe.ep_capacity"}
+  other = validate(apply_overrides(CFG, ["kda.backend=pallas", "kda.chunk_size=32",
+                                         "moe.gmm=ragged_dot", "moe.ep_capacity=1.25"]))
+  assert set(EXECUTION_FIELDS) == {"kda.backend", "kda.chunk_size", "moe.gmm",
+                                   "moe.ep_capacity"}
   resumed = CheckpointManager(str(tmp_path), other)            # no CheckpointMismatch
   assert resumed.latest_step() == 3
   rep = jax.sharding.SingleDeviceSharding(jax.devices()[0])

@@ -7,7 +7,7 @@ from flax import nnx
 
 from k3_jax.config import ModelConfig, jnp_dtype
 from k3_jax.layers.init import Init
-from k3_jax.layers.linear import Linear
+from k3_jax.layers.linear import Linear, apply_stacked
 from k3_jax.ops.activations import glu
 
 
@@ -24,4 +24,5 @@ class GatedFFN(nnx.Module):
                        std=out_std)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return self.down(glu(self.gate(x), self.up(x), self.kind, self.beta1, self.beta2))
+    gate, up = apply_stacked(x, (self.gate, self.up))                  # one matmul
+    return self.down(glu(gate, up, self.kind, self.beta1, self.beta2))

@@ -20,7 +20,7 @@ from flax import nnx
 
 from k3_jax.config import ModelConfig, jnp_dtype
 from k3_jax.layers.init import Init
-from k3_jax.layers.linear import Linear
+from k3_jax.layers.linear import Linear, apply_stacked
 from k3_jax.ops import conv as conv_ops
 from k3_jax.ops import kda as kda_ops
 from k3_jax.ops.norms import rms_norm
@@ -92,14 +92,25 @@ class KDA(nnx.Module):
       y, new = conv(flat, w, segment_ids=segment_ids, cache=cache)
     return jax.nn.silu(y.astype(jnp.float32)).reshape(b, t, h, k), new
 
-  def _decay(self, x):
-    z = self.f_up(self.f_down(x)).astype(jnp.float32) + self.dt_bias[...]   # [B, T, H, K]
+  def _inputs(self, x):
+    """Every projection of x, stacked into as few matmuls as the shapes allow (layers/linear.
+    apply_stacked): q, k, v (and the full-rank output gate) as one; the decay's and the
+    low-rank gate's down projections as one when their ranks agree. Returns (q, k, v
+    [B, T, H, K] before the conv, decay input z_f [B, T, r], gate logits [B, T, H, K])."""
+    heads = [self.q_proj, self.k_proj, self.v_proj] + ([] if self.c.gate_rank else [self.g_proj])
+    out = apply_stacked(x, heads)
+    if self.c.gate_rank and self.g_down.out_shape == self.f_down.out_shape:
+      zf, zg = apply_stacked(x, (self.f_down, self.g_down))
+    else:
+      zf, zg = self.f_down(x), self.g_down(x) if self.c.gate_rank else None
+    gate = self.g_up(zg) if self.c.gate_rank else out[3]
+    return out[0], out[1], out[2], zf, gate
+
+  def _decay(self, zf):
+    z = self.f_up(zf).astype(jnp.float32) + self.dt_bias[...]                # [B, T, H, K]
     if self.c.decay == "softplus":
       return kda_ops.kda_gate_softplus(z, self.a_log[...])
     return kda_ops.kda_gate_lower_bound(z, self.a_log[...], self.c.g_min)
-
-  def _gate(self, x):
-    return self.g_up(self.g_down(x)) if self.c.gate_rank else self.g_proj(x)
 
   def init_cache(self, batch: int) -> dict:
     h, k, w = self.c.num_heads, self.c.head_dim, self.c.conv_size
@@ -114,13 +125,14 @@ class KDA(nnx.Module):
     one-step recurrence runs; otherwise the chunked form (from the cached state)."""
     b, t, _ = x.shape
     get = (lambda n: cache[n]) if cache is not None else (lambda n: None)
-    q, cq = self._conv(self.q_proj(x), self.q_conv, segment_ids, get("conv_q"))
-    k, ck = self._conv(self.k_proj(x), self.k_conv, segment_ids, get("conv_k"))
-    v, cv = self._conv(self.v_proj(x), self.v_conv, segment_ids, get("conv_v"))
+    xq, xk, xv, zf, gate = self._inputs(x)
+    q, cq = self._conv(xq, self.q_conv, segment_ids, get("conv_q"))
+    k, ck = self._conv(xk, self.k_conv, segment_ids, get("conv_k"))
+    v, cv = self._conv(xv, self.v_conv, segment_ids, get("conv_v"))
     q, k = kda_ops.l2_normalize(q), kda_ops.l2_normalize(k)            # [B, T, H, K] f32
     q = constrain(q, ("batch", "seq", "heads", None))
     beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))          # [B, T, H]
-    g = self._decay(x)                                                 # [B, T, H, K] f32
+    g = self._decay(zf)                                                # [B, T, H, K] f32
     if cache is not None and t == 1:
       o, state = kda_ops.decode_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
                                      cache["state"], backend=self.c.backend)
@@ -131,7 +143,7 @@ class KDA(nnx.Module):
                                    output_final_state=cache is not None,
                                    segment_ids=segment_ids, backend=self.c.backend)
     o = rms_norm(o.astype(jnp.float32), self.o_norm[...], self.eps)     # [B, T, H, V]
-    o = jax.nn.sigmoid(self._gate(x).astype(jnp.float32)) * o
+    o = jax.nn.sigmoid(gate.astype(jnp.float32)) * o
     y = self.o_proj(o.astype(self.dtype))
     new_cache = None if cache is None else {"state": state, "conv_q": cq, "conv_k": ck,
                                             "conv_v": cv}

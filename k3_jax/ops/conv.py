@@ -19,6 +19,7 @@ last document.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from k3_jax.ops.segments import doc_index
@@ -39,16 +40,59 @@ def short_conv(x, weight, segment_ids=None, cache=None):
   xp = jnp.concatenate([cache.astype(jnp.float32), x.astype(jnp.float32)],
                        axis=1)                                    # [B, W-1+T, D]
   if segment_ids is None:
-    y = sum(w[j] * xp[:, j:j + T] for j in range(W))              # [B, T, D]
+    y = _taps(xp, w, None)                                       # [B, T, D]
     new_cache = xp[:, T:]
   else:
     doc = doc_index(segment_ids)                                 # [B, T]
     docp = jnp.concatenate([jnp.zeros((B, W - 1), doc.dtype), doc], axis=1)  # cache = doc 0
-    y = sum(jnp.where((docp[:, j:j + T] == doc)[..., None], w[j] * xp[:, j:j + T], 0.0)
-            for j in range(W))
+    masks = jnp.stack([docp[:, j:j + T] == doc for j in range(W)]).astype(jnp.float32)
+    y = _taps(xp, w, masks)                                      # masks [W, B, T]
     same_as_last = (docp[:, T:] == doc[:, -1:])[..., None]        # [B, W-1, 1]
     new_cache = jnp.where(same_as_last, xp[:, T:], 0.0)
   return y.astype(x.dtype), new_cache.astype(x.dtype)
+
+
+def _taps_fwd_value(xp, w, masks):
+  """y_t = sum_j [masks_j(t)] w_j xp_{t+j}. xp [B, W-1+T, D] f32; w [W, D]; masks [W, B, T]."""
+  W = w.shape[0]
+  T = xp.shape[1] - (W - 1)
+  if masks is None:
+    return sum(w[j] * xp[:, j:j + T] for j in range(W))
+  return sum(masks[j][..., None] * (w[j] * xp[:, j:j + T]) for j in range(W))
+
+
+@jax.custom_vjp
+def _taps(xp, w, masks):
+  return _taps_fwd_value(xp, w, masks)
+
+
+def _taps_fwd(xp, w, masks):
+  return _taps_fwd_value(xp, w, masks), (xp, w, masks)
+
+
+def _taps_bwd(res, dy):
+  """Backward without W padded copies of dy: dy is padded ONCE and every tap reads a slice
+  of it (dxp_s = sum_j w_j [m_j(s-j)] dy_{s-j}); the weight gradient is one reduction over
+  (B, T) of the W shifted products. dy [B, T, D] -> (dxp [B, W-1+T, D], dw [W, D])."""
+  xp, w, masks = res
+  W = w.shape[0]
+  T = dy.shape[1]
+  L = T + W - 1
+  pad = ((0, 0), (W - 1, W - 1), (0, 0))
+  dyp = jnp.pad(dy, pad)                                          # [B, T+2(W-1), D]
+  if masks is None:
+    dxp = sum(w[j] * dyp[:, W - 1 - j:W - 1 - j + L] for j in range(W))
+    dw = jnp.stack([jnp.sum(dy * xp[:, j:j + T], axis=(0, 1)) for j in range(W)])
+  else:
+    mp = jnp.pad(masks, ((0, 0), (0, 0), (W - 1, W - 1)))[..., None]   # [W, B, T+2(W-1), 1]
+    dxp = sum(w[j] * (mp[j, :, W - 1 - j:W - 1 - j + L] * dyp[:, W - 1 - j:W - 1 - j + L])
+              for j in range(W))
+    dw = jnp.stack([jnp.sum(masks[j][..., None] * dy * xp[:, j:j + T], axis=(0, 1))
+                    for j in range(W)])
+  return dxp, dw, None if masks is None else jnp.zeros_like(masks)
+
+
+_taps.defvjp(_taps_fwd, _taps_bwd)
 
 
 def short_conv_step(x, weight, cache):

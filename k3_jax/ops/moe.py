@@ -163,6 +163,8 @@ def moe_dispatch(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
   """
   if gmm is None:
     gmm = default_gmm()
+  if gmm is tiled_gmm:        # plain tiled path: one padded layout for all three matmuls
+    return _moe_tiled(x, weights, expert_ids, w_gate, w_up, w_down, activation, beta1, beta2)
   n, k = expert_ids.shape
   e = w_gate.shape[0]
 
@@ -181,6 +183,54 @@ def moe_dispatch(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
   inverse = jnp.argsort(order)                                           # [N*k] sorted row of each pair
   out = jnp.take(out_sorted, inverse, axis=0).reshape(n, k, -1)          # [N, k, Din]
   y = jnp.sum(out * weights.astype(jnp.float32)[..., None], axis=1)      # [N, Din]
+  return y.astype(x.dtype)
+
+
+def _moe_tiled(x, weights, expert_ids, w_gate, w_up, w_down, activation, beta1, beta2,
+               tile: int | None = None):
+  """`moe_dispatch` with `tiled_gmm`, laid out once: the token-expert pairs are sorted by
+  expert and written ONCE into a tile-padded buffer (one gather from x; padding rows read
+  a zero row), gate and up run as one matmul per tile against [Din, 2F] weights, down runs
+  in the same padded layout, and the combine gathers each pair's row back. The per-tile
+  expert weights are picked with a one-hot matmul (its backward is a matmul, not a
+  scatter-add). Same FLOPs on real rows as three `tiled_gmm` calls, one layout instead of
+  three scatters into padding and two un-pad / re-pad round trips.
+  x [N, Din]; weights, expert_ids [N, k]; w_gate, w_up [E, Din, F]; w_down [E, F, Din]."""
+  n, k = expert_ids.shape
+  e, din, f = w_gate.shape
+  m = n * k
+  t = tile or _tile_rows(m, e)
+  num_tiles = -(-(m + e * (t - 1)) // t)                                 # static bound
+  rows = num_tiles * t
+  flat_ids = expert_ids.reshape(-1)                                      # [M] pair -> expert
+  order = jnp.argsort(flat_ids, stable=True)                             # [M] sorted row -> pair
+  group_sizes = jnp.bincount(flat_ids, length=e).astype(jnp.int32)      # [E]
+  ends = jnp.cumsum(group_sizes)
+  starts = ends - group_sizes
+  padded = (group_sizes + t - 1) // t * t                                # [E]
+  padded_ends = jnp.cumsum(padded)
+  padded_starts = padded_ends - padded
+  sorted_ids = flat_ids[order]                                           # [M] expert of sorted row
+  dest_sorted = padded_starts[sorted_ids] + jnp.arange(m) - starts[sorted_ids]   # [M]
+  dest = jnp.zeros((m,), jnp.int32).at[order].set(dest_sorted.astype(jnp.int32))  # pair -> row
+  src = jnp.full((rows,), n, jnp.int32).at[dest_sorted].set(
+      (order // k).astype(jnp.int32))                                    # [rows] token (n = pad)
+  tile_group = jnp.minimum(jnp.searchsorted(padded_ends, jnp.arange(num_tiles) * t,
+                                            side="right"), e - 1)        # [tiles]
+  onehot = jax.nn.one_hot(tile_group, e, dtype=w_gate.dtype)             # [tiles, E]
+
+  xe = jnp.concatenate([x, jnp.zeros((1, din), x.dtype)], axis=0)        # [N+1, Din]
+  xs = jnp.take(xe, src, axis=0).reshape(num_tiles, t, din)              # [tiles, t, Din]
+  w_gu = jnp.concatenate([w_gate, w_up], axis=-1)                        # [E, Din, 2F]
+  w_gu_t = jnp.einsum("te,edf->tdf", onehot, w_gu)                       # [tiles, Din, 2F]
+  gu = jnp.einsum("tmd,tdf->tmf", xs, w_gu_t,
+                  preferred_element_type=jnp.float32)                    # [tiles, t, 2F]
+  h = glu(gu[..., :f], gu[..., f:], activation, beta1=beta1, beta2=beta2).astype(x.dtype)
+  w_d_t = jnp.einsum("te,efd->tfd", onehot.astype(w_down.dtype), w_down)  # [tiles, F, Din]
+  out = jnp.einsum("tmf,tfd->tmd", h, w_d_t,
+                   preferred_element_type=jnp.float32).reshape(rows, din)  # [rows, Din]
+  pair_out = jnp.take(out, dest, axis=0).reshape(n, k, din)              # [N, k, Din]
+  y = jnp.sum(pair_out * weights.astype(jnp.float32)[..., None], axis=1)  # [N, Din]
   return y.astype(x.dtype)
 
 

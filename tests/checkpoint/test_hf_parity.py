@@ -6,7 +6,7 @@ KDA + MoE, KDA + MoE, MLA + MoE; 8 experts top-2), re-draws its weights at sizes
 every path matter (unit-scale activations, a router with a random correction bias so the
 routing is uneven), saves it with save_pretrained (transformers' own dialect) and imports it
 with k3_jax.checkpoint.convert. Compared: logits on the same tokens (prompts longer than one
-KDA chunk of 64), greedy prefill + 32 decode steps vs transformers' generate with its cache,
+KDA chunk), greedy prefill + 32 decode steps vs transformers' generate with its cache,
 and the reverse direction (our export -> from_pretrained).
 
 Tolerance: we run FP32. The reference for the logits is the same transformers model in
@@ -32,7 +32,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from k3_jax.checkpoint import convert  # noqa: E402
-from tests.hf_reference import redraw  # noqa: E402
+from tests.hf_reference import kimi_linear_config, redraw  # noqa: E402
 from k3_jax.model import create_model  # noqa: E402
 
 ATOL = 1e-4        # ours (FP32) vs transformers in FLOAT64
@@ -41,14 +41,9 @@ VOCAB = 128
 
 
 def _hf_config():
-  return transformers.KimiLinearConfig(
-      vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-      num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16,
-      q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
-      num_experts=8, num_experts_per_token=2, n_shared_experts=1, routed_scaling_factor=2.446,
-      linear_attn_config={"num_heads": 2, "head_dim": 16, "short_conv_kernel_size": 4,
-                          "kda_layers": [1, 2, 3], "full_attn_layers": [4]},
-      first_k_dense_replace=1, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+  return kimi_linear_config(vocab=VOCAB, d=64, dense=96, expert=32, layers=4, heads=2,
+                            kv_lora=16, rope=8, nope=16, v=16, experts=8, top_k=2,
+                            kda_heads=2, kda_dim=16, full_attn_layers=[4])
 
 
 @pytest.fixture(scope="module")

@@ -106,3 +106,42 @@ def test_bf16_dtype():
   ref = _numpy_conv(np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32), w)
   # Only the final cast to bf16 rounds: relative 2^-8.
   np.testing.assert_allclose(np.asarray(y, np.float32), ref, rtol=1e-2, atol=1e-2)
+
+
+def _autodiff_conv(x, w, cache, doc):
+  """Plain shifted sums (JAX differentiates these itself): the reference for the
+  hand-written backward of short_conv. doc [B, T] document index (0 for the cache)."""
+  xp = jnp.concatenate([cache, x], axis=1)
+  docp = jnp.concatenate([jnp.zeros((B, W - 1), doc.dtype), doc], axis=1)
+  return sum(jnp.where((docp[:, j:j + T] == doc)[..., None], w[j] * xp[:, j:j + T], 0.0)
+             for j in range(W))
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_gradients_match_autodiff(packed):
+  """d/dx, d/dw, d/dcache of a nonlinear loss of short_conv (its custom backward: one padded
+  dy, one weight reduction) vs JAX's autodiff of the plain shifted sums. Linear op in f32
+  with 4-term sums: 1e-5 covers rounding; a wrong shift or a mask applied at the source
+  instead of the output token is O(1) off."""
+  x, w = _inputs(7)
+  cache = np.random.default_rng(8).normal(size=(B, W - 1, D)).astype(np.float32)
+  seg = np.zeros((B, T), np.int32)
+  if packed:
+    seg[0, 3:] = 1
+    seg[0, 8:] = 2
+    seg[1, 5:] = 4
+  doc = np.cumsum(np.concatenate([np.zeros((B, 1), np.int32),
+                                  (seg[:, 1:] != seg[:, :-1]).astype(np.int32)], 1), 1)
+  r = np.random.default_rng(9).normal(size=(B, T, D)).astype(np.float32)
+
+  def ours(x, w, c):
+    return jnp.sum(jnp.sin(short_conv(x, w, seg if packed else None, c)[0]) * r)
+
+  def ref(x, w, c):
+    return jnp.sum(jnp.sin(_autodiff_conv(x, w, c, jnp.asarray(doc))) * r)
+
+  got = jax.jit(jax.grad(ours, argnums=(0, 1, 2)))(x, w, cache)
+  want = jax.jit(jax.grad(ref, argnums=(0, 1, 2)))(x, w, cache)
+  for a, b in zip(got, want):
+    assert np.abs(np.asarray(b)).max() > 1e-2                # every gradient is exercised
+    np.testing.assert_allclose(a, b, **TOL)
