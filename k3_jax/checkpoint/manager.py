@@ -32,6 +32,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging as absl_logging
 
+from k3_jax.checkpoint import streaming
 from k3_jax.config import ModelConfig, UserError, from_dict, to_dict, without_execution_fields
 
 
@@ -149,6 +150,26 @@ class CheckpointManager:
     """Starts an asynchronous save of `step` (returns before the write completes)."""
     self._mgr.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state or {})))
+
+  def save_streamed(self, step: int, state, data_state: dict | None) -> None:
+    """Saves (synchronously) a state whose leaves are streaming.LazyArray: each produced and
+    written one row at a time. The files are those `save` writes (Orbax's PyTree format,
+    numpy arrays under OCDBT), so every restore path reads them alike."""
+    registry = ocp.type_handlers.create_type_handler_registry(
+        (streaming.LazyArray, streaming.LazyArrayHandler()),
+        (jax.Array, ocp.type_handlers.ArrayHandler()))   # (Orbax wants one for its metadata)
+    opts = ocp.CheckpointManagerOptions(max_to_keep=self.keep, create=True)
+    mgr = ocp.CheckpointManager(self.directory, options=opts, item_handlers={
+        "state": ocp.PyTreeCheckpointHandler(type_handler_registry=registry),
+        "data": ocp.JsonCheckpointHandler()})
+    try:
+      mgr.save(step, args=ocp.args.Composite(
+          state=ocp.args.PyTreeSave(state), data=ocp.args.JsonSave(data_state or {})))
+      mgr.wait_until_finished()
+    finally:
+      mgr.close()
+    self._mgr.close()                 # see the new step
+    self._mgr = self._open()
 
   # ----- restoring -----------------------------------------------------------------------
 
