@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from flax import nnx
 
 from k3_jax.checkpoint.layouts.entry import Entry, LayoutError, Tensor, st_dtype
@@ -63,12 +65,28 @@ class Builder:
         raise LayoutError(f"{name}: MXFP4 needs the input width ({n}) to be a multiple of 32")
       tensors = (Tensor(name + "_packed", (m, n // 2), "U8"),
                  Tensor(name + "_scale", (m, n // 32), "U8"))
+    elif kind == "named":
+      raise ValueError("named entries are added with add_named")
     else:
       disk_shape = tuple(shape if disk_shape is None else disk_shape)
       if math.prod(disk_shape) != math.prod(shape):
         raise LayoutError(f"{name}: disk shape {disk_shape} does not hold {shape}")
       tensors = (Tensor(name, disk_shape, dtype),)
     self.entries.append(Entry(path, tuple(index), kind, tensors, n_in))
+
+
+  def add_named(self, transform, prefix: tuple = ()) -> None:
+    """A variable whose released tensors a names Entry (k3_jax/vision/names.py) describes:
+    tensor names and the transforms both ways; the disk shapes are found by running the
+    transform on a zero-stride stand-in of the variable (nothing allocated)."""
+    path = tuple(prefix) + tuple(transform.path)
+    shape = self.trailing_shape(path, ())
+    dtype = st_dtype(self.shapes[path][1])
+    stand_in = np.broadcast_to(np.zeros((), np.float32), shape)
+    disk = [np.shape(a) for a in transform.from_ours(stand_in)]
+    tensors = tuple(Tensor(n, tuple(int(d) for d in s), dtype)
+                    for n, s in zip(transform.names, disk))
+    self.entries.append(Entry(path, (), "named", tensors, transform=transform))
 
 
 def param_st_dtype(cfg: ModelConfig) -> str:
