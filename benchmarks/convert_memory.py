@@ -43,20 +43,34 @@ def child(kind: str, src: str, dst: str, expert_format: str) -> None:
   print(json.dumps({"peak_rss_gb": _peak_gb(), "seconds": time.time() - t0}))
 
 
-def write_random_hf(cfg, out_dir: str, max_shard_size: str) -> int:
-  """A random model of cfg as safetensors, produced variable by variable; its bytes."""
+def random_value(cfg, seed: int = 0):
+  """path -> a random value of that model variable (scale 0.02), the same for the same path
+  and seed whenever asked: a model that is never held whole."""
+  import zlib
   import numpy as np
-  from k3_jax.checkpoint import convert
   from k3_jax.checkpoint.layouts.common import variable_shapes
   shapes = variable_shapes(cfg)
-  rng = np.random.default_rng(0)
+
+  last: dict = {}
 
   def value(path):
-    shape, dtype = shapes[path]
-    return (rng.standard_normal(shape, np.float32) * 0.02).astype(dtype)
+    if path not in last:           # an export asks once per expert, w1 / w2 / w3 in turn:
+      shape, dtype = shapes[path]  # keep the last three variables
+      rng = np.random.default_rng([seed, zlib.crc32(repr(path).encode())])
+      if len(last) >= 3:
+        last.pop(next(iter(last)))
+      last[path] = (rng.standard_normal(shape, np.float32) * 0.02).astype(dtype)
+    return last[path]
 
-  out = convert.export_state(cfg, value, out_dir, max_shard_size=max_shard_size,
-                             expert_format="dense")
+  return value
+
+
+def write_random_hf(cfg, out_dir: str, max_shard_size: str, seed: int = 0) -> int:
+  """A random model of cfg (random_value) as safetensors, written variable by variable;
+  returns its bytes."""
+  from k3_jax.checkpoint import convert
+  out = convert.export_state(cfg, random_value(cfg, seed), out_dir,
+                             max_shard_size=max_shard_size, expert_format="dense")
   return out["total_bytes"]
 
 

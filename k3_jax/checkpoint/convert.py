@@ -334,12 +334,13 @@ def streamed_train_state(src: HFVariables, tc) -> dict:
 
 
 def import_to_workdir(hf_dir: str, workdir: str, force: bool = False,
-                      optimizer: str = "adamw") -> dict:
+                      optimizer: str = "adamw", batch_bytes: int | None = None) -> dict:
   """Writes an Orbax checkpoint (step 0, fresh optimizer state) that `train` resumes from and
   `generate` loads. Streams: each variable is read from the safetensors files and written
   one leading row (a layer's slice, an expert's matrix) at a time, the optimizer moments as
   constant fills, so host memory holds about one row (plus the mapped pages of at most two
-  shards), never the model."""
+  shards), never the model. batch_bytes: rows per tensorstore commit (default
+  streaming.BATCH_BYTES)."""
   from k3_jax import train
   from k3_jax.checkpoint.manager import CheckpointManager
   from k3_jax.config import TrainConfig
@@ -355,7 +356,7 @@ def import_to_workdir(hf_dir: str, workdir: str, force: bool = False,
     if os.path.exists(ck) and force:
       shutil.rmtree(ck)
     mgr = CheckpointManager(workdir, src.cfg)
-    mgr.save_streamed(0, state, {})
+    mgr.save_streamed(0, state, {}, batch_bytes=batch_bytes)
     mgr.wait()
     mgr.close()
     train.save_train_config(workdir, tc)

@@ -151,12 +151,14 @@ class CheckpointManager:
     self._mgr.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state or {})))
 
-  def save_streamed(self, step: int, state, data_state: dict | None) -> None:
+  def save_streamed(self, step: int, state, data_state: dict | None,
+                    batch_bytes: int | None = None) -> None:
     """Saves (synchronously) a state whose leaves are streaming.LazyArray: each produced and
     written one row at a time. The files are those `save` writes (Orbax's PyTree format,
-    numpy arrays under OCDBT), so every restore path reads them alike."""
+    numpy arrays under OCDBT), so every restore path reads them alike. batch_bytes: rows per
+    tensorstore commit (streaming.BATCH_BYTES by default)."""
     registry = ocp.type_handlers.create_type_handler_registry(
-        (streaming.LazyArray, streaming.LazyArrayHandler()),
+        (streaming.LazyArray, streaming.LazyArrayHandler(batch_bytes or streaming.BATCH_BYTES)),
         (jax.Array, ocp.type_handlers.ArrayHandler()))   # (Orbax wants one for its metadata)
     opts = ocp.CheckpointManagerOptions(max_to_keep=self.keep, create=True)
     mgr = ocp.CheckpointManager(self.directory, options=opts, item_handlers={

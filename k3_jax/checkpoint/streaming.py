@@ -143,12 +143,12 @@ def constant_leaves(fn: Callable, *abstract_args) -> list:
   for a constant fill). Anything else is a ValueError naming the leaf."""
   import jax.numpy as jnp
   from jax.extend.core import Literal
-  closed = jax.make_jaxpr(fn)(*abstract_args)
+  closed, out_shapes = jax.make_jaxpr(fn, return_shape=True)(*abstract_args)
   dependent = set(closed.jaxpr.invars)
   for eqn in closed.jaxpr.eqns:
     if any(not isinstance(v, Literal) and v in dependent for v in eqn.invars):
       dependent.update(eqn.outvars)
-  shapes = jax.tree_util.tree_flatten_with_path(jax.eval_shape(fn, *abstract_args))[0]
+  shapes = jax.tree_util.tree_flatten_with_path(out_shapes)[0]
   names = [jax.tree_util.keystr(p) for p, _ in shapes]
   for name, v in zip(names, closed.jaxpr.outvars):
     if not isinstance(v, Literal) and v in dependent:

@@ -4,7 +4,10 @@ state (scanned units stack their layers on a leading axis), and a builder that t
 
 from __future__ import annotations
 
+import functools
 import math
+import types
+from typing import Mapping
 
 import numpy as np
 
@@ -25,12 +28,15 @@ def layer_slot(cfg: ModelConfig, i: int) -> tuple[tuple, tuple[int, ...]]:
   return ("suffix", i - prefix - reps * period), ()
 
 
-def variable_shapes(cfg: ModelConfig) -> dict[tuple, tuple[tuple[int, ...], object]]:
+@functools.lru_cache(maxsize=8)
+def variable_shapes(cfg: ModelConfig) -> Mapping[tuple, tuple[tuple[int, ...], object]]:
   """path -> (shape, dtype) of every variable of the model (parameters and router biases),
-  from the abstract model: no allocation."""
+  from the abstract model: no allocation. Cached per config (read-only): an import asks for
+  it several times, and tracing the abstract model of a large config takes seconds."""
   from k3_jax.model import abstract_model
   state = nnx.state(abstract_model(cfg))
-  return {tuple(p): (tuple(v.shape), v.dtype) for p, v in nnx.to_flat_state(state)}
+  return types.MappingProxyType(
+      {tuple(p): (tuple(v.shape), v.dtype) for p, v in nnx.to_flat_state(state)})
 
 
 class Builder:
