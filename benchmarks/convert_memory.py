@@ -1,7 +1,7 @@
 """Peak host memory (RSS) and time of `convert` import and export, against the model size.
 
     python -m benchmarks.convert_memory [--config=k3_small] [--override=moe.num_experts=128]
-                                        [--max_shard_size=50MB] [--out=DIR]
+                                        [--max_shard_size=50MB]
 
 Writes a random model of the config as a Hugging Face directory (variable by variable, never
 the whole model), then runs in fresh processes, one at a time: a bare process that imports
@@ -87,7 +87,6 @@ def main() -> None:
   ap.add_argument("--config", default="k3_small")
   ap.add_argument("--override", action="append", default=None)
   ap.add_argument("--max_shard_size", default="50MB")
-  ap.add_argument("--out", default=None, help="write convert_memory.json here")
   ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
   ap.add_argument("--src", default=None, help=argparse.SUPPRESS)
   ap.add_argument("--dst", default=None, help=argparse.SUPPRESS)
@@ -126,10 +125,6 @@ def main() -> None:
   res = {"config": cfg.name, "overrides": overrides, "model_gb": gb,
          "max_shard_size": a.max_shard_size, "rows": rows}
   print(json.dumps(res))
-  if a.out:
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "convert_memory.json"), "w") as f:
-      json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from k3_jax.checkpoint import layouts
 from k3_jax.checkpoint import safetensors_io as stio
 from k3_jax.checkpoint.layouts import entry as E
 from k3_jax.checkpoint.layouts.entry import LayoutError
+from k3_jax.checkpoint.streaming import release_freed_memory
 from k3_jax.config import ModelConfig, UserError
 
 DEFAULT_MAX_SHARD = "5GB"
@@ -141,6 +142,7 @@ def export_state(cfg: ModelConfig, get_value, out_dir: str, max_shard_size="5GB"
     meta = {"format": "pt", "producer": "k3_jax"}
     for i, s in enumerate(shards):
       stio.write_shard(os.path.join(tmp, stio.shard_name(i, len(shards))), s, produce, meta)
+      release_freed_memory()          # the shard's converted tensors, back to the OS
     stio.write_index(tmp, shards, metadata)
     with open(os.path.join(tmp, "config.json"), "w") as f:
       json.dump(p["config"], f, indent=2, sort_keys=True)

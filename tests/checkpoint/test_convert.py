@@ -115,6 +115,13 @@ def test_dry_run_k3_release_inventory():
   packed = [t for t in p["tensors"] if t["name"].endswith("weight_packed")]
   assert len(packed) == 92 * 896 * 3
   assert 1.50e12 < p["total_bytes"] < 1.62e12                       # release: about 1.56 TB
+  # with the released vision tower (27 blocks of 6 tensors + patch embedding, position
+  # table, final norm, 3 projector tensors), about 0.45B parameters in BF16
+  mm = convert.plan(configs.get_multimodal("k3"))
+  vision = [t for t in mm["tensors"] if t["name"].startswith(("vision_tower.", "mm_projector."))]
+  assert len(vision) == 27 * 6 + 3 + 3 == mm["num_tensors"] - p["num_tensors"]
+  assert all(t["dtype"] == "BF16" for t in vision)
+  assert 0.8e9 < mm["total_bytes"] - p["total_bytes"] < 1.0e9
 
 
 @pytest.mark.slow
