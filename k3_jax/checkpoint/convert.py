@@ -312,7 +312,8 @@ def streamed_train_state(src: HFVariables, tc) -> dict:
   """The step-0 train state of `src`'s model ({"step", "params", "rest", "opt_state"}, the
   structure train.abstract_state gives) with every leaf a streaming.LazyArray: parameters
   and balancing biases read row by row from the safetensors files when written, the fresh
-  optimizer state as the constant fills its init gives. Nothing is read or allocated here."""
+  optimizer state as its init gives it (streaming.constant_leaves: the moments as constant
+  fills). Nothing is read or allocated here."""
   import jax
   from k3_jax import train
   from k3_jax.checkpoint import streaming
@@ -328,9 +329,8 @@ def streamed_train_state(src: HFVariables, tc) -> dict:
           shape, dtype, lambda idx, path=path: src.read(path, idx), rows=src.lead(path)))))
     return nnx.from_flat_state(pairs)
 
-  fills = streaming.constant_leaves(optimizer.init, abstract["params"])
   opt_state = jax.tree.unflatten(jax.tree.structure(abstract["opt_state"]),
-                                 [streaming.constant(s, d, v) for s, d, v in fills])
+                                 streaming.constant_leaves(optimizer.init, abstract["params"]))
   return {"step": streaming.constant((), np.int32, 0), "params": lazy_variables(
       abstract["params"]), "rest": lazy_variables(abstract["rest"]), "opt_state": opt_state}
 

@@ -136,11 +136,12 @@ def release_freed_memory() -> None:
 
 
 def constant_leaves(fn: Callable, *abstract_args) -> list:
-  """The leaves of fn(*args) as (shape, dtype, fill value), when each is a constant fill
-  that does not depend on the values of args (ShapeDtypeStructs): e.g. a fresh optimizer
-  state, whose moments are zeros. Found without allocating any leaf: the jaxpr shows no
-  output depends on an input, and one compiled call returns each leaf's min and max (equal
-  for a constant fill). Anything else is a ValueError naming the leaf."""
+  """The leaves of fn(*args) as LazyArrays, when none depends on the values of args
+  (ShapeDtypeStructs): e.g. a fresh optimizer state. Its jaxpr shows that no output depends
+  on an input (else a ValueError naming the leaf); one compiled call returns each leaf's min
+  and max, and a leaf whose are equal (the moments: zeros) is written as that constant fill,
+  one row at a time, never allocated whole. Any other leaf (e.g. Muon's few Newton-Schulz
+  coefficients) is computed by a second call that returns only those leaves."""
   import jax.numpy as jnp
   from jax.extend.core import Literal
   closed, out_shapes = jax.make_jaxpr(fn, return_shape=True)(*abstract_args)
@@ -153,20 +154,29 @@ def constant_leaves(fn: Callable, *abstract_args) -> list:
   for name, v in zip(names, closed.jaxpr.outvars):
     if not isinstance(v, Literal) and v in dependent:
       raise ValueError(f"{name}: its initial value depends on the inputs' values, so it "
-                       f"cannot be written as a constant")
+                       f"cannot be written without them")
 
-  def extremes():
+  def leaves(which=None):
     zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract_args)
+    out = jax.tree.leaves(fn(*zeros))
+    if which is not None:                     # only these leaves (XLA drops the rest)
+      return [out[i] for i in which]
     return [(jnp.min(x), jnp.max(x)) if x.size else (jnp.zeros(()), jnp.zeros(()))
-            for x in jax.tree.leaves(fn(*zeros))]
+            for x in out]
 
-  out = []
-  for name, (_, a), (lo, hi) in zip(names, shapes, jax.jit(extremes)()):
+  result: list = [None] * len(shapes)
+  other = []
+  for i, ((_, a), (lo, hi)) in enumerate(zip(shapes, jax.jit(leaves)())):
     lo, hi = np.asarray(lo), np.asarray(hi)
-    if a.size and not lo == hi:
-      raise ValueError(f"{name}: its initial value is not a constant fill ({lo} .. {hi})")
-    out.append((tuple(a.shape), np.dtype(a.dtype), lo.item() if a.size else 0))
-  return out
+    if a.size and lo == hi:
+      result[i] = constant(a.shape, a.dtype, lo.item())
+    else:
+      other.append(i)
+  if other:
+    for i, v in zip(other, jax.jit(lambda: leaves(other))()):
+      v = np.asarray(v)
+      result[i] = LazyArray(v.shape, v.dtype, lambda idx, v=v: v)
+  return result
 
 
 def largest_row_bytes(tree) -> int:
