@@ -402,7 +402,9 @@ def cmd_convert() -> None:
   """Orbax workdir <-> Hugging Face safetensors (k3_jax/checkpoint/convert.py)."""
   from k3_jax.checkpoint import convert
   src, dst = FLAGS["from"].value, FLAGS["to"].value
-  cfg = _model_config() if (FLAGS.dry_run and not src) else None
+  # a preset's plan is the release's inventory: with the preset's vision tower when it has
+  # one (as `info` reports it), the text model alone otherwise
+  cfg = (_vision_model_config() or _model_config()) if (FLAGS.dry_run and not src) else None
   out = convert.run(src, dst, cfg=cfg, step=FLAGS.checkpoint_step,
                     max_shard_size=FLAGS.max_shard_size, dry_run=FLAGS.dry_run,
                     force=FLAGS.force, expert_format=FLAGS.expert_format)

@@ -16,6 +16,7 @@ Both stream tensor by tensor (safetensors_io); the state itself is held once.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import shutil
@@ -28,6 +29,7 @@ from k3_jax.checkpoint import layouts
 from k3_jax.checkpoint import safetensors_io as stio
 from k3_jax.checkpoint.layouts import entry as E
 from k3_jax.checkpoint.layouts.entry import LayoutError
+from k3_jax.checkpoint.streaming import release_freed_memory
 from k3_jax.config import ModelConfig, UserError
 
 DEFAULT_MAX_SHARD = "5GB"
@@ -140,6 +142,7 @@ def export_state(cfg: ModelConfig, get_value, out_dir: str, max_shard_size="5GB"
     meta = {"format": "pt", "producer": "k3_jax"}
     for i, s in enumerate(shards):
       stio.write_shard(os.path.join(tmp, stio.shard_name(i, len(shards))), s, produce, meta)
+      release_freed_memory()          # the shard's converted tensors, back to the OS
     stio.write_index(tmp, shards, metadata)
     with open(os.path.join(tmp, "config.json"), "w") as f:
       json.dump(p["config"], f, indent=2, sort_keys=True)
@@ -207,34 +210,70 @@ def import_entries(hf_dir: str, reader: stio.Reader | None = None):
   return cfg, entries, reader, resolved
 
 
+class HFVariables:
+  """The model variables of a Hugging Face directory, read part by part through the layout's
+  entries: `read(path, idx)` gives one leading row of a variable (one stacked layer's, one
+  routed expert's matrix; the whole variable when it has no leading index), optionally only
+  the `trailing` slices of it. An AttnRes norm gain stored on disk is folded in (in FP32).
+  Checks (import_entries) run on construction: nothing missing, extra or misshapen."""
+
+  def __init__(self, hf_dir: str):
+    from k3_jax.checkpoint.layouts.common import variable_shapes
+    self.cfg, entries, self.reader, self._names = import_entries(hf_dir)
+    self.shapes = variable_shapes(self.cfg)            # path -> (shape, dtype)
+    self._rows: dict[tuple, dict[tuple, E.Entry]] = {}
+    self._gains: dict[tuple, dict[tuple, E.Entry]] = {}
+    for e in entries:
+      (self._gains if e.kind == "gain" else self._rows).setdefault(e.path, {})[e.index] = e
+    missing = [p for p in self.shapes if p not in self._rows]
+    if missing:
+      self.reader.close()
+      raise LayoutError("the layout left model variables unset: " +
+                        ", ".join("/".join(map(str, p)) for p in missing[:5]))
+
+  def lead(self, path: tuple) -> int:
+    """How many leading axes of the variable index its rows (0: one row, the variable)."""
+    return len(next(iter(self._rows[path])))
+
+  def _get_slice(self, name: str):
+    return self.reader.get_slice(self._names.get(name, name))
+
+  def _read(self, e, shape, dtype, trailing):
+    if trailing is None:
+      return E.from_disk(e, [self.reader.get(self._names[t.name]) for t in e.tensors], shape,
+                         dtype)
+    return E.read_slice(e, self._get_slice, shape, dtype, trailing)
+
+  def read(self, path: tuple, idx: tuple = (), trailing: tuple | None = None) -> np.ndarray:
+    """variable[idx] (idx: ints over its leading axes), or just [idx][trailing]."""
+    shape, dtype = self.shapes[path]
+    idx = tuple(int(i) for i in idx)
+    rest = shape[len(idx):]
+    v = self._read(self._rows[path][idx], rest, dtype, trailing)
+    g = self._gains.get(path, {}).get(idx)
+    if g is not None:
+      v = (v.astype(np.float32) * self._read(g, rest, np.float32, trailing)).astype(dtype)
+    return v
+
+  def read_variable(self, path: tuple) -> np.ndarray:
+    shape, dtype = self.shapes[path]
+    lead = self.lead(path)
+    out = np.empty(shape, np.dtype(dtype))
+    for idx in itertools.product(*(range(n) for n in shape[:lead])):
+      out[idx] = self.read(path, idx)
+    return out
+
+  def close(self) -> None:
+    self.reader.close()
+
+
 def load_flat(hf_dir: str) -> tuple[ModelConfig, dict]:
   """(cfg, path -> host array) of a Hugging Face directory, read tensor by tensor."""
-  from k3_jax.checkpoint.layouts.common import variable_shapes
-  cfg, entries, reader, names = import_entries(hf_dir)
-  shapes = variable_shapes(cfg)
-  flat = {p: np.empty(s, np.dtype(d)) for p, (s, d) in shapes.items()}
-  filled: dict[tuple, int] = {}
-  gains = []
+  src = HFVariables(hf_dir)
   try:
-    for e in entries:
-      shape, dtype = shapes[e.path]
-      arrays = [reader.get(names[t.name]) for t in e.tensors]
-      value = E.from_disk(e, arrays, shape[len(e.index):], dtype)
-      if e.kind == "gain":
-        gains.append((e, value))
-        continue
-      flat[e.path][e.index] = value
-      filled[e.path] = filled.get(e.path, 0) + 1
+    return src.cfg, {p: src.read_variable(p) for p in src.shapes}
   finally:
-    reader.close()
-  for e, g in gains:
-    flat[e.path][e.index] = (flat[e.path][e.index].astype(np.float32) * g.astype(np.float32)
-                             ).astype(flat[e.path].dtype)
-  missing = [p for p in shapes if p not in filled]
-  if missing:
-    raise LayoutError("the layout left model variables unset: " +
-                      ", ".join("/".join(map(str, p)) for p in missing[:5]))
-  return cfg, flat
+    src.close()
 
 
 def load_model(hf_dir: str):
@@ -269,12 +308,41 @@ def export_workdir(workdir: str, out_dir: str, step: int | None = None, **kw) ->
   return out
 
 
-def import_to_workdir(hf_dir: str, workdir: str, force: bool = False,
-                      optimizer: str = "adamw") -> dict:
-  """Writes an Orbax checkpoint (step 0, fresh optimizer state) that `train` resumes from and
-  `generate` loads."""
+def streamed_train_state(src: HFVariables, tc) -> dict:
+  """The step-0 train state of `src`'s model ({"step", "params", "rest", "opt_state"}, the
+  structure train.abstract_state gives) with every leaf a streaming.LazyArray: parameters
+  and balancing biases read row by row from the safetensors files when written, the fresh
+  optimizer state as its init gives it (streaming.constant_leaves: the moments as constant
+  fills). Nothing is read or allocated here."""
   import jax
-  import jax.numpy as jnp
+  from k3_jax import train
+  from k3_jax.checkpoint import streaming
+  optimizer = train.make_optimizer(tc)
+  _, abstract = train.abstract_state(src.cfg, tc, optimizer)
+
+  def lazy_variables(part):
+    pairs = []
+    for path, var in nnx.to_flat_state(part):
+      path = tuple(path)
+      shape, dtype = src.shapes[path]
+      pairs.append((path, var.replace(streaming.LazyArray(
+          shape, dtype, lambda idx, path=path: src.read(path, idx), rows=src.lead(path)))))
+    return nnx.from_flat_state(pairs)
+
+  opt_state = jax.tree.unflatten(jax.tree.structure(abstract["opt_state"]),
+                                 streaming.constant_leaves(optimizer.init, abstract["params"]))
+  return {"step": streaming.constant((), np.int32, 0), "params": lazy_variables(
+      abstract["params"]), "rest": lazy_variables(abstract["rest"]), "opt_state": opt_state}
+
+
+def import_to_workdir(hf_dir: str, workdir: str, force: bool = False,
+                      optimizer: str = "adamw", batch_bytes: int | None = None) -> dict:
+  """Writes an Orbax checkpoint (step 0, fresh optimizer state) that `train` resumes from and
+  `generate` loads. Streams: each variable is read from the safetensors files and written
+  one leading row (a layer's slice, an expert's matrix) at a time, the optimizer moments as
+  constant fills, so host memory holds about one row (plus the mapped pages of at most two
+  shards), never the model. batch_bytes: rows per tensorstore commit (default
+  streaming.BATCH_BYTES)."""
   from k3_jax import train
   from k3_jax.checkpoint.manager import CheckpointManager
   from k3_jax.config import TrainConfig
@@ -283,22 +351,20 @@ def import_to_workdir(hf_dir: str, workdir: str, force: bool = False,
     raise FileExistsError(f"{workdir} already holds checkpoints; refusing to overwrite them "
                           f"(pass --force, or choose another workdir)")
   t0 = time.time()
-  cfg, flat = load_flat(hf_dir)
-  model = model_from_flat(cfg, flat)
-  del flat
-  if os.path.exists(ck) and force:
-    shutil.rmtree(ck)
-  tc = TrainConfig(optimizer=optimizer)
-  _, params, rest = train.split_model(model)
-  opt = train.make_optimizer(tc)
-  state = {"step": jnp.zeros((), jnp.int32), "params": params, "rest": rest,
-           "opt_state": jax.jit(opt.init)(params)}
-  mgr = CheckpointManager(workdir, cfg)
-  mgr.save(0, state, {})
-  mgr.wait()
-  mgr.close()
-  train.save_train_config(workdir, tc)
-  return {"workdir": workdir, "config": cfg.name, "seconds": time.time() - t0}
+  src = HFVariables(hf_dir)                    # every check before anything is written
+  try:
+    tc = TrainConfig(optimizer=optimizer)
+    state = streamed_train_state(src, tc)
+    if os.path.exists(ck) and force:
+      shutil.rmtree(ck)
+    mgr = CheckpointManager(workdir, src.cfg)
+    mgr.save_streamed(0, state, {}, batch_bytes=batch_bytes)
+    mgr.wait()
+    mgr.close()
+    train.save_train_config(workdir, tc)
+  finally:
+    src.close()
+  return {"workdir": workdir, "config": src.cfg.name, "seconds": time.time() - t0}
 
 
 # ----- the `convert` command ----------------------------------------------------------------

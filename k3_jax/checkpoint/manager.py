@@ -40,7 +40,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging as absl_logging
 
-from k3_jax.checkpoint import integrity
+from k3_jax.checkpoint import integrity, streaming
 from k3_jax.config import ModelConfig, UserError, from_dict, to_dict, without_execution_fields
 
 
@@ -228,6 +228,31 @@ class CheckpointManager:
       if self._seal_error is not None:
         error, self._seal_error = self._seal_error, None
         raise error
+
+  def save_streamed(self, step: int, state, data_state: dict | None,
+                    batch_bytes: int | None = None) -> None:
+    """Saves (synchronously) a state whose leaves are streaming.LazyArray: each produced and
+    written one row at a time. The files are those `save` writes (Orbax's PyTree format,
+    numpy arrays under OCDBT), so every restore path reads them alike. batch_bytes: rows per
+    tensorstore commit (streaming.BATCH_BYTES by default)."""
+    registry = ocp.type_handlers.create_type_handler_registry(
+        (streaming.LazyArray, streaming.LazyArrayHandler(batch_bytes or streaming.BATCH_BYTES)),
+        (jax.Array, ocp.type_handlers.ArrayHandler()))   # (Orbax wants one for its metadata)
+    opts = ocp.CheckpointManagerOptions(max_to_keep=self.keep, create=True,
+                                        lightweight_initialize=True)
+    mgr = ocp.CheckpointManager(self.directory, options=opts, item_handlers={
+        "state": ocp.PyTreeCheckpointHandler(type_handler_registry=registry),
+        "data": ocp.JsonCheckpointHandler()})
+    try:
+      mgr.save(step, args=ocp.args.Composite(
+          state=ocp.args.PyTreeSave(state), data=ocp.args.JsonSave(data_state or {})))
+      mgr.wait_until_finished()
+    finally:
+      mgr.close()
+    if jax.process_index() == 0:      # sealed like any finished save (see _seal)
+      integrity.write_manifest(self.step_path(step))
+    self._mgr.close()                 # see the new step
+    self._mgr = self._open()
 
   # ----- restoring -----------------------------------------------------------------------
 

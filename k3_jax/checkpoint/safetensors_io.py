@@ -12,6 +12,7 @@ gives byte-identical files.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import re
@@ -103,9 +104,14 @@ def write_index(out_dir: str, shards: list[list[Tensor]], metadata: dict | None 
 
 class Reader:
   """The tensors of a Hugging Face directory (an index json with shards, or a single
-  model.safetensors), opened lazily; get_slice(name) reads only what is indexed."""
+  model.safetensors), opened lazily; get_slice(name) reads only what is indexed.
 
-  def __init__(self, directory: str):
+  safetensors maps each file into memory, and the pages read stay resident (and counted in
+  the process's RSS) while the file is open: at most `max_open` files are kept open (the
+  least recently used is closed), so reading a whole checkpoint holds about that many
+  shards' pages, not the model's."""
+
+  def __init__(self, directory: str, max_open: int = 2):
     from safetensors import safe_open
     self._open = lambda p: safe_open(p, framework="np")
     self.directory = directory
@@ -122,7 +128,8 @@ class Reader:
         with self._open(os.path.join(directory, p)) as h:
           for k in h.keys():
             self.weight_map[k] = p
-    self._handles: dict[str, object] = {}
+    self._handles: collections.OrderedDict[str, object] = collections.OrderedDict()
+    self.max_open = max(1, max_open)
     self.bytes_read = 0
 
   def names(self) -> list[str]:
@@ -132,10 +139,14 @@ class Reader:
     if name not in self.weight_map:
       raise KeyError(name)
     file = self.weight_map[name]
-    if file not in self._handles:
+    if file in self._handles:
+      self._handles.move_to_end(file)
+    else:
       path = os.path.join(self.directory, file)
       if not os.path.exists(path):
         raise FileNotFoundError(f"{path} (listed in the index for {name}) is missing")
+      while len(self._handles) >= self.max_open:
+        self._handles.popitem(last=False)[1].__exit__(None, None, None)
       self._handles[file] = self._open(path).__enter__()
     return self._handles[file]
 

@@ -15,48 +15,27 @@ import jax
 import numpy as np
 
 from k3_jax.checkpoint import convert
-from k3_jax.checkpoint.layouts import entry as E
 
 
 def load_sharded(hf_dir: str, shardings: dict, log=None):
   """(cfg, {path: jax.Array}) with each variable placed per `shardings` (path -> Sharding,
   or a callable cfg -> that dict). log: optional list receiving (path, index, bytes) per
   callback, to see what each device's read cost."""
-  cfg, entries, reader, names = convert.import_entries(hf_dir)
-  from k3_jax.checkpoint.layouts.common import variable_shapes
-  shapes = variable_shapes(cfg)
+  src = convert.HFVariables(hf_dir)
+  reader = src.reader
   if callable(shardings):
-    shardings = shardings(cfg)
-  by_path: dict[tuple, dict] = {}
-  gains: dict[tuple, list] = {}
-  for e in entries:
-    (gains if e.kind == "gain" else by_path).setdefault(e.path, {} if e.kind != "gain"
-                                                        else [])
-    if e.kind == "gain":
-      gains[e.path].append(e)
-    else:
-      by_path[e.path][e.index] = e
-  get_slice = lambda n: reader.get_slice(names.get(n, n))
+    shardings = shardings(src.cfg)
   out = {}
   try:
-    for path, (shape, dtype) in shapes.items():
-      table = by_path[path]
-      lead = len(next(iter(table)))
+    for path, (shape, dtype) in src.shapes.items():
+      lead = src.lead(path)
 
-      def callback(index, path=path, shape=shape, dtype=dtype, table=table, lead=lead):
+      def callback(index, path=path, shape=shape, lead=lead):
         before = reader.bytes_read
         index = tuple(index) + (slice(None),) * (len(shape) - len(index))
         lead_ranges = [range(*s.indices(n)) for s, n in zip(index[:lead], shape[:lead])]
         trailing = index[lead:]
-        parts = []
-        for idx in itertools.product(*lead_ranges):
-          e = table[idx]
-          v = E.read_slice(e, get_slice, shape[lead:], dtype, trailing)
-          for g in gains.get(path, []):
-            if g.index == idx:
-              gv = E.read_slice(g, get_slice, shape[lead:], np.float32, trailing)
-              v = (v.astype(np.float32) * gv).astype(dtype)
-          parts.append(v)
+        parts = [src.read(path, idx, trailing) for idx in itertools.product(*lead_ranges)]
         sub = [len(r) for r in lead_ranges]
         arr = np.stack(parts).reshape(sub + list(parts[0].shape)) if lead else parts[0]
         if log is not None:
@@ -65,8 +44,8 @@ def load_sharded(hf_dir: str, shardings: dict, log=None):
 
       out[path] = jax.make_array_from_callback(shape, shardings[path], callback)
   finally:
-    reader.close()
-  return cfg, out
+    src.close()
+  return src.cfg, out
 
 
 def model_shardings(cfg, mesh) -> dict:

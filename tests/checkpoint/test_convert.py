@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 import configs
+from flax import nnx
+
 from k3_jax.checkpoint import convert, safetensors_io as stio
 from k3_jax.checkpoint.layouts import LayoutError
 from k3_jax.model import create_model
@@ -77,8 +79,9 @@ def test_mxfp4_experts_packed_and_byte_identical(tmp_path):
 
 def test_orbax_roundtrip_through_cli_library(tmp_path):
   """HF dir -> Orbax workdir (import) -> HF dir (export): the same bytes; the workdir holds a
-  step-0 train state that `generate`/`train` restore."""
-  cfg = configs.get("k3_tiny")
+  step-0 train state that `generate`/`train` restore. With k3_tiny's vision tower: it is
+  imported into Orbax and exported again like the rest."""
+  cfg = configs.get_multimodal("k3_tiny")
   a = str(tmp_path / "a")
   convert.export_model(create_model(cfg, seed=5), a)
   work = str(tmp_path / "work")
@@ -88,6 +91,7 @@ def test_orbax_roundtrip_through_cli_library(tmp_path):
     convert.run(a, work)                                            # no overwrite without force
   cfg_w, step, flat = convert.restore_workdir(work)
   assert step == 0 and cfg_w.layer_kinds() == cfg.layer_kinds() and cfg_w.moe == cfg.moe
+  assert cfg_w.vision == cfg.vision and any(p[0] == "vision" for p in flat)
   res = convert.run(work, str(tmp_path / "b"))
   assert res["direction"] == "export" and res["gb_per_s"] > 0
   shards = [p for p in _files(a) if p.endswith(".safetensors")]
@@ -111,6 +115,13 @@ def test_dry_run_k3_release_inventory():
   packed = [t for t in p["tensors"] if t["name"].endswith("weight_packed")]
   assert len(packed) == 92 * 896 * 3
   assert 1.50e12 < p["total_bytes"] < 1.62e12                       # release: about 1.56 TB
+  # with the released vision tower (27 blocks of 6 tensors + patch embedding, position
+  # table, final norm, 3 projector tensors), about 0.45B parameters in BF16
+  mm = convert.plan(configs.get_multimodal("k3"))
+  vision = [t for t in mm["tensors"] if t["name"].startswith(("vision_tower.", "mm_projector."))]
+  assert len(vision) == 27 * 6 + 3 + 3 == mm["num_tensors"] - p["num_tensors"]
+  assert all(t["dtype"] == "BF16" for t in vision)
+  assert 0.8e9 < mm["total_bytes"] - p["total_bytes"] < 1.0e9
 
 
 @pytest.mark.slow
@@ -188,3 +199,84 @@ def test_export_refuses_before_writing(exported, tmp_path):
   # --force replaces only with a complete export
   convert.export_model(create_model(configs.get("k3_tiny"), seed=9), exported, force=True)
   assert sorted(os.listdir(exported)) == before
+
+
+# ----- the vision tower in the K3 layout ---------------------------------------------------
+
+def test_vision_tower_roundtrip(tmp_path):
+  """k3_tiny with its tower: the tower's tensors carry the names of k3_jax/vision/names.py
+  with its transforms (compared with names.export_vision of the same weights), config.json
+  carries the tower, the round trip is bit-identical and converting again gives
+  byte-identical files. (The streamed Orbax import of a tower: the test below.)"""
+  from k3_jax.vision import names
+  cfg = configs.get_multimodal("k3_tiny")
+  model = create_model(cfg, seed=4)
+  flat = convert.flat_state(model)
+  a, b = str(tmp_path / "a"), str(tmp_path / "b")
+  convert.export_model(model, a, max_shard_size="40KB")
+  released = names.export_vision(model.vision, cfg.vision, cfg.d_model, "k3")
+  r = stio.Reader(a)
+  on_disk = {n: r.get(n) for n in r.names() if n.startswith(("vision_tower.", "mm_projector."))}
+  r.close()
+  assert set(on_disk) == set(released) == set(names.vision_names(cfg.vision, cfg.d_model))
+  assert all(_same_bits(on_disk[n], released[n]) for n in released)
+  cfg2, back = convert.load_flat(a)
+  assert cfg2.vision == cfg.vision
+  bad = [p for p in flat if not _same_bits(flat[p], back[p])]
+  assert not bad and set(back) == set(flat), bad[:3]
+  convert.export_state(cfg2, back, b, max_shard_size="40KB")
+  _, mismatch, errors = filecmp.cmpfiles(a, b, _files(a), shallow=False)
+  assert not mismatch and not errors
+
+
+# ----- import streams ----------------------------------------------------------------------
+
+def test_import_streams_with_bounded_host_memory(tmp_path):
+  """The import never holds the model: the peak of host memory allocated while it runs
+  (tracemalloc sees numpy buffers, and the rows a tensorstore transaction holds until its
+  commit, here 1 MB) stays below half the parameters' bytes (measured: 0.2 of them): the
+  importer this replaced held the model in numpy (load_flat), then as jax arrays, and so
+  failed this at once. The checkpoint it writes restores
+  bit-identically, with the fresh AdamW state (zeros) that train.abstract_state
+  describes."""
+  import tracemalloc
+  import jax
+  from k3_jax import train
+  from k3_jax.checkpoint.manager import CheckpointManager, saved_config
+  from benchmarks.convert_memory import random_value, write_random_hf
+  from k3_jax.checkpoint.layouts.common import variable_shapes
+  from k3_jax.config import TrainConfig, apply_overrides
+  from sharding.mesh import make_mesh
+  from sharding.rules import tree_shardings
+  # 4 layers with wide experts: few leaves (the fixed cost, about 16 MB of Python objects
+  # while tracing the abstract state and writing Orbax's metadata) against 78 MB
+  cfg = apply_overrides(kimi_linear_small(), ["d_model=128", "moe.num_experts=32",
+                                              "moe.expert_intermediate=512"])
+  hf, work = str(tmp_path / "hf"), str(tmp_path / "work")
+  model_bytes = write_random_hf(cfg, hf, "4MB", seed=6)             # variable by variable
+  assert model_bytes > 7e7                                           # many rows, many shards
+  tracemalloc.start()
+  try:
+    convert.import_to_workdir(hf, work, batch_bytes=1 << 20)        # rows held until commit
+    _, peak = tracemalloc.get_traced_memory()
+  finally:
+    tracemalloc.stop()
+  assert peak < model_bytes / 2, (peak, model_bytes)
+  cfg_w = saved_config(work)                      # the config derived from config.json
+  assert cfg_w.moe == cfg.moe and cfg_w.d_model == cfg.d_model
+  tc = TrainConfig(optimizer="adamw")
+  opt = train.make_optimizer(tc)
+  _, abstract = train.abstract_state(cfg_w, tc, opt)
+  mgr = CheckpointManager(work, cfg_w, read_only=True)
+  state, _ = mgr.restore(abstract, tree_shardings(abstract, make_mesh(devices=jax.devices()[:1])))
+  mgr.close()
+  got = {tuple(p): v.get_value() for part in ("params", "rest")
+         for p, v in nnx.to_flat_state(state[part])}
+  value = random_value(cfg, seed=6)
+  assert set(got) == set(variable_shapes(cfg))
+  bad = [p for p in got if not _same_bits(value(p), got[p])]
+  assert not bad, bad[:3]
+  fresh = jax.eval_shape(opt.init, abstract["params"])
+  assert jax.tree.structure(state["opt_state"]) == jax.tree.structure(fresh)
+  assert all(not np.asarray(x).any() for x in jax.tree.leaves(state["opt_state"]))
+  assert int(state["step"]) == 0

@@ -31,7 +31,11 @@ def test_convert_dry_run_json_from_preset():
   out = json.loads(r.stdout)
   assert out["num_tensors"] == len(out["tensors"]) and out["num_shards"] > 1
   assert set(out["tensors"][0]) == {"name", "shape", "dtype", "file"}
-  assert out["total_bytes"] == convert.plan(configs.get("k3_tiny"))["total_bytes"]
+  # the preset's tower is part of the plan (as `info` reports it), and only the tower differs
+  assert out["total_bytes"] == convert.plan(configs.get_multimodal("k3_tiny"))["total_bytes"]
+  vision = [t for t in out["tensors"] if t["name"].startswith(("vision_tower.", "mm_projector."))]
+  text = convert.plan(configs.get("k3_tiny"))
+  assert len(vision) and out["num_tensors"] == text["num_tensors"] + len(vision)
 
 
 def test_generate_from_hf_dir_with_prompt_ids_json(tmp_path):

@@ -4,7 +4,12 @@ state (scanned units stack their layers on a leading axis), and a builder that t
 
 from __future__ import annotations
 
+import functools
 import math
+import types
+from typing import Mapping
+
+import numpy as np
 
 from flax import nnx
 
@@ -23,12 +28,15 @@ def layer_slot(cfg: ModelConfig, i: int) -> tuple[tuple, tuple[int, ...]]:
   return ("suffix", i - prefix - reps * period), ()
 
 
-def variable_shapes(cfg: ModelConfig) -> dict[tuple, tuple[tuple[int, ...], object]]:
+@functools.lru_cache(maxsize=8)
+def variable_shapes(cfg: ModelConfig) -> Mapping[tuple, tuple[tuple[int, ...], object]]:
   """path -> (shape, dtype) of every variable of the model (parameters and router biases),
-  from the abstract model: no allocation."""
+  from the abstract model: no allocation. Cached per config (read-only): an import asks for
+  it several times, and tracing the abstract model of a large config takes seconds."""
   from k3_jax.model import abstract_model
   state = nnx.state(abstract_model(cfg))
-  return {tuple(p): (tuple(v.shape), v.dtype) for p, v in nnx.to_flat_state(state)}
+  return types.MappingProxyType(
+      {tuple(p): (tuple(v.shape), v.dtype) for p, v in nnx.to_flat_state(state)})
 
 
 class Builder:
@@ -63,12 +71,28 @@ class Builder:
         raise LayoutError(f"{name}: MXFP4 needs the input width ({n}) to be a multiple of 32")
       tensors = (Tensor(name + "_packed", (m, n // 2), "U8"),
                  Tensor(name + "_scale", (m, n // 32), "U8"))
+    elif kind == "named":
+      raise ValueError("named entries are added with add_named")
     else:
       disk_shape = tuple(shape if disk_shape is None else disk_shape)
       if math.prod(disk_shape) != math.prod(shape):
         raise LayoutError(f"{name}: disk shape {disk_shape} does not hold {shape}")
       tensors = (Tensor(name, disk_shape, dtype),)
     self.entries.append(Entry(path, tuple(index), kind, tensors, n_in))
+
+
+  def add_named(self, transform, prefix: tuple = ()) -> None:
+    """A variable whose released tensors a names Entry (k3_jax/vision/names.py) describes:
+    tensor names and the transforms both ways; the disk shapes are found by running the
+    transform on a zero-stride stand-in of the variable (nothing allocated)."""
+    path = tuple(prefix) + tuple(transform.path)
+    shape = self.trailing_shape(path, ())
+    dtype = st_dtype(self.shapes[path][1])
+    stand_in = np.broadcast_to(np.zeros((), np.float32), shape)
+    disk = [np.shape(a) for a in transform.from_ours(stand_in)]
+    tensors = tuple(Tensor(n, tuple(int(d) for d in s), dtype)
+                    for n, s in zip(transform.names, disk))
+    self.entries.append(Entry(path, (), "named", tensors, transform=transform))
 
 
 def param_st_dtype(cfg: ModelConfig) -> str:

@@ -17,6 +17,9 @@ routed expert, or both), to one or more tensors on disk. `kind` names the rearra
             (compressed-tensors "mxfp4-pack-quantized"). Lossy on export (quantization);
             import dequantizes exactly; a canonical block (max code 4 or 6, which every block
             our quantizer writes has) re-exports to the same bytes.
+  "named"   a transform given with the entry (`transform`, a k3_jax.vision.names Entry: its
+            from_ours / to_ours map our variable to its released tensors and back), as the
+            vision tower's names module defines them for `vision_tower.*` / `mm_projector.*`
   "gain"    a disk tensor with no variable of its own that folds into `path` by
             multiplication: the AttnRes norm gain g (K3 release `*_res_norm.weight`), since
             w . (g * RMSNorm(v)) = (w * g) . RMSNorm(v). Exported as ones; on import the
@@ -33,7 +36,7 @@ import numpy as np
 
 from k3_jax.config import UserError
 
-KINDS = ("linear", "reshape", "conv", "mxfp4", "gain")
+KINDS = ("linear", "reshape", "conv", "mxfp4", "gain", "named")
 
 # safetensors dtype names <-> numpy dtypes
 NP_DTYPES = {"F32": np.dtype(np.float32), "BF16": np.dtype(ml_dtypes.bfloat16),
@@ -63,6 +66,7 @@ class Entry:
   kind: str
   tensors: tuple[Tensor, ...]      # one, or (weight_packed, weight_scale) for "mxfp4"
   n_in: int = 1                    # "linear": number of input axes of our slice
+  transform: object = None         # "named": the vision names Entry (from_ours / to_ours)
 
   def __post_init__(self):
     if self.kind not in KINDS:
@@ -90,6 +94,9 @@ def to_disk(e: Entry, ours: np.ndarray) -> list[np.ndarray]:
   if e.kind == "mxfp4":
     codes, scales = _pack_mxfp4(ours)
     return [codes, scales]
+  if e.kind == "named":
+    return [_cast(np.ascontiguousarray(a), t.dtype, t.name)
+            for a, t in zip(e.transform.from_ours(ours), e.tensors)]
   if e.kind == "linear":
     n_in = math.prod(ours.shape[:e.n_in])
     out = ours.reshape(n_in, -1).T
@@ -134,6 +141,9 @@ def from_disk(e: Entry, arrays: list[np.ndarray], shape: tuple[int, ...], dtype)
   dtype = np.dtype(dtype)
   if e.kind == "mxfp4":
     return _unpack_mxfp4(arrays[0], arrays[1], dtype)
+  if e.kind == "named":
+    return np.ascontiguousarray(np.asarray(e.transform.to_ours(arrays)).reshape(shape)
+                                ).astype(dtype)
   a = arrays[0]
   if e.kind in ("reshape", "gain") and a.size > math.prod(shape) and e.tensors[0].name.endswith(
       "A_log"):

@@ -16,6 +16,11 @@ tensors under `language_model.`. Beyond the Kimi-Linear names:
             experts.{e}.w1|w2|w3.weight_packed (uint8 [out, in/2], low nibble = even input
             column) and .weight_scale (uint8 E8M0 [out, in/32]): compressed-tensors MXFP4.
 
+Multimodal configs (ModelConfig.vision, e.g. configs.get_multimodal) add the tower and
+projector under `vision_tower.` / `mm_projector.` with the names and transforms of
+k3_jax/vision/names.py (layout "k3"), in the parameters' dtype, and `vision_config` in
+config.json (VisionConfig's fields, model_type "moonvit_v2").
+
 Experts whose widths are not multiples of 32 (k3_tiny) cannot be MXFP4: with
 expert_format="auto" they are stored unquantized as experts.{e}.w1.weight etc. (and no
 quantization_config is written); "mxfp4" demands the packed form, "dense" forbids it.
@@ -29,11 +34,13 @@ from k3_jax.checkpoint.layouts.common import Builder, dense_prefix, layer_slot
 from k3_jax.checkpoint.layouts.entry import LayoutError
 from k3_jax.checkpoint.layouts.kimi_linear import add_gated_ffn, add_layer
 from k3_jax.config import (AttnResConfig, KDAConfig, MLAConfig, ModelConfig, MoEConfig,
-                           validate)
+                           VisionConfig, validate)
+from k3_jax.vision.names import vision_entries
 
 MODEL_TYPE = "kimi_k3"
 PREFIX = "language_model."
 EXPERT_FORMATS = ("auto", "mxfp4", "dense")
+VISION_MODEL_TYPE = "moonvit_v2"
 FP32_NAMES = ("A_log", "dt_bias", "_conv1d.weight", "o_norm.weight")
 
 
@@ -104,6 +111,9 @@ def entries(cfg: ModelConfig, expert_format: str = "auto", prefix: str = PREFIX)
         disk_shape=(d,))
   b.add(f"{prefix}model.norm.weight", ("final_norm", "weight"), (), "reshape")
   b.add(f"{prefix}lm_head.weight", ("lm_head", "w"), ())
+  if cfg.vision is not None:        # the tower and projector, names of k3_jax/vision/names.py
+    for v in vision_entries(cfg.vision, cfg.d_model, "k3"):
+      b.add_named(v, prefix=("vision",))
   # the release keeps these in FP32 whatever the parameter dtype (a lossless upcast)
   out = []
   for e in b.entries:
@@ -180,7 +190,24 @@ def config_to_hf(cfg: ModelConfig, expert_format: str = "auto") -> dict:
          "text_config": text, "torch_dtype": cfg.param_dtype}
   if fmt == "mxfp4":
     out["quantization_config"] = quantization_config()
+  if cfg.vision is not None:
+    out["vision_config"] = {"model_type": VISION_MODEL_TYPE, **dataclasses.asdict(cfg.vision)}
   return out
+
+
+def vision_from_hf(hf: dict) -> VisionConfig | None:
+  """The tower of config.json's `vision_config` (VisionConfig's field names), or None."""
+  vc = hf.get("vision_config")
+  if vc is None:
+    return None
+  if not isinstance(vc, dict) or vc.get("model_type") != VISION_MODEL_TYPE:
+    raise LayoutError(f"config.json vision_config: expected an object with model_type "
+                      f"{VISION_MODEL_TYPE!r}")
+  fields = {f.name for f in dataclasses.fields(VisionConfig)}
+  unknown = sorted(set(vc) - fields - {"model_type"})
+  if unknown:
+    raise LayoutError(f"config.json vision_config has unknown fields {unknown}")
+  return VisionConfig(**{k: v for k, v in vc.items() if k in fields})
 
 
 def config_from_hf(hf: dict, name: str = "kimi_k3") -> ModelConfig:
@@ -228,6 +255,7 @@ def config_from_hf(hf: dict, name: str = "kimi_k3") -> ModelConfig:
                     n_group=int(t.get("num_expert_group", 1)),
                     topk_group=int(t.get("topk_group", 1))),
       attn_res=AttnResConfig(enabled=True, block_size=int(t.get("attn_res_block_size", 12))),
+      vision=vision_from_hf(hf),
   )
   return validate(cfg)
 
