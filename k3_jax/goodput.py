@@ -22,7 +22,7 @@ COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
                   "/jax/core/compile/backend_compile_duration")
 
 
-class _CompileClock:
+class CompileClock:
   """Seconds spent compiling in this process: the union of the intervals of JAX's compile
   events. An event is reported when it ends; one that encloses earlier ones (a jit traced
   inside another's trace) replaces them, so nested time is counted once."""
@@ -52,16 +52,21 @@ class _CompileClock:
       return self._done + sum(e - s for s, e in self._spans)
 
 
-_clock: _CompileClock | None = None
+_clock: CompileClock | None = None
 
 
 def compile_seconds() -> float:
   """Seconds JAX has spent compiling since the first call of this function."""
   global _clock
   if _clock is None:
-    _clock = _CompileClock()
+    _clock = CompileClock()
     jax.monitoring.register_event_duration_secs_listener(_clock)
   return _clock.seconds()
+
+
+def _check_kind(kind: str) -> None:
+  if kind not in KINDS or kind == "compile":
+    raise ValueError(f"span kind {kind!r}: one of {', '.join(KINDS[1:])}")
 
 
 class Goodput:
@@ -78,8 +83,7 @@ class Goodput:
 
   def charge(self, kind: str, mark: tuple[float, float]) -> None:
     """Counts the time since `mark` as `kind`, less what was spent compiling meanwhile."""
-    if kind not in KINDS or kind == "compile":
-      raise ValueError(f"span kind {kind!r}: one of {', '.join(KINDS[1:])}")
+    _check_kind(kind)
     elapsed = time.perf_counter() - mark[0]
     comp = min(max(compile_seconds() - mark[1], 0.0), elapsed)
     self.seconds["compile"] += comp
@@ -88,6 +92,7 @@ class Goodput:
   @contextlib.contextmanager
   def span(self, kind: str):
     """Times the block as `kind` (mark, then charge)."""
+    _check_kind(kind)
     mark = self.mark()
     try:
       yield
@@ -115,4 +120,4 @@ class Goodput:
             f"other {other:.1f}s")
 
 
-__all__ = ["Goodput", "compile_seconds", "KINDS"]
+__all__ = ["Goodput", "CompileClock", "compile_seconds", "KINDS"]
