@@ -96,13 +96,15 @@ def init_report(cfg: ModelConfig, tc: TrainConfig, target: Target, mesh) -> dict
 
 
 def init_lines(rep: dict) -> str:
-  """The init step's expected-vs-compiled lines (under aot.format_report's)."""
-  gib = lambda b: f"{b / 2**30:.3f} GiB"
+  """The init step's expected-vs-compiled line (printed under aot.format_report's)."""
+  def size(b):
+    return f"{b / 2**30:.3f} GiB" if b >= 2**28 else f"{b / 2**20:.3f} MiB"
   out = rep.get("output_bytes")
-  return (f"expected per chip (abstract state / shardings): {gib(rep['expected_params_bytes_per_chip'])}"
-          f" parameters + {gib(rep['expected_opt_state_bytes_per_chip'])} optimizer state = "
-          f"{gib(rep['expected_state_bytes_per_chip'])}; compiled outputs "
-          + (gib(out) if out is not None else "unknown") + f" (whole state {gib(rep['state_bytes'])})")
+  return (f"expected/chip {size(rep['expected_state_bytes_per_chip'])} (from the abstract "
+          f"state and its shardings: {size(rep['expected_params_bytes_per_chip'])} "
+          f"parameters + {size(rep['expected_opt_state_bytes_per_chip'])} "
+          f"{rep['optimizer']} state; the whole state {size(rep['state_bytes'])}); "
+          f"compiled outputs {size(out) if out is not None else 'unknown'}")
 
 
 def _serving_program(cfg: ModelConfig, mesh, step: str, batch: int, seq: int, length: int,
