@@ -148,7 +148,7 @@ def fresh_state(steps: "Steps", tc: TrainConfig, log: Callable[[str], None] = pr
     return steps.init()
   t0 = time.time()
   state = jax.block_until_ready(steps.init_sharded(jnp.int32(tc.seed)))
-  log(f"initialised {tree_bytes(state) / 2**30:.2f} GiB of train state sharded on "
+  log(f"initialised {tree_bytes(state) / 2**20:,.1f} MiB of train state sharded on "
       f"{steps.mesh.size} devices in {time.time() - t0:.1f}s (init={tc.init})")
   return state
 

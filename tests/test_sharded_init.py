@@ -46,9 +46,14 @@ MESH = "fsdp:4,expert:2"
 def built():
   assert CFG.stack_plan()[1] >= 1          # a scanned unit: the vmapped draw is exercised
   steps = train.build_steps(CFG, TC, make_mesh(parse_mesh(MESH)))
+  # What `train --init=sharded` runs (train.run's fresh start) ...
+  lines = []
+  state = train.fresh_state(steps, dataclasses.replace(TC, init="sharded"), lines.append)
+  assert "sharded on 8 devices" in lines[0]
+  # ... is this program (the jit call above compiled it: lowering and compiling are cached)
   lowered = steps.init_sharded.lower(jnp.int32(0))
   compiled = lowered.compile()
-  return steps, lowered, compiled
+  return steps, lowered, compiled, state
 
 
 def _leaves(tree):
@@ -56,8 +61,7 @@ def _leaves(tree):
 
 
 def test_sharded_init_creates_each_leaf_in_its_sharding(built):
-  steps, lowered, compiled = built
-  state = compiled(jnp.int32(0))
+  steps, lowered, compiled, state = built
   got, want = _leaves(state), _leaves(steps.abstract_state)
   assert len(got) == len(want) > 50
   for (path, a), (_, w) in zip(got, want):
@@ -91,8 +95,8 @@ def test_sharded_init_creates_each_leaf_in_its_sharding(built):
 
 
 def test_sharded_init_is_seeded_and_drawn_as_the_host_init(built):
-  _, _, compiled = built
-  a, again, other = compiled(jnp.int32(0)), compiled(jnp.int32(0)), compiled(jnp.int32(1))
+  _, _, compiled, a = built
+  again, other = compiled(jnp.int32(0)), compiled(jnp.int32(1))
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(again)):     # deterministic by seed
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   # The optimizer state does not depend on the drawn values; its moments start at zero.
