@@ -66,6 +66,12 @@ flags.DEFINE_integer("eval_every", None, "evaluate every N steps")
 flags.DEFINE_integer("checkpoint_every", None, "checkpoint every N steps")
 flags.DEFINE_integer("seed", None, "random seed (train: init and data order; generate: "
                      "sampling, default 0)")
+flags.DEFINE_enum("init", None, ["auto", "host", "sharded"], "how a fresh run creates its "
+                  "parameters: host (numpy on the host, then placed) | sharded (one jitted "
+                  "program creating every shard on its device) | auto (default: sharded off "
+                  "CPU or when the train state exceeds a quarter of host memory)")
+flags.DEFINE_string("profile_steps", None, "A:B: write a jax.profiler trace of steps A..B "
+                    "to <workdir>/profile (TensorBoard / Perfetto)")
 flags.DEFINE_string("dataset", None, "stdlib (default) | mqar | shapes (synthetic images + "
                     "captions; attaches the preset's vision tower) | path to .txt/.jsonl/folder")
 flags.DEFINE_integer("caption_eval_images", 192, "--dataset=shapes: held-out images captioned "
@@ -119,7 +125,8 @@ flags.DEFINE_boolean("param_groups", False, "print every parameter's optimizer g
 flags.DEFINE_string("topology", None, "Cloud TPU name (v5p-4096, v5e-256, v6e-256) or explicit "
                     "topology (v5p:8x16x16); 'N*NAME' for N slices")
 flags.DEFINE_integer("slices", 1, "number of slices of --topology (data axis spans them)")
-flags.DEFINE_enum("step", "train", ["train", "prefill", "decode"], "which step to compile")
+flags.DEFINE_enum("step", "train", ["train", "prefill", "decode", "init"], "which step to "
+                  "compile (init: the sharded initialisation of the train state)")
 flags.DEFINE_integer("global_batch", None, "global batch in sequences (default: "
                      "--batch_size or the preset's)")
 flags.DEFINE_integer("cache_len", None, "prefill/decode: cache length in tokens "
@@ -156,7 +163,7 @@ flags.DEFINE_boolean("random_weights", False, "serve random weights of --config 
 MODEL_FLAGS = ("config", "override")
 TRAIN_CONFIG_FLAGS = ("steps", "batch_size", "seq_len", "grad_accum", "optimizer",
                       "learning_rate", "muon_lr", "remat", "eval_every", "checkpoint_every",
-                      "seed", "dataset", "tokenizer")
+                      "seed", "init", "dataset", "tokenizer")
 MULTIHOST_FLAGS = ("coordinator_address", "num_processes", "process_id")
 
 
@@ -239,6 +246,7 @@ def _train_job(stop) -> None:
   from k3_jax.checkpoint.manager import CheckpointManager
   from k3_jax.checkpoint.resume import check_resume
   from k3_jax.data.datasets import train_data
+  from k3_jax.profiling import parse_steps
   from sharding.distributed import maybe_initialize
   from sharding.mesh import make_mesh, parse_mesh, validate_mesh
 
@@ -247,6 +255,7 @@ def _train_job(stop) -> None:
   cfg = _execution_overrides(_hf_model_config(FLAGS.init_from) if FLAGS.init_from
                              else _model_config(vision=shapes_run))
   tc = _train_config(cfg)
+  profile = parse_steps(FLAGS.profile_steps)
   mesh = make_mesh(parse_mesh(FLAGS.mesh))
   validate_mesh(cfg, mesh, tc.batch_size, tc.seq_len)
   check_resume(FLAGS.workdir, cfg, tc)     # refuses a mismatch before anything is written
@@ -261,7 +270,7 @@ def _train_job(stop) -> None:
     init_state = lambda steps: train_state_from_hf(FLAGS.init_from, steps, tc)
   result = train.run(cfg, tc, FLAGS.workdir, mesh, train_iter, evals, ckpt=ckpt,
                      max_bad_steps=FLAGS.max_bad_steps, restore_step=FLAGS.checkpoint_step,
-                     init_state=init_state, stop=stop)
+                     init_state=init_state, stop=stop, profile_steps=profile)
   print(train.summary_line(result, FLAGS.workdir))
   if shapes_run and FLAGS.caption_eval_images > 0 and not result.get("interrupted"):
     from k3_jax.data import tokenizers
@@ -390,6 +399,13 @@ def cmd_compile() -> None:
     print(json.dumps(rep))
     return
   slices = f" x {target.num_slices} slices" if target.num_slices > 1 else ""
+  if rep["step"] == "init":
+    from k3_jax.compile import init_lines
+    print(f"{cfg.name} sharded init (parameters + {rep['optimizer']} optimizer state) on "
+          f"{target.name} ({target.topology}{slices}, {target.chips} chips), mesh {rep['mesh']}")
+    print(aot.format_report(rep))
+    print(init_lines(rep))
+    return
   print(f"{cfg.name} {rep['step']} step on {target.name} ({target.topology}{slices}, "
         f"{target.chips} chips), mesh {rep['mesh']}, batch {rep['global_batch']} x "
         f"{rep['seq_len']} tokens" + (f", cache {rep['cache_len']}" if rep.get("cache_len")
@@ -452,7 +468,7 @@ COMMANDS: dict[str, Command] = {
                      "checkpoint in --workdir",
                      (*MODEL_FLAGS, "workdir", *TRAIN_CONFIG_FLAGS, "mesh", "ep_capacity",
                       "max_bad_steps", "checkpoint_step", "init_from", "caption_eval_images",
-                      *MULTIHOST_FLAGS)),
+                      "profile_steps", *MULTIHOST_FLAGS)),
     "generate": Command(cmd_generate, "load the latest checkpoint in --workdir and stream a "
                         "completion of --prompt",
                         ("workdir", "prompt", "max_new_tokens", "temperature", "top_p", "seed",

@@ -24,7 +24,7 @@ from sharding.mesh import make_mesh, parse_mesh, validate_mesh
 from sharding.rules import tree_shardings
 from sharding.topology import Target, target_devices
 
-STEPS = ("train", "prefill", "decode")
+STEPS = ("train", "prefill", "decode", "init")
 
 
 def compile_step(cfg: ModelConfig, tc: TrainConfig, target: Target, step: str,
@@ -44,6 +44,9 @@ def compile_step(cfg: ModelConfig, tc: TrainConfig, target: Target, step: str,
   mesh = make_mesh(parse_mesh(mesh_spec), target_devices(target))
   batch = global_batch or tc.batch_size
   seq = seq_len or tc.seq_len
+  if step == "init":                     # no batch: the parameters' shardings alone
+    validate_mesh(cfg, mesh)
+    return init_report(cfg, tc, target, mesh)
   validate_mesh(cfg, mesh, batch, seq if step != "decode" else None)
   report = {"config": cfg.name, "step": step, "topology": target.topology,
             "target": target.name, "num_slices": target.num_slices, "chips": target.chips,
@@ -67,6 +70,41 @@ def compile_step(cfg: ModelConfig, tc: TrainConfig, target: Target, step: str,
   report.update(cache_len=length, expert_format=expert_format)
   _, rep = aot.compile_report(fn, args, target.chip_hbm_bytes)
   return {**report, **rep}
+
+
+def init_report(cfg: ModelConfig, tc: TrainConfig, target: Target, mesh) -> dict:
+  """Compile the sharded initialisation (train.sharded_init: seed -> train state, created
+  in its shardings) for `target`; the report adds what the state's shards should take per
+  chip, from the abstract state and its shardings (expected_*_bytes: parameters + the
+  model's other variables, optimizer state, and their sum), beside the compiler's numbers
+  (its outputs are the state)."""
+  steps = train.build_steps(cfg, tc, mesh)
+  per_chip = lambda part: aot.shard_bytes(steps.abstract_state[part],
+                                          steps.state_shardings[part])
+  params = per_chip("params") + per_chip("rest") + per_chip("step")
+  opt = per_chip("opt_state")
+  report = {"config": cfg.name, "step": "init", "topology": target.topology,
+            "target": target.name, "num_slices": target.num_slices, "chips": target.chips,
+            "mesh": {k: int(v) for k, v in mesh.shape.items()}, "optimizer": tc.optimizer,
+            "state_bytes": train.tree_bytes(steps.abstract_state),
+            "expected_params_bytes_per_chip": params,
+            "expected_opt_state_bytes_per_chip": opt,
+            "expected_state_bytes_per_chip": params + opt}
+  _, rep = aot.compile_report(steps.init_sharded,
+                              (jax.ShapeDtypeStruct((), jnp.int32),), target.chip_hbm_bytes)
+  return {**report, **rep}
+
+
+def init_lines(rep: dict) -> str:
+  """The init step's expected-vs-compiled line (printed under aot.format_report's)."""
+  def size(b):
+    return f"{b / 2**30:.3f} GiB" if b >= 2**28 else f"{b / 2**20:.3f} MiB"
+  out = rep.get("output_bytes")
+  return (f"expected/chip {size(rep['expected_state_bytes_per_chip'])} (from the abstract "
+          f"state and its shardings: {size(rep['expected_params_bytes_per_chip'])} "
+          f"parameters + {size(rep['expected_opt_state_bytes_per_chip'])} "
+          f"{rep['optimizer']} state; the whole state {size(rep['state_bytes'])}); "
+          f"compiled outputs {size(out) if out is not None else 'unknown'}")
 
 
 def _serving_program(cfg: ModelConfig, mesh, step: str, batch: int, seq: int, length: int,

@@ -195,6 +195,9 @@ class ModelConfig:
     return plan
 
 
+INIT_MODES = ("auto", "host", "sharded")     # TrainConfig.init
+
+
 @dataclass(frozen=True)
 class TrainConfig:
   steps: int = 300
@@ -213,6 +216,7 @@ class TrainConfig:
   grad_clip: float = 1.0
   remat: str = "none"               # "none" | "block" (recompute each scanned unit) | "layer" (and each layer within it) | "dots" (keep matmuls)
   seed: int = 0
+  init: str = "auto"                # "host" | "sharded" | "auto" (k3_jax/train.py init_mode)
   eval_every: int = 100
   eval_batches: int = 4
   checkpoint_every: int = 100
@@ -337,6 +341,7 @@ def validate_train(tc: TrainConfig, cfg: ModelConfig) -> TrainConfig:
   _require(tc.qk_clip_tau >= 0, "qk_clip_tau", tc.qk_clip_tau, "must be >= 0 (0 disables)")
   _require(tc.remat in ("none", "block", "layer", "dots"), "remat", tc.remat,
            "must be one of 'none', 'block', 'layer', 'dots'")
+  _require(tc.init in INIT_MODES, "init", tc.init, f"must be one of {', '.join(INIT_MODES)}")
   _require(tc.learning_rate > 0, "learning_rate", tc.learning_rate, "must be positive")
   _require(0 <= tc.warmup_frac < 1, "warmup_frac", tc.warmup_frac, "must lie in [0, 1)")
   return tc

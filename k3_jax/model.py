@@ -150,9 +150,20 @@ class Unit(nnx.Module):
 
 def _stacked_units(cfg: ModelConfig, kinds, reps: int, init: Init) -> Unit:
   """One Unit whose variables hold `reps` units' values stacked on a leading "layers" axis."""
-  graphdef, first = nnx.split(Unit(cfg, kinds, init=init))
-  states = [first] + [nnx.split(Unit(cfg, kinds, init=init))[1] for _ in range(reps - 1)]
-  stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+  if init.mode == "jax":
+    # Traced (the sharded init): each leaf is drawn once as [reps, ...] under vmap, so the
+    # program holds one draw per unit parameter, not reps, and no stacking copy.
+    child, out = init.children(), {}
+
+    def one(i):
+      out["graphdef"], state = nnx.split(Unit(cfg, kinds, init=child(i)))
+      return state
+    stacked = jax.vmap(one)(jnp.arange(reps))
+    graphdef = out["graphdef"]
+  else:
+    graphdef, first = nnx.split(Unit(cfg, kinds, init=init))
+    states = [first] + [nnx.split(Unit(cfg, kinds, init=init))[1] for _ in range(reps - 1)]
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
   units = nnx.merge(graphdef, stacked)
   for _, node in nnx.iter_graph(units):
     if isinstance(node, nnx.Variable) and "logical_axes" in node.get_metadata():

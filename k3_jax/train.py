@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import math
 import os
 import time
 from typing import Any, Callable
@@ -23,7 +24,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from k3_jax import faults
+from k3_jax import faults, goodput, profiling
 from k3_jax.config import ModelConfig, TrainConfig, validate, validate_train
 from k3_jax.model import K3Model, create_model
 from k3_jax.ops.balance import load_stats
@@ -76,10 +77,12 @@ def split_model(model: K3Model):
   return graphdef, params, rest
 
 
-def init_state(cfg: ModelConfig, tc: TrainConfig, optimizer,
-               mode: str = "numpy") -> tuple[Any, dict]:
-  """(graphdef, state) for a freshly initialised model (see layers/init.py for `mode`)."""
-  graphdef, params, rest = split_model(create_model(cfg, seed=tc.seed, mode=mode))
+def init_state(cfg: ModelConfig, tc: TrainConfig, optimizer, mode: str = "numpy",
+               seed=None) -> tuple[Any, dict]:
+  """(graphdef, state) for a freshly initialised model (see layers/init.py for `mode`);
+  seed: tc.seed by default (a traced int under the sharded init)."""
+  seed = tc.seed if seed is None else seed
+  graphdef, params, rest = split_model(create_model(cfg, seed=seed, mode=mode))
   state = {"step": jnp.zeros((), jnp.int32), "params": params, "rest": rest,
            "opt_state": optimizer.init(params)}
   return graphdef, state
@@ -96,6 +99,59 @@ def abstract_state(cfg: ModelConfig, tc: TrainConfig, optimizer):
 
   shapes = jax.eval_shape(f)
   return out["graphdef"], shapes
+
+
+def sharded_init(cfg: ModelConfig, tc: TrainConfig, optimizer, state_shardings):
+  """The sharded initialisation: one jitted program, seed (int32 scalar) -> train state,
+  whose outputs are laid out by `state_shardings` (out_shardings). Every parameter is drawn
+  with jax.random inside the program (layers/init.py "jax" mode; stacked layers as one
+  vmapped draw), so each device computes its own shard: no full array exists on any host
+  or device, and (threefry being partitionable) the values do not depend on the mesh.
+  The optimizer state is created in the same program.
+
+  On CPU devices the program is compiled at XLA's lowest backend optimisation level: it
+  runs once, and LLVM otherwise spends most of its compile time on the threefry loops
+  (3x longer; 40 s against 13 s for a 2-layer k3_tiny here)."""
+  def init(seed):
+    return init_state(cfg, tc, optimizer, mode="jax", seed=seed)[1]
+  mesh = jax.tree.leaves(state_shardings)[0].mesh
+  cpu = all(d.platform == "cpu" for d in mesh.devices.flat)
+  return jax.jit(init, out_shardings=state_shardings,
+                 compiler_options={"xla_backend_optimization_level": 0} if cpu else None)
+
+
+def tree_bytes(tree) -> int:
+  """Bytes of a pytree of arrays or ShapeDtypeStructs."""
+  return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
+
+
+def host_memory_bytes() -> int:
+  """Physical memory of this host."""
+  return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def init_mode(requested: str, abstract, devices) -> str:
+  """"host" or "sharded" for TrainConfig.init `requested`. "auto" is "sharded" when the
+  devices are not CPUs (any TPU / GPU mesh) or the train state `abstract` (parameters and
+  optimizer state) needs more than a quarter of this host's memory; "host" otherwise: the
+  numpy draws of layers/init.py, whose exact values small CPU runs and tests rely on."""
+  if requested != "auto":
+    return requested
+  accelerator = any(d.platform != "cpu" for d in devices)
+  too_big = tree_bytes(abstract) > host_memory_bytes() // 4
+  return "sharded" if accelerator or too_big else "host"
+
+
+def fresh_state(steps: "Steps", tc: TrainConfig, log: Callable[[str], None] = print) -> dict:
+  """The initial train state of a fresh run, by init_mode(tc.init, ...)."""
+  mode = init_mode(tc.init, steps.abstract_state, steps.mesh.devices.flat)
+  if mode == "host":
+    return steps.init()
+  t0 = time.time()
+  state = jax.block_until_ready(steps.init_sharded(jnp.int32(tc.seed)))
+  log(f"initialised {tree_bytes(state) / 2**20:,.1f} MiB of train state sharded on "
+      f"{steps.mesh.size} devices in {time.time() - t0:.1f}s (init={tc.init})")
+  return state
 
 
 # ----- loss and steps --------------------------------------------------------------
@@ -216,9 +272,10 @@ class Steps:
   abstract_state: Any          # ShapeDtypeStructs of the train state (e.g. to restore into)
   state_shardings: Any
   batch_sharding: NamedSharding
-  init: Callable
+  init: Callable               # () -> state: numpy host init, placed into the shardings
   train: Callable
   eval: Callable
+  init_sharded: Callable | None = None   # seed -> state, jit into the shardings
 
 
 def build_steps(cfg: ModelConfig, tc: TrainConfig, mesh: Mesh) -> Steps:
@@ -229,7 +286,8 @@ def build_steps(cfg: ModelConfig, tc: TrainConfig, mesh: Mesh) -> Steps:
 
 def _step_relevant(tc: TrainConfig) -> TrainConfig:
   return dataclasses.replace(tc, eval_every=1, eval_batches=1, checkpoint_every=1,
-                             keep_checkpoints=1, log_every=1, dataset="", tokenizer="")
+                             keep_checkpoints=1, log_every=1, dataset="", tokenizer="",
+                             init="auto")
 
 
 @functools.lru_cache(maxsize=8)
@@ -263,7 +321,8 @@ def _build_steps(cfg: ModelConfig, tc: TrainConfig, mesh: Mesh) -> Steps:
                   donate_argnums=(0,))
   evaluate = jax.jit(with_rules(functools.partial(eval_step, graphdef)),
                      in_shardings=(state_sh, batch_sh))
-  return Steps(graphdef, mesh, abstract, state_sh, batch_sh, init, train, evaluate)
+  return Steps(graphdef, mesh, abstract, state_sh, batch_sh, init, train, evaluate,
+               init_sharded=sharded_init(cfg, tc, optimizer, state_sh))
 
 
 def multimodal_batch_sharding(text_sharding: NamedSharding, mesh: Mesh) -> dict:
@@ -341,7 +400,8 @@ def run(cfg: ModelConfig, tc: TrainConfig, workdir: str, mesh: Mesh,
         train_iter, eval_batches: list, ckpt=None, log: Callable[[str], None] = print,
         stop_after: int | None = None, max_bad_steps: int = 3,
         restore_step: int | None = None, init_state: Callable | None = None,
-        stop: faults.StopRequest | None = None) -> dict:
+        stop: faults.StopRequest | None = None,
+        profile_steps: tuple[int, int] | None = None) -> dict:
   """Trains for tc.steps steps (resuming from `ckpt` if it holds a checkpoint).
 
   stop_after: leave the loop after this step (as an interruption would; the schedule is
@@ -359,6 +419,11 @@ def run(cfg: ModelConfig, tc: TrainConfig, workdir: str, mesh: Mesh,
   ckpt: a k3_jax.checkpoint.manager.CheckpointManager or None.
   init_state: steps -> the initial train state when there is no checkpoint to resume
   (default: a fresh init; `train --init_from` passes released weights loaded sharded).
+  profile_steps: (A, B): a jax.profiler trace of steps A..B under <workdir>/profile
+  (k3_jax/profiling.py).
+  Every metrics line carries the goodput fields of k3_jax/goodput.py (cumulative time in
+  compile, data, steps, eval, checkpoint, init; wall_time; goodput), and the run ends
+  with a one-line goodput summary.
   Returns the last logged metrics (with eval_loss).
   """
   validate(cfg)
@@ -367,7 +432,10 @@ def run(cfg: ModelConfig, tc: TrainConfig, workdir: str, mesh: Mesh,
   os.makedirs(workdir, exist_ok=True)
   steps = build_steps(cfg, tc, mesh)
   t0 = time.time()
+  clock = goodput.Goodput()
+  trace = profiling.StepTrace(profile_steps, os.path.join(workdir, "profile"), log)
   state = None
+  init_mark = clock.mark()
   if ckpt is not None:
     restored = ckpt.restore_for_training(steps.abstract_state, steps.state_shardings,
                                          step=restore_step, log=log)
@@ -377,8 +445,9 @@ def run(cfg: ModelConfig, tc: TrainConfig, workdir: str, mesh: Mesh,
         train_iter.set_state(data_state)
       log(f"resumed from step {int(state['step'])} in {workdir}")
   if state is None:
-    state = steps.init() if init_state is None else init_state(steps)
+    state = fresh_state(steps, tc, log) if init_state is None else init_state(steps)
   start = int(state["step"])
+  clock.charge("init", init_mark)
   writer = MetricsWriter(os.path.join(workdir, "metrics.jsonl"))
   bad.total = writer.resume_at(start)         # skipped_steps carries across resumes
   tokens_per_step = tc.batch_size * tc.seq_len
@@ -391,11 +460,15 @@ def run(cfg: ModelConfig, tc: TrainConfig, workdir: str, mesh: Mesh,
   try:
     with contextlib.nullcontext(stop) if stop is not None else faults.StopRequest(log) as stop:
       for step in range(start, end):
-        batch = put_batch(next(train_iter), steps.batch_sharding)
-        state, metrics = steps.train(state, batch)
+        trace.before(step + 1)
+        with clock.span("data"):
+          batch = put_batch(next(train_iter), steps.batch_sharding)
+        with clock.span("step"):
+          state, metrics = steps.train(state, batch)
+          finite = bool(metrics["finite"])    # one scalar per step: the skip decision
+        trace.after(step + 1)
         window_steps += 1
         done = step + 1
-        finite = bool(metrics["finite"])      # one scalar per step: the skip decision
         bad.update(done, finite)
         is_eval = done % tc.eval_every == 0 or done == tc.steps
         if done % tc.log_every == 0 or is_eval or done == start + 1 or not finite:
@@ -416,7 +489,9 @@ def run(cfg: ModelConfig, tc: TrainConfig, workdir: str, mesh: Mesh,
             record["skipped_steps"] = bad.total
           window_t, window_steps = now, 0
           if is_eval and eval_batches:
-            record["eval_loss"] = evaluate(steps, state, eval_batches)
+            with clock.span("eval"):
+              record["eval_loss"] = evaluate(steps, state, eval_batches)
+          record.update(clock.fields())
           writer.write(record)
           last = record
           log(_progress_line(record, tc.steps, time.time() - t0))
@@ -445,12 +520,14 @@ def run(cfg: ModelConfig, tc: TrainConfig, workdir: str, mesh: Mesh,
         # No checkpoint inside a streak of skipped steps: a resume repeats them from the
         # last good one (e.g. at a lower learning rate).
         if ckpt is not None and ((cadence and bad.in_a_row == 0) or stop.requested):
-          ckpt.save(done, state, train_iter.get_state())
+          with clock.span("checkpoint"):
+            ckpt.save(done, state, train_iter.get_state())
           saved = done
           faults.kill_in_save(done)
         if stop.requested:
           if ckpt is not None:
-            ckpt.wait()
+            with clock.span("checkpoint"):
+              ckpt.wait()
             log(f"{stop.requested}: saved step {done} to {ckpt.directory}; run the same "
                 f"command to resume")
           else:
@@ -458,9 +535,13 @@ def run(cfg: ModelConfig, tc: TrainConfig, workdir: str, mesh: Mesh,
           last = dict(last, interrupted=stop.requested, saved_step=saved)
           break
   finally:
+    trace.close()
     if ckpt is not None:
-      ckpt.wait()                    # a save in flight finishes before the process goes on
+      with clock.span("checkpoint"):
+        ckpt.wait()                  # a save in flight finishes before the process goes on
+  last.update(clock.fields())
   last["wall_time"] = time.time() - t0
+  log(clock.summary())
   return last
 
 
@@ -503,5 +584,6 @@ def _progress_line(r: dict, total: int, elapsed: float) -> str:
   return " | ".join(parts)
 
 
-__all__ = ["make_optimizer", "lr_schedule", "init_state", "abstract_state", "train_step",
+__all__ = ["make_optimizer", "lr_schedule", "init_state", "abstract_state", "sharded_init",
+           "init_mode", "fresh_state", "tree_bytes", "train_step",
            "eval_step", "build_steps", "run", "save_train_config", "summary_line", "Steps"]

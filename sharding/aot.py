@@ -9,11 +9,13 @@ meshes and compiled programs only; the `compile` command in main.py builds the s
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sharding.rules import logical_to_spec
@@ -26,6 +28,17 @@ def with_shardings(shapes, shardings):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), sub)
   return jax.tree.map(attach, shardings, shapes,
                       is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+
+
+def shard_bytes(shapes, shardings) -> int:
+  """Bytes one device holds of `shapes` (arrays or ShapeDtypeStructs) laid out by
+  `shardings` (a prefix tree of it): per leaf, its shard's shape times the item size."""
+  def one(sh, sub):
+    return sum(math.prod(sh.shard_shape(a.shape)) * np.dtype(a.dtype).itemsize
+               for a in jax.tree.leaves(sub))
+  per_prefix = jax.tree.map(one, shardings, shapes,
+                            is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+  return int(sum(jax.tree.leaves(per_prefix)))
 
 
 def batch_shardings(tree, mesh: Mesh, batch_dim=0):
@@ -151,5 +164,5 @@ def format_report(rep: dict) -> str:
   return "\n".join(lines)
 
 
-__all__ = ["with_shardings", "batch_shardings", "memory_numbers", "flops", "compile_report",
-           "verdict", "format_report"]
+__all__ = ["with_shardings", "shard_bytes", "batch_shardings", "memory_numbers", "flops",
+           "compile_report", "verdict", "format_report"]

@@ -40,13 +40,16 @@ def test_unknown_override_field_is_named():
 def test_train_generate_and_refuse_other_config(tmp_path):
   wd = str(tmp_path / "run")
   r = _main("train", "--config=k3_tiny", "--steps=3", "--eval_every=3", f"--workdir={wd}",
-            "--learning_rate=0.004")
+            "--learning_rate=0.004", "--profile_steps=3:3")
   assert r.returncode == 0, r.stderr[-3000:]
+  # Observability (tests/test_goodput.py checks the values): a trace, goodput fields.
+  assert "profile of steps 3-3 written to" in r.stdout and "\ngoodput " in r.stdout
   lines = [json.loads(l) for l in open(os.path.join(wd, "metrics.jsonl"))]
   assert [l["step"] for l in lines] == [1, 2, 3] and "eval_loss" in lines[-1]
   # k3_tiny trains with AdamW alone: its rate is logged (warmup from 0, then <= the peak).
   assert [l["lr_adamw"] for l in lines][0] == 0.0 and 0 < lines[-1]["lr_adamw"] <= 0.004
   assert "lr_muon" not in lines[-1]
+  assert lines[-1]["time_steps"] > 0 and 0 < lines[-1]["goodput"] <= 1
   assert "step     3/3" in r.stdout
   assert os.path.isdir(os.path.join(wd, "checkpoints", "3"))
   assert json.load(open(os.path.join(wd, "train_config.json")))["learning_rate"] == 0.004

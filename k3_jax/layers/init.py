@@ -4,8 +4,9 @@
   numpy     drawn on the host with numpy (the default for real models on one host: fast,
             nothing to compile; XLA:CPU takes seconds to compile each batch of threefry
             draws, about 15 s for 20 normal draws measured here)
-  jax       drawn with jax.random from fold_in(key, counter): traceable, for a jitted,
-            sharded initialisation on an accelerator pod
+  jax       drawn with jax.random from fold_in(key, counter): traceable, for the jitted,
+            sharded initialisation (k3_jax/train.py) that creates every parameter directly
+            in its shards; `children()` gives independent streams for stacked layers
   abstract  zeros, used under jax.eval_shape: shapes and dtypes only, nothing allocated
 All modes give the same shapes and dtypes, so graph definitions are interchangeable.
 """
@@ -23,13 +24,22 @@ _TRUNC2_STD = 0.8796256610342398
 
 
 class Init:
-  def __init__(self, seed: int = 0, mode: str = "numpy"):
+  def __init__(self, seed: int = 0, mode: str = "numpy", key: jax.Array | None = None):
     if mode not in ("numpy", "jax", "abstract"):
       raise ValueError(f"Init mode {mode!r}: must be 'numpy', 'jax' or 'abstract'")
     self.mode = mode
-    self._np = np.random.default_rng(seed)
-    self._key = jax.random.key(seed) if mode == "jax" else None
+    self._np = np.random.default_rng(seed) if mode == "numpy" else None
+    self._key = (key if key is not None else jax.random.key(seed)) if mode == "jax" else None
     self._count = 0
+
+  def children(self):
+    """jax mode: a function index -> Init with a stream of its own, fold_in(k, index) where
+    k is this Init's next key. `index` may be a tracer: under jax.vmap over the indices of
+    stacked layers every leaf is drawn as one [R, ...] array (one draw, not R)."""
+    if self.mode != "jax":
+      raise ValueError(f"Init.children is for mode 'jax', not {self.mode!r}")
+    base = self._next_key()
+    return lambda index: Init(mode="jax", key=jax.random.fold_in(base, index))
 
   def _next_key(self) -> jax.Array:
     self._count += 1
