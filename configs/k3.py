@@ -4,7 +4,7 @@ Never instantiated on a CPU; `main.py info` and ahead-of-time compilation use it
 """
 
 from k3_jax.config import (AttnResConfig, KDAConfig, MLAConfig, ModelConfig, MoEConfig,
-                           TrainConfig)
+                           PodLayout, TrainConfig)
 
 
 def get_config() -> ModelConfig:
@@ -40,3 +40,15 @@ def get_vision_config():
   """The vision tower attached by configs.get_multimodal (jobs that use images)."""
   from configs import vision
   return vision.k3()
+
+
+def get_pod_layouts():
+  """The recommended layouts of k3's steps on v5p pods, applied by `main.py compile` where a
+  flag is not given (README "Pod scale" has the measured per-chip memory)."""
+  return (
+      # 2048 chips, 512 x 8192 tokens (2048 per chip); the routed experts over expert x
+      # (fsdp, sequence), everything else ZeRO-3 over fsdp x expert.
+      PodLayout(topology="v5p-4096", step="train", mesh="fsdp:16,expert:32,sequence:4",
+                global_batch=512, seq_len=8192, remat="block", grad_accum=1,
+                ep_capacity=1.25),
+  )
