@@ -51,4 +51,9 @@ def get_pod_layouts():
       PodLayout(topology="v5p-4096", step="train", mesh="fsdp:16,expert:32,sequence:4",
                 global_batch=512, seq_len=8192, remat="block", grad_accum=1,
                 ep_capacity=1.25),
+      # 64 chips, 8 sequences decoding against 1M-token caches: experts (MXFP4) and dense
+      # weights over the 64 chips; the batch of 8 cannot fill the expert axis, so the MLA
+      # latent caches are split over their length instead (rules "cache_seq").
+      PodLayout(topology="v5p-128", step="decode", mesh="expert:64", global_batch=8,
+                cache_len=1_048_576, expert_format="mxfp4"),
   )

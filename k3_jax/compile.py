@@ -83,7 +83,11 @@ def compile_step(cfg: ModelConfig, tc: TrainConfig, target: Target, step: str,
   mesh = make_mesh(parse_mesh(mesh_spec), target_devices(target))
   batch = global_batch or tc.batch_size
   seq = seq_len or tc.seq_len
-  validate_mesh(cfg, mesh, batch, seq if step != "decode" else None)
+  # Training splits its batch evenly over the batch axes; a serving step may take fewer
+  # sequences than those axes (one 1M-token prompt, 8 long decodes): the batch is then
+  # repeated there and the cache length split over them (rules "cache_seq").
+  validate_mesh(cfg, mesh, batch if step == "train" else None,
+                seq if step != "decode" else None)
   report = {"config": cfg.name, "step": step, "topology": target.topology,
             "target": target.name, "num_slices": target.num_slices, "chips": target.chips,
             "mesh": {k: int(v) for k, v in mesh.shape.items()}, "global_batch": batch,
@@ -124,7 +128,10 @@ def _serving_program(cfg: ModelConfig, mesh, step: str, batch: int, seq: int, le
   cache = jax.eval_shape(lambda: create_model(cfg, mode="abstract").init_cache(batch, length))
   cache_dim = lambda path: (None if path[0].key == "pos" else
                             1 if path[0].key == "units" else 0)
-  c_sh = aot.batch_shardings(cache, mesh, cache_dim)
+  # MLA latents [(R,) B, S, X]: S over the axes the batch leaves unused.
+  seq_dim = lambda path: (cache_dim(path) + 1
+                          if getattr(path[-1], "key", None) in ("c_kv", "k_r") else None)
+  c_sh = aot.batch_shardings(cache, mesh, cache_dim, seq_dim)
   logits_sh = aot.batch_shardings(
       jax.ShapeDtypeStruct((batch, cfg.vocab_size), jnp.float32), mesh, 0)
   p_args = (aot.with_shardings(params, p_sh), aot.with_shardings(rest, r_sh))
