@@ -12,7 +12,7 @@ unscanned layer in front and four behind, as in k3's 22 units), on
 v5p-4096 with fsdp:F, expert:32, sequence:S and F * S = 64, global batch 2048 / S x 8192
 (the batch over fsdp x expert, 8192 / S tokens per chip). Columns: the lowered StableHLO
 size, its collective counts, lowering and compile seconds, peak RSS, per-chip GiB.
---full adds the full 23-unit model at each split.
+--full adds the full model (22 units) at each split.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def main() -> None:
   ap.add_argument("--seq_splits", default="1,2,4")
   ap.add_argument("--remat", default="block")
   ap.add_argument("--seq_len", type=int, default=8192)
-  ap.add_argument("--full", action="store_true", help="also the full 23-unit k3")
+  ap.add_argument("--full", action="store_true", help="also the full k3 (22 units)")
   ap.add_argument("--limit_gb", type=float, default=14.0)
   ap.add_argument("--timeout", type=float, default=1200.0)
   ap.add_argument("--json")

@@ -46,9 +46,12 @@ def get_pod_layouts():
   """The recommended layouts of k3's steps on v5p pods, applied by `main.py compile` where a
   flag is not given (README "Pod scale" has the measured per-chip memory)."""
   return (
-      # 2048 chips, 512 x 8192 tokens (2048 per chip); the routed experts over expert x
-      # (fsdp, sequence), everything else ZeRO-3 over fsdp x expert.
-      PodLayout(topology="v5p-4096", step="train", mesh="fsdp:16,expert:32,sequence:4",
+      # 2048 chips, 512 x 8192 tokens (2048 per chip: half of the 4096 that need 101 GiB);
+      # KDA / MLA context-parallel over sequence:2, heads and FFN units over tensor:2, the
+      # routed experts over expert x (fsdp, sequence) x tensor, the rest ZeRO-3 over
+      # fsdp x expert. (sequence:4 instead of tensor:2 holds the same tokens per chip.)
+      PodLayout(topology="v5p-4096", step="train",
+                mesh="fsdp:16,expert:32,sequence:2,tensor:2",
                 global_batch=512, seq_len=8192, remat="block", grad_accum=1,
                 ep_capacity=1.25),
       # 64 chips, 8 sequences decoding against 1M-token caches: experts (MXFP4) and dense

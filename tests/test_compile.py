@@ -91,3 +91,31 @@ def test_compile_train_k3_tiny_v5p():
                  "--mesh=fsdp:2,expert:2")
   _check_report(rep)
   assert rep["fits"] and rep["step"] == "train"
+
+
+@pytest.mark.slow   # two lowerings of the k3_tiny train step: ~45 s on 2 idle cores
+def test_lowered_train_step_does_not_grow_with_the_sequence_split():
+  """Guards the compile-memory finding (README, Compile host memory): the program handed to
+  XLA is the same size whatever the sequence split (no per-shard Python loops beyond the
+  KCP chain's p small matmuls; collectives counted, not unrolled). k3_tiny's train step on
+  the 8 CPU devices, lowered only: sequence 2 vs 4 (fsdp 4 vs 2, same 32 x 64 batch). The
+  text may differ by the chain's two extra steps per KDA layer and the larger mesh
+  constants, so 15% bounds it (a per-shard unrolling would add ~50% per doubling)."""
+  import dataclasses
+  import re
+  import jax
+  import configs
+  from k3_jax.compile import train_program
+  from sharding.mesh import make_mesh, parse_mesh
+  cfg = configs.get("k3_tiny")
+  tc = dataclasses.replace(configs.get_train("k3_tiny"), batch_size=8, seq_len=64,
+                           remat="block")
+  stats = {}
+  for p in (2, 4):
+    mesh = make_mesh(parse_mesh(f"fsdp:{8 // p},sequence:{p}"), jax.devices()[:8])
+    fn, args = train_program(cfg, tc, mesh)
+    text = fn.lower(*args).as_text()
+    stats[p] = (len(text), len(re.findall(r"stablehlo\.all_gather\b", text)),
+                len(re.findall(r"stablehlo\.collective_permute\b", text)))
+  assert stats[2][1:] == stats[4][1:], stats           # the same collectives
+  assert stats[4][0] < 1.15 * stats[2][0], stats
