@@ -13,6 +13,12 @@ v5p-4096 with fsdp:F, expert:32, sequence:S and F * S = 64, global batch 2048 / 
 (the batch over fsdp x expert, 8192 / S tokens per chip). Columns: the lowered StableHLO
 size, its collective counts, lowering and compile seconds, peak RSS, per-chip GiB.
 --full adds the full model (22 units) at each split.
+
+What it showed (docs/results.md, Compile host memory): the lowered program barely changes
+with the split, and the RSS does not follow the split but whether the step fits: the TPU
+compiler refuses a step that does not fit right after buffer assignment (cheap), and code-
+generates one that fits in full (LLO lowering of every fusion), which is where host memory
+and time go. Set LIBTPU_INIT_ARGS in the environment to try compiler options per run.
 """
 
 from __future__ import annotations
