@@ -384,7 +384,8 @@ def _print_param_groups(cfg) -> None:
 
 def cmd_compile() -> None:
   """Ahead-of-time compile one step for a TPU target and report per-chip memory."""
-  from k3_jax.compile import compile_step
+  import configs
+  from k3_jax.compile import LAYOUT_FLAGS, apply_pod_layout, compile_step, pod_layout
   from k3_jax.config import ConfigError
   from sharding import aot
   from sharding.topology import resolve_target
@@ -392,9 +393,15 @@ def cmd_compile() -> None:
     raise ConfigError("compile needs --topology, e.g. --topology=v5p-128 or v5p:4x4x4")
   target = resolve_target(FLAGS.topology, FLAGS.slices)
   cfg = _execution_overrides(_model_config(), gmm=FLAGS.gmm)
-  rep = compile_step(cfg, _train_config(cfg), target, FLAGS.step, FLAGS.mesh,
-                     FLAGS.global_batch, FLAGS.seq_len, cache_len=FLAGS.cache_len,
-                     expert_format=_expert_format())
+  # The preset's recommended layout for this target and step fills every flag not given.
+  layout = pod_layout(configs.get_pod_layouts(FLAGS.config), target, FLAGS.step)
+  given = {n: getattr(FLAGS, n) if FLAGS[n].present else None for n in LAYOUT_FLAGS}
+  if given["expert_format"] is not None:
+    given["expert_format"] = _expert_format()
+  cfg, tc, kw = apply_pod_layout(layout, cfg, _train_config(cfg), given)
+  rep = compile_step(cfg, tc, target, FLAGS.step, **kw)
+  rep["pod_layout"] = (None if layout is None
+                       else f"{FLAGS.config}: {layout.topology} {layout.step}")
   if FLAGS.json:
     print(json.dumps(rep))
     return
@@ -411,6 +418,9 @@ def cmd_compile() -> None:
         f"{rep['seq_len']} tokens" + (f", cache {rep['cache_len']}" if rep.get("cache_len")
                                       else "") + (f", remat {rep['remat']}" if rep.get("remat")
                                                   else ""))
+  if layout is not None:
+    print(f"(the {FLAGS.config} preset's pod layout for {layout.topology} {layout.step} "
+          f"filled the flags not given)")
   print(aot.format_report(rep))
 
 

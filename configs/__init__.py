@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 
-from k3_jax.config import ConfigError, ModelConfig, TrainConfig, validate
+from k3_jax.config import ConfigError, ModelConfig, PodLayout, TrainConfig, validate
 
 PRESETS = ("k3", "k3_small", "k3_tiny", "kimi_linear_48b")
 
@@ -33,3 +33,12 @@ def get_train(name: str) -> TrainConfig:
     raise ConfigError(f"unknown config {name!r}; valid configs are: {', '.join(PRESETS)}")
   mod = importlib.import_module(f"configs.{name}")
   return mod.get_train_config() if hasattr(mod, "get_train_config") else TrainConfig()
+
+
+def get_pod_layouts(name: str) -> tuple[PodLayout, ...]:
+  """The preset's recommended pod layouts (one per target and step; none for most presets):
+  what `compile` applies where a flag is not given."""
+  if name not in PRESETS:
+    raise ConfigError(f"unknown config {name!r}; valid configs are: {', '.join(PRESETS)}")
+  mod = importlib.import_module(f"configs.{name}")
+  return tuple(mod.get_pod_layouts()) if hasattr(mod, "get_pod_layouts") else ()

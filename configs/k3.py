@@ -4,7 +4,7 @@ Never instantiated on a CPU; `main.py info` and ahead-of-time compilation use it
 """
 
 from k3_jax.config import (AttnResConfig, KDAConfig, MLAConfig, ModelConfig, MoEConfig,
-                           TrainConfig)
+                           PodLayout, TrainConfig)
 
 
 def get_config() -> ModelConfig:
@@ -40,3 +40,23 @@ def get_vision_config():
   """The vision tower attached by configs.get_multimodal (jobs that use images)."""
   from configs import vision
   return vision.k3()
+
+
+def get_pod_layouts():
+  """The recommended layouts of k3's steps on v5p pods, applied by `main.py compile` where a
+  flag is not given (README "Pod scale" has the measured per-chip memory)."""
+  return (
+      # 2048 chips, 512 x 8192 tokens (2048 per chip: half of the 4096 that need 101 GiB);
+      # KDA / MLA context-parallel over sequence:2, heads and FFN units over tensor:2, the
+      # routed experts over expert x (fsdp, sequence) x tensor, the rest ZeRO-3 over
+      # fsdp x expert. (sequence:4 instead of tensor:2 holds the same tokens per chip.)
+      PodLayout(topology="v5p-4096", step="train",
+                mesh="fsdp:16,expert:32,sequence:2,tensor:2",
+                global_batch=512, seq_len=8192, remat="block", grad_accum=1,
+                ep_capacity=1.25),
+      # 64 chips, 8 sequences decoding against 1M-token caches: experts (MXFP4) and dense
+      # weights over the 64 chips; the batch of 8 cannot fill the expert axis, so the MLA
+      # latent caches are split over their length instead (rules "cache_seq").
+      PodLayout(topology="v5p-128", step="decode", mesh="expert:64", global_batch=8,
+                cache_len=1_048_576, expert_format="mxfp4"),
+  )

@@ -1,7 +1,7 @@
 """For tests: every K3 component, three [KDA, KDA, KDA, MLA] blocks + a final MLA, tiny widths."""
 
 from k3_jax.config import (AttnResConfig, KDAConfig, MLAConfig, ModelConfig, MoEConfig,
-                           TrainConfig)
+                           PodLayout, TrainConfig)
 
 
 def get_config() -> ModelConfig:
@@ -36,3 +36,9 @@ def get_vision_config():
   """The vision tower attached by configs.get_multimodal (jobs that use images)."""
   from configs import vision
   return vision.tiny()
+
+
+def get_pod_layouts() -> tuple[PodLayout, ...]:
+  """The test of `compile`'s preset layouts: decode on v5p-8 (4 chips) as expert x fsdp."""
+  return (PodLayout(topology="v5p-8", step="decode", mesh="fsdp:2,expert:2", global_batch=8,
+                    seq_len=64),)

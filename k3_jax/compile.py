@@ -15,16 +15,57 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3_jax import train
-from k3_jax.config import EXPERT_FORMATS, ConfigError, ModelConfig, TrainConfig
+from k3_jax.config import (EXPERT_FORMATS, ConfigError, ModelConfig, PodLayout, TrainConfig,
+                           validate, validate_train)
 from k3_jax.model import create_model, decode_step, prefill
 from k3_jax.serve.pack import pack_routed_experts
 from sharding import aot
 from sharding.install import activation_rules
 from sharding.mesh import make_mesh, parse_mesh, validate_mesh
 from sharding.rules import tree_shardings
-from sharding.topology import Target, target_devices
+from sharding.topology import Target, resolve_target, target_devices
 
 STEPS = ("train", "prefill", "decode", "init")
+
+# The flags a preset's PodLayout fills in when they are not given.
+LAYOUT_FLAGS = ("mesh", "global_batch", "seq_len", "cache_len", "remat", "grad_accum",
+                "ep_capacity", "expert_format")
+
+
+def pod_layout(layouts, target: Target, step: str) -> PodLayout | None:
+  """The layout among `layouts` (a preset's PodLayouts) for `step` on `target` (the same
+  chip grid and slice count, however the topology is spelled), or None. The init step
+  takes the train step's layout: it creates the state the train step is sharded for."""
+  want = "train" if step == "init" else step
+  for lay in layouts:
+    t = resolve_target(lay.topology)
+    if (lay.step == want and t.topology == target.topology
+        and t.num_slices == target.num_slices):
+      return lay
+  return None
+
+
+def apply_pod_layout(layout: PodLayout | None, cfg: ModelConfig, tc: TrainConfig,
+                     given: dict) -> tuple[ModelConfig, TrainConfig, dict]:
+  """Fill what the command line left unset from the preset's layout. `given`: LAYOUT_FLAGS
+  -> the flag's value, or None where it was not given (an explicit flag always wins).
+  -> (cfg with moe.ep_capacity, tc with remat / grad_accum, compile_step's keyword
+  arguments mesh_spec, global_batch, seq_len, cache_len, expert_format)."""
+  unknown = set(given) - set(LAYOUT_FLAGS)
+  if unknown:
+    raise ValueError(f"not layout flags: {sorted(unknown)}")
+  lay = {f: getattr(layout, f) for f in LAYOUT_FLAGS} if layout is not None else {}
+  pick = lambda f, default: (given[f] if given.get(f) is not None
+                             else lay.get(f) or default)
+  cap = pick("ep_capacity", cfg.moe.ep_capacity)
+  if cap != cfg.moe.ep_capacity:
+    cfg = validate(dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, ep_capacity=cap)))
+  tc = dataclasses.replace(tc, remat=pick("remat", tc.remat),
+                           grad_accum=pick("grad_accum", tc.grad_accum))
+  kw = {"mesh_spec": pick("mesh", ""), "global_batch": pick("global_batch", None),
+        "seq_len": pick("seq_len", None), "cache_len": pick("cache_len", None),
+        "expert_format": pick("expert_format", "dense")}
+  return cfg, tc, kw
 
 
 def compile_step(cfg: ModelConfig, tc: TrainConfig, target: Target, step: str,
@@ -47,21 +88,20 @@ def compile_step(cfg: ModelConfig, tc: TrainConfig, target: Target, step: str,
   if step == "init":                     # no batch: the parameters' shardings alone
     validate_mesh(cfg, mesh)
     return init_report(cfg, tc, target, mesh)
-  validate_mesh(cfg, mesh, batch, seq if step != "decode" else None)
+  # Training splits its batch evenly over the batch axes; a serving step may take fewer
+  # sequences than those axes (one 1M-token prompt, 8 long decodes): the batch is then
+  # repeated there and the cache length split over them (rules "cache_seq").
+  validate_mesh(cfg, mesh, batch if step == "train" else None,
+                seq if step != "decode" else None)
   report = {"config": cfg.name, "step": step, "topology": target.topology,
             "target": target.name, "num_slices": target.num_slices, "chips": target.chips,
             "mesh": {k: int(v) for k, v in mesh.shape.items()}, "global_batch": batch,
             "seq_len": seq, "ep_capacity": cfg.moe.ep_capacity or None, "gmm": cfg.moe.gmm}
   if step == "train":
-    tc = dataclasses.replace(tc, batch_size=batch, seq_len=seq)
-    steps = train.build_steps(cfg, tc, mesh)
-    state = aot.with_shardings(steps.abstract_state, steps.state_shardings)
-    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=steps.batch_sharding)
-    mask = jax.ShapeDtypeStruct((batch, seq), jnp.float32, sharding=steps.batch_sharding)
-    args = (state, {"inputs": tokens, "targets": tokens, "segment_ids": tokens,
-                    "loss_mask": mask})
+    tc = validate_train(dataclasses.replace(tc, batch_size=batch, seq_len=seq), cfg)
+    fn, args = train_program(cfg, tc, mesh)
     report.update(remat=tc.remat, grad_accum=tc.grad_accum, optimizer=tc.optimizer)
-    _, rep = aot.compile_report(steps.train, args, target.chip_hbm_bytes)
+    _, rep = aot.compile_report(fn, args, target.chip_hbm_bytes)
     return {**report, **rep}
   length = cache_len or seq
   if step == "decode" and length > cfg.max_seq_len:
@@ -107,6 +147,18 @@ def init_lines(rep: dict) -> str:
           f"compiled outputs {size(out) if out is not None else 'unknown'}")
 
 
+def train_program(cfg: ModelConfig, tc: TrainConfig, mesh):
+  """(jitted train step, abstract sharded args) of `cfg` on `mesh` at tc's batch x seq_len:
+  the state and a batch as ShapeDtypeStructs carrying their shardings (nothing allocated)."""
+  steps = train.build_steps(cfg, tc, mesh)
+  state = aot.with_shardings(steps.abstract_state, steps.state_shardings)
+  shape = (tc.batch_size, tc.seq_len)
+  tokens = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=steps.batch_sharding)
+  mask = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=steps.batch_sharding)
+  return steps.train, (state, {"inputs": tokens, "targets": tokens, "segment_ids": tokens,
+                               "loss_mask": mask})
+
+
 def _serving_program(cfg: ModelConfig, mesh, step: str, batch: int, seq: int, length: int,
                      expert_format: str):
   """(jitted fn, abstract sharded args) of the prefill or decode step: parameters in their
@@ -116,7 +168,10 @@ def _serving_program(cfg: ModelConfig, mesh, step: str, batch: int, seq: int, le
   cache = jax.eval_shape(lambda: create_model(cfg, mode="abstract").init_cache(batch, length))
   cache_dim = lambda path: (None if path[0].key == "pos" else
                             1 if path[0].key == "units" else 0)
-  c_sh = aot.batch_shardings(cache, mesh, cache_dim)
+  # MLA latents [(R,) B, S, X]: S over the axes the batch leaves unused.
+  seq_dim = lambda path: (cache_dim(path) + 1
+                          if getattr(path[-1], "key", None) in ("c_kv", "k_r") else None)
+  c_sh = aot.batch_shardings(cache, mesh, cache_dim, seq_dim)
   logits_sh = aot.batch_shardings(
       jax.ShapeDtypeStruct((batch, cfg.vocab_size), jnp.float32), mesh, 0)
   p_args = (aot.with_shardings(params, p_sh), aot.with_shardings(rest, r_sh))

@@ -235,6 +235,23 @@ class MeshConfig:
   tensor: int = 1
 
 
+@dataclass(frozen=True)
+class PodLayout:
+  """A preset's recommended layout of one step on one TPU target: what `compile` uses for
+  every flag that is not given (an explicit flag always wins). Zero / "" = not set (the
+  command's own default then applies)."""
+  topology: str                     # Cloud TPU name or explicit grid, e.g. "v5p-4096"
+  step: str = "train"               # "train" | "prefill" | "decode"
+  mesh: str = ""                    # --mesh, e.g. "fsdp:16,expert:32,sequence:4"
+  global_batch: int = 0
+  seq_len: int = 0
+  cache_len: int = 0                # prefill / decode
+  remat: str = ""                   # train
+  grad_accum: int = 0               # train
+  ep_capacity: float = 0.0          # moe.ep_capacity
+  expert_format: str = ""           # prefill / decode: "dense" | "mxfp4"
+
+
 # ----- validation ---------------------------------------------------------
 
 def _require(ok: bool, field_name: str, value: Any, rule: str) -> None:
@@ -432,7 +449,7 @@ def jnp_dtype(name: str):
   return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
 
 
-__all__ = ["ConfigError", "KDAConfig", "MLAConfig", "MoEConfig", "AttnResConfig", "QuantConfig",
+__all__ = ["ConfigError", "KDAConfig", "MLAConfig", "MoEConfig", "AttnResConfig", "PodLayout", "QuantConfig",
            "QAT_MODES", "KDA_BACKENDS", "GMM_KINDS", "EXECUTION_FIELDS", "ModelConfig",
            "VisionConfig", "validate_vision",
            "TrainConfig", "MeshConfig", "validate", "validate_train", "apply_overrides",

@@ -41,17 +41,22 @@ def shard_bytes(shapes, shardings) -> int:
   return int(sum(jax.tree.leaves(per_prefix)))
 
 
-def batch_shardings(tree, mesh: Mesh, batch_dim=0):
+def batch_shardings(tree, mesh: Mesh, batch_dim=0, seq_dim=None):
   """Shardings for a pytree of arrays whose dimension `batch_dim` (an int, or a function of
   the leaf's key path returning one, or None for replicated) is the batch: that dimension
   goes over the batch's mesh axes (per the rules table), the rest stay whole. Used for
-  decode caches, which carry no logical axes."""
+  decode caches, which carry no logical axes. seq_dim (same forms; None: none) names a
+  cache's length dimension: it takes the mesh axes the batch could not use ("cache_seq"
+  in the rules), so a long cache of a small batch is split instead of repeated."""
   def one(path, a):
     dim = batch_dim(path) if callable(batch_dim) else batch_dim
     if dim is None or a.ndim <= dim:
       return NamedSharding(mesh, PartitionSpec())
     axes = [None] * a.ndim
     axes[dim] = "batch"
+    sdim = seq_dim(path) if callable(seq_dim) else seq_dim
+    if sdim is not None and sdim < a.ndim:
+      axes[sdim] = "cache_seq"
     return NamedSharding(mesh, logical_to_spec(a.shape, tuple(axes), mesh))
   return jax.tree_util.tree_map_with_path(one, tree)
 

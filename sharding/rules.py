@@ -23,6 +23,9 @@ RULES: dict[str, tuple[str, ...]] = {
     # tokens too; expert parallelism sends each token-expert pair to its expert's owner)
     "batch": ("data", "fsdp", "expert"),
     "seq": ("sequence",),
+    # the length of a prefill / decode cache (MLA latents): over the axes its batch left
+    # unused, so a 1M-token cache of a few sequences is split over the mesh, not repeated
+    "cache_seq": ("sequence", "expert", "fsdp", "data", "tensor"),
     # parameters (and activations where they appear)
     # parameters' model dimension: over fsdp, and over the expert axis too where the batch
     # has not taken it (dense weights then split over every device of an expert mesh

@@ -1,7 +1,8 @@
 """`main.py compile`: ahead-of-time compilation of the real steps for a TPU topology from
 this CPU machine (compile-only devices from libtpu), with the per-chip memory report.
 
-Default suite: the k3_tiny decode step on v5p-8 (4 chips), and a deliberately too-big
+Default suite: the k3_tiny decode step on v5p-8 (4 chips) in the preset's pod layout, k3's
+layout resolution (no compile), and a deliberately too-big
 config (k3_tiny with huge routed experts: 12 MoE layers x 64 experts x 3 x 4096 x 65536
 f32 = 2.4 TB over 4 chips) that must report fits=false. The train step (forward, backward
 and optimizer: several minutes of TPU compiling here) is marked slow."""
@@ -36,22 +37,52 @@ def _check_report(rep):
 
 
 def test_compile_decode_k3_tiny_v5p():
-  rep = _compile("--config=k3_tiny", "--topology=v5p-8", "--step=decode",
-                 "--global_batch=8", "--seq_len=64")
+  # No layout flags: k3_tiny's PodLayout for v5p-8 decode gives mesh, batch and length.
+  rep = _compile("--config=k3_tiny", "--topology=v5p-8", "--step=decode")
   _check_report(rep)
-  assert rep["fits"] and rep["mesh"]["fsdp"] == 4 and rep["step"] == "decode"
+  assert rep["pod_layout"] == "k3_tiny: v5p-8 decode"
+  assert rep["mesh"]["fsdp"] == 2 and rep["mesh"]["expert"] == 2
+  assert rep["global_batch"] == 8 and rep["cache_len"] == 64
+  assert rep["fits"] and rep["step"] == "decode"
   assert rep["flops_per_chip"] > 0
   # The donated cache comes back in place: outputs alias it.
   assert rep["alias_bytes"] > 0
 
 
 def test_compile_reports_a_config_that_does_not_fit():
-  rep = _compile("--config=k3_tiny", "--topology=v5p-8", "--step=decode",
-                 "--global_batch=8", "--seq_len=64", "--override=moe.num_experts=64",
+  # An explicit --mesh wins over the preset's layout (fsdp:2,expert:2).
+  rep = _compile("--config=k3_tiny", "--topology=v5p-8", "--step=decode", "--mesh=fsdp:4",
+                 "--global_batch=4", "--override=moe.num_experts=64",
                  "--override=moe.latent_dim=4096", "--override=moe.expert_intermediate=65536")
+  assert rep["mesh"]["fsdp"] == 4 and rep["mesh"]["expert"] == 1
+  assert rep["global_batch"] == 4 and rep["cache_len"] == 64    # the layout's seq_len
   assert rep["fits"] is False
   assert rep["per_chip_total_bytes"] > 95 * GiB        # ~600 GB of expert weights per chip
   assert rep["chip_hbm_bytes"] == 95 * GiB
+
+
+def test_k3_pod_layout_fills_what_is_not_given():
+  """k3's recommended v5p-4096 train layout (however the topology is spelled) fills every
+  unset flag; explicit values win; a target without a layout changes nothing."""
+  import configs
+  from k3_jax.compile import LAYOUT_FLAGS, apply_pod_layout, pod_layout
+  from sharding.topology import resolve_target
+  layouts = configs.get_pod_layouts("k3")
+  lay = pod_layout(layouts, resolve_target("v5p:8x16x16"), "train")
+  assert lay is pod_layout(layouts, resolve_target("v5p-4096"), "train") is not None
+  assert pod_layout(layouts, resolve_target("v5p-4096", 2), "train") is None
+  cfg, tc = configs.get("k3"), configs.get_train("k3")
+  none = dict.fromkeys(LAYOUT_FLAGS)
+  c2, t2, kw = apply_pod_layout(lay, cfg, tc, none)
+  assert kw["mesh_spec"] == lay.mesh and kw["global_batch"] == lay.global_batch
+  assert kw["seq_len"] == lay.seq_len == 8192
+  assert t2.remat == lay.remat and c2.moe.ep_capacity == lay.ep_capacity > 0
+  c3, t3, kw = apply_pod_layout(lay, cfg, tc, {**none, "mesh": "fsdp:64,expert:32",
+                                               "remat": "layer", "ep_capacity": 2.0})
+  assert kw["mesh_spec"] == "fsdp:64,expert:32" and t3.remat == "layer"
+  assert c3.moe.ep_capacity == 2.0 and kw["global_batch"] == lay.global_batch
+  c4, t4, kw = apply_pod_layout(None, cfg, tc, none)
+  assert (c4, t4) == (cfg, tc) and kw["mesh_spec"] == "" and kw["global_batch"] is None
 
 
 @pytest.mark.slow
@@ -60,3 +91,31 @@ def test_compile_train_k3_tiny_v5p():
                  "--mesh=fsdp:2,expert:2")
   _check_report(rep)
   assert rep["fits"] and rep["step"] == "train"
+
+
+@pytest.mark.slow   # two lowerings of the k3_tiny train step: ~45 s on 2 idle cores
+def test_lowered_train_step_does_not_grow_with_the_sequence_split():
+  """Guards the compile-memory finding (README, Compile host memory): the program handed to
+  XLA is the same size whatever the sequence split (no per-shard Python loops beyond the
+  KCP chain's p small matmuls; collectives counted, not unrolled). k3_tiny's train step on
+  the 8 CPU devices, lowered only: sequence 2 vs 4 (fsdp 4 vs 2, same 32 x 64 batch). The
+  text may differ by the chain's two extra steps per KDA layer and the larger mesh
+  constants, so 15% bounds it (a per-shard unrolling would add ~50% per doubling)."""
+  import dataclasses
+  import re
+  import jax
+  import configs
+  from k3_jax.compile import train_program
+  from sharding.mesh import make_mesh, parse_mesh
+  cfg = configs.get("k3_tiny")
+  tc = dataclasses.replace(configs.get_train("k3_tiny"), batch_size=8, seq_len=64,
+                           remat="block")
+  stats = {}
+  for p in (2, 4):
+    mesh = make_mesh(parse_mesh(f"fsdp:{8 // p},sequence:{p}"), jax.devices()[:8])
+    fn, args = train_program(cfg, tc, mesh)
+    text = fn.lower(*args).as_text()
+    stats[p] = (len(text), len(re.findall(r"stablehlo\.all_gather\b", text)),
+                len(re.findall(r"stablehlo\.collective_permute\b", text)))
+  assert stats[2][1:] == stats[4][1:], stats           # the same collectives
+  assert stats[4][0] < 1.15 * stats[2][0], stats

@@ -85,3 +85,26 @@ def test_tpu_multi_slice_data_axis_spans_slices():
     assert {d.slice_index for d in mesh.devices[i].ravel()} == {i}
   with pytest.raises(ConfigError, match="data axis spans the slices"):
     make_mesh(parse_mesh("fsdp:-1"), devs)
+
+
+def test_cache_length_takes_the_axes_a_small_batch_leaves():
+  """Serving caches (sharding.aot.batch_shardings with seq_dim): a batch of 2 on
+  fsdp:2,expert:4 takes fsdp; the cache length takes expert (4-way), so a long cache of a
+  few sequences is split over the mesh instead of repeated on every expert group. A batch
+  that fills the batch axes leaves the length whole, as before."""
+  import jax.numpy as jnp
+  from jax.sharding import PartitionSpec as P
+  from sharding.aot import batch_shardings
+  mesh = make_mesh(parse_mesh("fsdp:2,expert:4"), jax.devices()[:8])
+  cache = {"pos": jax.ShapeDtypeStruct((), jnp.int32),
+           "units": [{"c_kv": jax.ShapeDtypeStruct((3, 2, 1024, 8), jnp.bfloat16),
+                      "state": jax.ShapeDtypeStruct((3, 2, 4, 8, 8), jnp.float32)}]}
+  bdim = lambda path: None if path[0].key == "pos" else 1
+  sdim = lambda path: 2 if path[-1].key == "c_kv" else None
+  sh = batch_shardings(cache, mesh, bdim, sdim)
+  assert sh["pos"].spec == P()
+  assert sh["units"][0]["c_kv"].spec == P(None, "fsdp", "expert", None)
+  assert sh["units"][0]["state"].spec == P(None, "fsdp", None, None, None)
+  full = {"c_kv": jax.ShapeDtypeStruct((3, 8, 1024, 8), jnp.bfloat16)}
+  assert (batch_shardings(full, mesh, 1, 2)["c_kv"].spec
+          == P(None, ("fsdp", "expert"), None, None))
