@@ -1,10 +1,16 @@
-"""The command line, end to end, in subprocesses: info, train (k3_tiny, a few steps),
+"""The command line, end to end, in subprocesses: info, train (a 2-layer k3_tiny, a few steps),
 generate from its checkpoint, and the errors users meet first."""
 
+import glob
 import json
 import os
 import subprocess
 import sys
+
+from tests.faults.faultcli import MODEL, RUN, STEPS
+
+TIMES = ("time_compile", "time_init", "time_data", "time_steps", "time_eval",
+         "time_checkpoint")
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,31 +43,48 @@ def test_unknown_override_field_is_named():
   assert r.returncode == 2 and "heads" in r.stderr
 
 
-def test_train_generate_and_refuse_other_config(tmp_path):
+def test_train_generate_and_refuse_other_config(tmp_path, env):
+  # The fault tests' 2-layer k3_tiny run in the session's compilation cache (conftest `env`):
+  # the same programs as their reference run, so they are compiled once per session.
   wd = str(tmp_path / "run")
-  r = _main("train", "--config=k3_tiny", "--steps=3", "--eval_every=3", f"--workdir={wd}",
-            "--learning_rate=0.004", "--profile_steps=3:3")
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "main.py"), "train", *RUN,
+                      f"--workdir={wd}", "--profile_steps=3:4"], cwd=ROOT, env=env,
+                     capture_output=True, text=True, timeout=600)
   assert r.returncode == 0, r.stderr[-3000:]
-  # Observability (tests/test_goodput.py checks the values): a trace, goodput fields.
-  assert "profile of steps 3-3 written to" in r.stdout and "\ngoodput " in r.stdout
   lines = [json.loads(l) for l in open(os.path.join(wd, "metrics.jsonl"))]
-  assert [l["step"] for l in lines] == [1, 2, 3] and "eval_loss" in lines[-1]
+  assert [l["step"] for l in lines] == list(range(1, STEPS + 1)) and "eval_loss" in lines[-1]
   # k3_tiny trains with AdamW alone: its rate is logged (warmup from 0, then <= the peak).
-  assert [l["lr_adamw"] for l in lines][0] == 0.0 and 0 < lines[-1]["lr_adamw"] <= 0.004
+  peak = json.load(open(os.path.join(wd, "train_config.json")))["learning_rate"]
+  assert [l["lr_adamw"] for l in lines][0] == 0.0 and 0 < lines[-1]["lr_adamw"] <= peak
   assert "lr_muon" not in lines[-1]
-  assert lines[-1]["time_steps"] > 0 and 0 < lines[-1]["goodput"] <= 1
-  assert "step     3/3" in r.stdout
-  assert os.path.isdir(os.path.join(wd, "checkpoints", "3"))
-  assert json.load(open(os.path.join(wd, "train_config.json")))["learning_rate"] == 0.004
+  assert f"step     {STEPS}/{STEPS}" in r.stdout
+  assert os.path.isdir(os.path.join(wd, "checkpoints", str(STEPS)))
+  tc = json.load(open(os.path.join(wd, "train_config.json")))
+  assert (tc["steps"], tc["batch_size"], tc["seq_len"]) == (STEPS, 2, 32)   # the flags given
+  # Observability: the --profile_steps trace (TensorBoard's xplane and Perfetto's json,
+  # non-empty, under <workdir>/profile) and the goodput fields of every metrics line:
+  # cumulative (non-decreasing), disjoint spans summing to no more than the wall time
+  # (1e-3: the 4-digit rounding), goodput = time_steps / wall_time; a summary line.
+  assert "profile of steps 3-4 written to" in r.stdout and "\ngoodput " in r.stdout
+  files = glob.glob(os.path.join(wd, "profile", "**", "*"), recursive=True)
+  traces = [f for f in files if f.endswith((".xplane.pb", "perfetto_trace.json.gz"))]
+  assert len(traces) == 2 and all(os.path.getsize(f) > 0 for f in traces), files
+  prev = dict.fromkeys(TIMES, 0.0)
+  for rec in lines:
+    assert all(rec[k] >= prev[k] >= 0 for k in TIMES), rec
+    assert sum(rec[k] for k in TIMES) <= rec["wall_time"] + 1e-3, rec
+    assert abs(rec["goodput"] - rec["time_steps"] / rec["wall_time"]) <= 1e-3
+    assert 0 < rec["goodput"] <= 1
+    prev = {k: rec[k] for k in TIMES}
+  assert lines[-1]["time_checkpoint"] > 0 and lines[-1]["time_init"] > 0
 
-  r = _main("generate", f"--workdir={wd}", "--prompt=def ", "--max_new_tokens=8")
+  r = _main("generate", f"--workdir={wd}", "--prompt=def ", "--max_new_tokens=4")
   assert r.returncode == 0, r.stderr[-3000:]
   assert r.stdout.startswith("def ")
 
-  r = _main("train", "--config=k3_tiny", "--override=d_model=48", "--steps=3",
-            f"--workdir={wd}")
+  r = _main("train", *MODEL, "--override=d_model=48", f"--steps={STEPS}", f"--workdir={wd}")
   assert r.returncode == 2 and "different model config" in r.stderr and "d_model" in r.stderr
-  assert os.path.isdir(os.path.join(wd, "checkpoints", "3"))       # nothing lost
+  assert os.path.isdir(os.path.join(wd, "checkpoints", str(STEPS)))       # nothing lost
 
 
 def test_generate_without_checkpoint_is_a_clear_error(tmp_path):
