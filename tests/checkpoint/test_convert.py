@@ -305,7 +305,7 @@ def test_export_streams_with_bounded_host_memory(tmp_path):
     _, peak = tracemalloc.get_traced_memory()
   finally:
     tracemalloc.stop()
-  assert peak < model_bytes / 2, (peak, model_bytes)       # measured: 0.06 of them
+  assert peak < model_bytes / 2, (peak, model_bytes)       # measured: 0.11 (old: 1.02)
   assert res["step"] == 0 and res["num_shards"] > 10
   files = [p for p in _files(hf) if p.endswith(".safetensors")]
   assert files == [p for p in _files(out) if p.endswith(".safetensors")]
