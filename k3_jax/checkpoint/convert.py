@@ -10,7 +10,9 @@ Import: such a directory (either kimi_linear dialect, or kimi_k3) -> ModelConfig
 state, after checking that exactly the expected tensors are present with the expected shapes
 and dtypes; then an Orbax checkpoint `train` resumes from and `generate` loads.
 
-Both stream tensor by tensor (safetensors_io); the state itself is held once.
+Both stream tensor by tensor (safetensors_io): an export from Orbax reads one row (a layer's
+slice, an expert's matrix) at a time (OrbaxVariables), an import writes one at a time
+(streaming.LazyArray); neither holds the model.
 """
 
 from __future__ import annotations
