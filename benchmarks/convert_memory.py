@@ -7,7 +7,7 @@ Writes a random model of the config as a Hugging Face directory (variable by var
 the whole model), then runs in fresh processes, one at a time: a bare process that imports
 what `convert` imports (the floor), the import (safetensors -> Orbax step-0 train state) and
 the export (Orbax -> safetensors; dense experts, then MXFP4 where the widths allow). Each
-child reports its own peak RSS (getrusage ru_maxrss). Prints a table and one JSON line.
+child reports its own peak RSS (VmHWM). Prints a table and one JSON line.
 """
 
 from __future__ import annotations
@@ -25,6 +25,16 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 def _peak_gb() -> float:
+  """This process's peak RSS: VmHWM of /proc/self/status (its own address space's high-water
+  mark). Not ru_maxrss: Linux carries the parent's peak into a child across fork + exec, so
+  every child would report at least the parent's size (the parent wrote the model)."""
+  try:
+    with open("/proc/self/status") as f:
+      for line in f:
+        if line.startswith("VmHWM:"):
+          return int(line.split()[1]) * 1024 / 1e9                       # kB
+  except OSError:
+    pass
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9   # KiB on Linux
 
 

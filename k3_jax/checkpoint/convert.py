@@ -10,7 +10,9 @@ Import: such a directory (either kimi_linear dialect, or kimi_k3) -> ModelConfig
 state, after checking that exactly the expected tensors are present with the expected shapes
 and dtypes; then an Orbax checkpoint `train` resumes from and `generate` loads.
 
-Both stream tensor by tensor (safetensors_io); the state itself is held once.
+Both stream tensor by tensor (safetensors_io): an export from Orbax reads one row (a layer's
+slice, an expert's matrix) at a time (OrbaxVariables), an import writes one at a time
+(streaming.LazyArray); neither holds the model.
 """
 
 from __future__ import annotations
@@ -108,14 +110,24 @@ def _finish_out_dir(tmp: str, out_dir: str) -> None:
     os.replace(tmp, out_dir)
 
 
+def _row_source(source):
+  """row(path, idx) -> variable[idx] from a dict path -> array, a callable path -> array, or
+  an object with .read(path, idx) (a streamed source: rows read from disk one at a time);
+  and whole(path) -> the full variable, or None for a streamed source."""
+  if hasattr(source, "read"):
+    return source.read, None
+  whole = (lambda p: source[p]) if isinstance(source, dict) else source
+  return (lambda p, idx: np.asarray(whole(p))[idx] if idx else np.asarray(whole(p))), whole
+
+
 def export_state(cfg: ModelConfig, get_value, out_dir: str, max_shard_size="5GB",
                  force: bool = False, expert_format: str = "auto",
                  metadata: dict | None = None) -> dict:
-  """Writes a Hugging Face directory. get_value(path) -> that variable's full host array
-  (or a dict path -> array). Returns the plan plus timing."""
-  if isinstance(get_value, dict):
-    values = get_value
-    get_value = lambda p: values[p]
+  """Writes a Hugging Face directory. get_value: a dict path -> array, a callable
+  path -> that variable's full host array, or a streamed source with .read(path, idx) ->
+  variable[idx] (OrbaxVariables): then only one entry's row (a layer's slice, an expert's
+  matrix) is held at a time. Returns the plan plus timing."""
+  row, whole = _row_source(get_value)
   p = plan(cfg, max_shard_size, expert_format)
   entries, shards = p.pop("_entries"), p.pop("_shards")
   by_tensor = {t.name: (e, i) for e in entries for i, t in enumerate(e.tensors)}
@@ -125,17 +137,18 @@ def export_state(cfg: ModelConfig, get_value, out_dir: str, max_shard_size="5GB"
 
   def produce(t):
     e, i = by_tensor[t.name]
-    if e.kind == "mxfp4":             # quantize the whole stacked variable once (vectorised);
-      mx = cache.setdefault("mx", {})   # a layer's w1/w2/w3 interleave: keep the last three
-      if e.path not in mx:
+    if e.kind == "mxfp4" and whole is not None:   # in memory: quantize the whole stacked
+      mx = cache.setdefault("mx", {})   # variable once (vectorised); a layer's w1/w2/w3
+      if e.path not in mx:              # interleave: keep the last three
         if len(mx) >= 3:
           mx.pop(next(iter(mx)))
-        mx[e.path] = E.pack_mxfp4_stacked(get_value(e.path))
+        mx[e.path] = E.pack_mxfp4_stacked(whole(e.path))
       codes, scales = mx[e.path]
       return np.ascontiguousarray((codes if i == 0 else scales)[e.index].T)
-    if cache.get("entry") is not e:
-      var = np.asarray(get_value(e.path))
-      cache["entry"], cache["arrays"] = e, E.to_disk(e, var[e.index] if e.index else var)
+    if cache.get("entry") is not e:     # (streamed MXFP4: packed expert by expert, the same
+      cache["entry"] = cache["arrays"] = None   # bytes as the stacked packing)
+      cache["arrays"] = E.to_disk(e, row(e.path, e.index))
+      cache["entry"] = e
     return cache["arrays"][i]
 
   try:
@@ -299,12 +312,41 @@ def restore_workdir(workdir: str, step: int | None = None):
   return loaded.cfg, loaded.step, flat
 
 
+class OrbaxVariables:
+  """The model variables of an Orbax checkpoint (parameters and balancing biases of `step`
+  or the newest good one, with the fallback of restore_params), read row by row with
+  tensorstore: `read(path, idx)` -> variable[idx], never the whole checkpoint."""
+
+  def __init__(self, workdir: str, step: int | None = None, log=print):
+    from k3_jax.checkpoint.manager import CheckpointManager, saved_config
+    self.cfg = saved_config(workdir)
+    if self.cfg is None:
+      raise FileNotFoundError(f"no checkpoints in {workdir}")
+    mgr = CheckpointManager(workdir, self.cfg, read_only=True)
+    try:
+      self.step, self._stored = mgr.stored_params(step, log)
+    finally:
+      mgr.close()
+
+  def _keys(self, path: tuple) -> tuple:
+    for part in ("params", "rest"):
+      keys = (part, *map(str, path), "value")
+      if keys in self._stored:
+        return keys
+    raise LayoutError(f"the checkpoint holds no model variable {'/'.join(map(str, path))}")
+
+  def read(self, path: tuple, idx: tuple = ()) -> np.ndarray:
+    return self._stored.read(self._keys(path), idx)
+
+
 def export_workdir(workdir: str, out_dir: str, step: int | None = None, **kw) -> dict:
-  cfg, step, flat = restore_workdir(workdir, step)
-  layout_entries(cfg, kw.get("expert_format", "auto"))   # fail before touching out_dir
-  out = export_state(cfg, lambda p: np.asarray(flat[p]), out_dir,
-                     metadata={"source_step": step}, **kw)
-  out["step"] = step
+  """Orbax checkpoint -> Hugging Face directory, streamed: each output tensor is read from
+  the checkpoint (one layer's slice, one expert's matrix) when its shard is written, so host
+  memory holds about one row and one shard's buffers, never the model."""
+  src = OrbaxVariables(workdir, step)
+  layout_entries(src.cfg, kw.get("expert_format", "auto"))   # fail before touching out_dir
+  out = export_state(src.cfg, src, out_dir, metadata={"source_step": src.step}, **kw)
+  out["step"] = src.step
   return out
 
 

@@ -284,9 +284,10 @@ class CheckpointManager:
     return out.state
 
   def _first_good(self, load: Callable[[int], object], step: int | None,
-                  log: Callable[[str], None]):
+                  log: Callable[[str], None], finite: Callable[[object], bool] | None = None):
     """(step, load(step)) of `step` or else the newest step that loads with finite
-    parameters; each unusable newer step is reported in one line."""
+    parameters (finite(loaded); default: its "params" checked in memory); each unusable
+    newer step is reported in one line."""
     steps = self.all_steps()
     if step is not None:
       if step not in steps:
@@ -311,8 +312,11 @@ class CheckpointManager:
         except Exception as e:         # any read error: an unverified step's damaged files
           problem = f"checkpoint step {s} in {self.directory} is unreadable ({_short(e)})"
         else:
-          params = out[0]["params"] if isinstance(out, tuple) else out["params"]
-          if _finite(params):
+          if finite is not None:
+            ok = finite(out)
+          else:
+            ok = _finite(out[0]["params"] if isinstance(out, tuple) else out["params"])
+          if ok:
             return s, out
           problem = f"checkpoint step {s} in {self.directory} holds non-finite parameters"
       problems.append((s, problem))
@@ -350,6 +354,19 @@ class CheckpointManager:
       raise FileNotFoundError(f"{self.workdir} has a config but no completed checkpoint")
     good, out = found
     return good, out["params"], out["rest"]
+
+  def stored_params(self, step: int | None = None, log: Callable[[str], None] = print):
+    """(step, streaming.StoredArrays of its state) to read the parameters and balancing
+    biases row by row (export), never whole: `step` or the newest good one, with the same
+    fallback as restore_params (the finite check streams, a row at a time)."""
+    def load(s):                       # read errors here are reported like a restore's
+      st = streaming.StoredArrays(os.path.join(self.step_path(s), "state"))
+      return st, st.all_finite(("params",)) and st.all_finite(("rest",))
+
+    found = self._first_good(load, step, log, finite=lambda out: out[1])
+    if found is None:
+      raise FileNotFoundError(f"{self.workdir} has a config but no completed checkpoint")
+    return found[0], found[1][0]
 
   def set_aside(self, steps: list[int], why: str, log: Callable[[str], None]) -> None:
     """Renames these step directories to `<step>.<why>-<time>`: kept on disk, no longer

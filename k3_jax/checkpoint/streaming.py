@@ -16,13 +16,16 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import itertools
+import json
 import math
+import os
 from typing import Callable
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
+from etils import epath
 
 
 BATCH_BYTES = 16 << 20
@@ -125,6 +128,71 @@ class LazyArrayHandler(ocp.type_handlers.NumpyHandler):
     release_freed_memory()
 
 
+class StoredArrays:
+  """The arrays of a saved Orbax PyTree item (e.g. a step's `state` directory, as `save`
+  and `save_streamed` write it: zarr arrays, under OCDBT or not), read with tensorstore a
+  row at a time, never whole: `read(keys, idx)` -> array[idx]. keys: the leaf's tree path
+  as strings (("params", "embed", "table", "value")). Opening reads only metadata."""
+
+  def __init__(self, item_dir: str):
+    with open(os.path.join(item_dir, "_METADATA")) as f:
+      meta = json.load(f)
+    self.dir = item_dir
+    self._use_ocdbt = bool(meta.get("use_ocdbt", True))
+    self._ctx = ocp.type_handlers.get_ts_context(use_ocdbt=self._use_ocdbt)
+    self._info = lambda name: ocp.type_handlers.ParamInfo(
+        name=name, parent_dir=epath.Path(item_dir), is_ocdbt_checkpoint=self._use_ocdbt,
+        use_zarr3=bool(meta.get("use_zarr3", False)), ts_context=self._ctx)
+    self._leaves = {
+        tuple(k["key"] for k in v["key_metadata"]): ".".join(k["key"] for k in v["key_metadata"])
+        for v in meta["tree_metadata"].values()
+        if not v.get("value_metadata", {}).get("skip_deserialize")}
+    self._stores: dict[tuple, ts.TensorStore] = {}
+
+  def keys(self) -> list[tuple]:
+    return list(self._leaves)
+
+  def __contains__(self, keys) -> bool:
+    return tuple(keys) in self._leaves
+
+  def _store(self, keys: tuple) -> ts.TensorStore:
+    keys = tuple(keys)
+    if keys not in self._stores:
+      if keys not in self._leaves:
+        raise KeyError(f"{self.dir} holds no array {'/'.join(keys)}")
+      spec = ocp.type_handlers.get_json_tspec_read(self._info(self._leaves[keys]),
+                                                    use_ocdbt=self._use_ocdbt)
+      self._stores[keys] = ts.open(ts.Spec(spec), open=True, read=True,
+                                   context=self._ctx).result()
+    return self._stores[keys]
+
+  def shape(self, keys) -> tuple[int, ...]:
+    return tuple(self._store(keys).shape)
+
+  def read(self, keys, idx: tuple = ()) -> np.ndarray:
+    """array[idx] (idx: ints over leading axes), read from disk now."""
+    t = self._store(keys)
+    return np.asarray(t[tuple(int(i) for i in idx)].read().result() if idx else
+                      t.read().result())
+
+  def rows(self, keys):
+    """Leading indices that cut the array into pieces of at most a matrix."""
+    shape = self.shape(keys)
+    return itertools.product(*(range(n) for n in shape[:max(0, len(shape) - 2)]))
+
+  def all_finite(self, prefix: tuple = ()) -> bool:
+    """Whether every float array under `prefix` is finite, checked one row at a time."""
+    for keys in self.keys():
+      if keys[:len(prefix)] != tuple(prefix):
+        continue
+      if not np.issubdtype(np.dtype(self._store(keys).dtype.numpy_dtype), np.inexact):
+        continue
+      for idx in self.rows(keys):
+        if not np.isfinite(self.read(keys, idx)).all():
+          return False
+    return True
+
+
 def release_freed_memory() -> None:
   """Hands freed heap memory back to the OS (glibc's malloc_trim; nothing elsewhere). The
   rows pass through many threads' malloc arenas, which otherwise keep what they freed: the
@@ -186,4 +254,5 @@ def largest_row_bytes(tree) -> int:
               for x in jax.tree.leaves(tree) if isinstance(x, LazyArray)), default=0)
 
 
-__all__ = ["LazyArray", "LazyArrayHandler", "constant", "constant_leaves", "largest_row_bytes"]
+__all__ = ["LazyArray", "LazyArrayHandler", "StoredArrays", "constant", "constant_leaves",
+           "largest_row_bytes"]

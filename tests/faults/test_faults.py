@@ -224,6 +224,11 @@ def test_restore_refuses_non_finite_parameters_and_falls_back(tmp_path, monkeypa
   step, params, rest = reader.restore_params(abstract, shardings, log=logs.append)
   assert step == 1 and np.all(np.asarray(params["w"]) == 1) and len(logs) == 1
   assert "step 2" in logs[0] and "non-finite" in logs[0] and "using step 1" in logs[0]
+  # the export's streamed read (tensorstore, row by row) chooses the same step, alike
+  streamed_logs = []
+  s, stored = reader.stored_params(log=streamed_logs.append)
+  assert s == 1 and streamed_logs == logs
+  assert np.all(stored.read(("params", "w")) == 1) and stored.read(("params", "w"), (2,)) == 1
   state, data = ckpt.restore_for_training(abstract, shardings, log=logs.append)
   assert int(state["step"]) == 1 and data == {"pos": 1}
   assert any(n.startswith("2.damaged-") for n in os.listdir(tmp_path / "checkpoints"))
