@@ -297,21 +297,6 @@ def load_model(hf_dir: str):
 
 # ----- Orbax workdirs -----------------------------------------------------------------------
 
-def restore_workdir(workdir: str, step: int | None = None):
-  """(cfg, step, flat state path -> host array) of an Orbax checkpoint in `workdir`: only the
-  parameters and balancing biases are read (checkpoint.inference), never the optimizer
-  state, so an export holds the model once."""
-  import jax
-  from k3_jax.checkpoint.inference import load_for_inference
-  from sharding.mesh import make_mesh
-  loaded = load_for_inference(workdir, make_mesh(devices=jax.devices()[:1]), step)
-  flat = {}
-  for part in (loaded.params, loaded.rest):
-    for path, var in nnx.to_flat_state(part):
-      flat[tuple(path)] = var.get_value() if hasattr(var, "get_value") else var
-  return loaded.cfg, loaded.step, flat
-
-
 class OrbaxVariables:
   """The model variables of an Orbax checkpoint (parameters and balancing biases of `step`
   or the newest good one, with the fallback of restore_params), read row by row with

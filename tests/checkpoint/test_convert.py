@@ -6,6 +6,7 @@ import filecmp
 import json
 import os
 
+import jax
 import numpy as np
 import pytest
 
@@ -13,9 +14,11 @@ import configs
 from flax import nnx
 
 from k3_jax.checkpoint import convert, safetensors_io as stio
+from k3_jax.checkpoint.inference import load_for_inference
 from k3_jax.checkpoint.layouts import LayoutError
 from k3_jax.model import create_model
 from k3_jax.ops.mx import dequantize, quantize
+from sharding.mesh import make_mesh
 
 from ckpt_configs import k3_tiny_mx, kimi_linear_small  # tests/checkpoint/ckpt_configs.py
 
@@ -98,8 +101,9 @@ def test_orbax_roundtrip_through_cli_library(tmp_path):
   assert res["direction"] == "import"
   with pytest.raises(FileExistsError):
     convert.run(a, work)                                            # no overwrite without force
-  cfg_w, step, flat = convert.restore_workdir(work)
-  assert step == 0 and cfg_w.layer_kinds() == cfg.layer_kinds() and cfg_w.moe == cfg.moe
+  loaded = load_for_inference(work, make_mesh(devices=jax.devices()[:1]))   # as generate
+  cfg_w, flat = loaded.cfg, [tuple(p) for p, _ in nnx.to_flat_state(loaded.params)]
+  assert loaded.step == 0 and cfg_w.layer_kinds() == cfg.layer_kinds() and cfg_w.moe == cfg.moe
   assert cfg_w.vision == cfg.vision and any(p[0] == "vision" for p in flat)
   res = convert.run(work, str(tmp_path / "b"))
   assert res["direction"] == "export" and res["gb_per_s"] > 0
@@ -255,7 +259,6 @@ def test_import_streams_with_bounded_host_memory(tmp_path):
   from benchmarks.convert_memory import random_value, write_random_hf
   from k3_jax.checkpoint.layouts.common import variable_shapes
   from k3_jax.config import TrainConfig, apply_overrides
-  from sharding.mesh import make_mesh
   from sharding.rules import tree_shardings
   # 4 layers with wide experts: few leaves (the fixed cost, about 16 MB of Python objects
   # while tracing the abstract state and writing Orbax's metadata) against 78 MB
