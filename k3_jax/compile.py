@@ -126,7 +126,7 @@ def init_report(cfg: ModelConfig, tc: TrainConfig, target: Target, mesh) -> dict
   report = {"config": cfg.name, "step": "init", "topology": target.topology,
             "target": target.name, "num_slices": target.num_slices, "chips": target.chips,
             "mesh": {k: int(v) for k, v in mesh.shape.items()}, "optimizer": tc.optimizer,
-            "state_bytes": train.tree_bytes(steps.abstract_state),
+            "state_bytes": aot.tree_bytes(steps.abstract_state),
             "expected_params_bytes_per_chip": params,
             "expected_opt_state_bytes_per_chip": opt,
             "expected_state_bytes_per_chip": params + opt}

@@ -12,7 +12,6 @@ import contextlib
 import dataclasses
 import functools
 import json
-import math
 import os
 import time
 from typing import Any, Callable
@@ -30,6 +29,7 @@ from k3_jax.model import K3Model, create_model
 from k3_jax.ops.balance import load_stats
 from k3_jax.optim.muon import decay_mask, per_head_muon
 from k3_jax.optim.qk_clip import qk_clip
+from sharding.aot import tree_bytes
 from sharding.install import activation_rules
 from sharding.rules import logical_to_spec, tree_shardings
 
@@ -118,11 +118,6 @@ def sharded_init(cfg: ModelConfig, tc: TrainConfig, optimizer, state_shardings):
   cpu = all(d.platform == "cpu" for d in mesh.devices.flat)
   return jax.jit(init, out_shardings=state_shardings,
                  compiler_options={"xla_backend_optimization_level": 0} if cpu else None)
-
-
-def tree_bytes(tree) -> int:
-  """Bytes of a pytree of arrays or ShapeDtypeStructs."""
-  return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
 
 
 def host_memory_bytes() -> int:
@@ -585,5 +580,5 @@ def _progress_line(r: dict, total: int, elapsed: float) -> str:
 
 
 __all__ = ["make_optimizer", "lr_schedule", "init_state", "abstract_state", "sharded_init",
-           "init_mode", "fresh_state", "tree_bytes", "train_step",
+           "init_mode", "fresh_state", "train_step",
            "eval_step", "build_steps", "run", "save_train_config", "summary_line", "Steps"]

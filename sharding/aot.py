@@ -30,6 +30,11 @@ def with_shardings(shapes, shardings):
                       is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
 
 
+def tree_bytes(tree) -> int:
+  """Bytes of a pytree of arrays or ShapeDtypeStructs, whole (not per device)."""
+  return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
+
+
 def shard_bytes(shapes, shardings) -> int:
   """Bytes one device holds of `shapes` (arrays or ShapeDtypeStructs) laid out by
   `shardings` (a prefix tree of it): per leaf, its shard's shape times the item size."""

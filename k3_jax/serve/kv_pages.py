@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sharding import aot
+
 PAGE = 512          # tokens per MLA page = one prefix-cache hash block (K3_SPEC section 9)
 NULL_PAGE = 0
 
@@ -148,7 +150,7 @@ def zeros_rows(states: dict, n: int) -> dict:
 
 def tree_bytes(tree, rows: int = 1, batch: int | None = None) -> int:
   """Bytes of `tree`, or of `rows` of its batch rows when it has `batch` of them."""
-  total = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))
+  total = aot.tree_bytes(tree)
   return total if batch is None else total * rows // batch
 
 
