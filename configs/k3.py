@@ -26,7 +26,11 @@ def get_config() -> ModelConfig:
       mla=MLAConfig(num_heads=96, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
                     qk_rope_head_dim=64, v_head_dim=128, output_gate=True),
       moe=MoEConfig(num_experts=896, top_k=16, num_shared_experts=2, expert_intermediate=3072,
-                    latent_dim=3584, routed_scaling_factor=1.0),
+                    latent_dim=3584, routed_scaling_factor=1.0,
+                    # K3_SPEC section 3: at scale the quantiles come from a pooled
+                    # histogram (~1000 bins); the exact ones would gather every token's
+                    # [896] router margins (f32) onto each chip.
+                    qb_bins=1000),
       attn_res=AttnResConfig(enabled=True, block_size=12),
   )
 

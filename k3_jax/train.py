@@ -210,7 +210,9 @@ def train_step(graphdef, optimizer, cfg: ModelConfig, tc: TrainConfig, state: di
   grads, loss_sum, count, load, bias_sum, max_logit = carry
   # Sums over tokens, then one division: the gradient of the mean over all micro-batches.
   denom = jnp.maximum(count, 1.0)
-  grads = jax.tree.map(lambda g: g / denom, grads)
+  # In the parameters' dtype: a float32 denominator would promote BF16 gradients, and with
+  # them the optimizer's moments, to float32 (a second copy of the state per chip).
+  grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), grads)
   updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
   params = optax.apply_updates(state["params"], updates)
   rest = state["rest"]
@@ -227,7 +229,10 @@ def train_step(graphdef, optimizer, cfg: ModelConfig, tc: TrainConfig, state: di
   # optimizer state and balancing biases stay as they were (only the step advances), so a
   # checkpoint never holds a non-finite state. The loop counts skipped steps.
   ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & _all_finite(params)
-  keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+  # Each leaf leaves in the dtype it came in, so the donated state is reused in place and
+  # the next step finds the same signature (no recompilation at step 2).
+  keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a.astype(b.dtype), b),
+                                       new, old)
   new_state = {"step": state["step"] + 1, "params": keep(params, state["params"]),
                "rest": keep(rest, state["rest"]),
                "opt_state": keep(opt_state, state["opt_state"])}

@@ -147,3 +147,21 @@ def test_checkpoint_of_another_config_is_refused(tmp_path):
   ckpt.wait()
   with pytest.raises(CheckpointMismatch, match="d_model"):
     CheckpointManager(str(tmp_path), other)
+
+
+def test_bf16_state_leaves_the_step_in_its_dtypes():
+  """A BF16 model under Muon: every leaf of the state (parameters, Muon momentum, AdamW
+  moments) leaves the step in the dtype it came in, so the donated state is reused and the
+  second step finds the same signature. (A float32 token count once promoted BF16
+  gradients, and with them the momentum, to float32: 1.5x the state per chip at k3 size.)
+  Shapes only: jax.eval_shape traces the real step without running it."""
+  cfg = dataclasses.replace(CFG, dtype="bfloat16", param_dtype="bfloat16")
+  tc = dataclasses.replace(TC, optimizer="muon")
+  optimizer = train.make_optimizer(tc)
+  graphdef, state = train.abstract_state(cfg, tc, optimizer)
+  batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in _batches(1)[0].items()}
+  new_state, _ = jax.eval_shape(
+      functools.partial(train.train_step, graphdef, optimizer, cfg, tc), state, batch)
+  dtypes = lambda t: jax.tree.map(lambda x: str(x.dtype), t)
+  assert "bfloat16" in jax.tree.leaves(dtypes(state["opt_state"]))
+  assert dtypes(new_state) == dtypes(state)
