@@ -63,4 +63,11 @@ def get_pod_layouts():
       # latent caches are split over their length instead (rules "cache_seq").
       PodLayout(topology="v5p-128", step="decode", mesh="expert:64", global_batch=8,
                 cache_len=1_048_576, expert_format="mxfp4"),
+      # 64 chips, one 1M-token prompt: its tokens split over the 64 chips (rules "seq" takes
+      # the expert axis the batch of one leaves): KDA context-parallel, MLA blockwise over
+      # the gathered latent cache, experts (MXFP4) exchanging tokens over the same axis,
+      # buffers bounded at 2x the balanced load.
+      PodLayout(topology="v5p-128", step="prefill", mesh="expert:64", global_batch=1,
+                seq_len=1_048_576, cache_len=1_048_576, expert_format="mxfp4",
+                ep_capacity=2.0),
   )

@@ -188,7 +188,8 @@ def _serving_program(cfg: ModelConfig, mesh, step: str, batch: int, seq: int, le
 
   def run(params, rest, tokens):
     with activation_rules(mesh):
-      logits, cache = prefill(nnx.merge(graphdef, params, rest), tokens, length)
+      logits, cache = prefill(nnx.merge(graphdef, params, rest), tokens, length,
+                              last_only=True)
     return logits[:, -1], cache          # the next-token logits and the filled cache
   toks = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
   t_sh = aot.batch_shardings(toks, mesh, 0)

@@ -275,8 +275,12 @@ class K3Model(nnx.Module):
 
   def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
                cache: dict | None = None, remat: str = "none", train: bool = False,
-               images: dict | None = None, image_features: jax.Array | None = None):
+               images: dict | None = None, image_features: jax.Array | None = None,
+               last_only: bool = False):
     """tokens [B, T] -> (logits [B, T, vocab] f32, new cache or None, aux).
+
+    last_only: the logits of the last position alone ([B, 1, vocab]): a prefill needs no
+    others (at T = 1M the whole [T, vocab] f32 logits would be 671 GB).
 
     images: packed image patches (k3_jax/ops/vision.py) whose features replace the image
     placeholder tokens of `tokens`, in order; None (text only) runs exactly as before.
@@ -318,6 +322,8 @@ class K3Model(nnx.Module):
       if new_cache is not None:
         new_cache["units"] = unit_caches
     x = run_list("suffix", self.suffix, x, prefix + reps * period)
+    if last_only:     # the stream's [.., T, D] arrays (or x) at the last position
+      x = jax.tree.map(lambda a: a[..., -1:, :] if a.ndim >= 3 else a, x)
     if self.cfg.attn_res.enabled:
       x = self.final_query(x, self.cfg.norm_eps)
     logits = self.lm_head(self.final_norm(x))
@@ -375,11 +381,12 @@ def forward(model: K3Model, tokens, segment_ids=None, remat: str = "none") -> ja
 
 
 def prefill(model: K3Model, tokens: jax.Array, max_len: int,
-            images: dict | None = None) -> tuple[jax.Array, dict]:
+            images: dict | None = None, last_only: bool = False) -> tuple[jax.Array, dict]:
   """tokens [B, T] -> (logits [B, T, vocab], cache ready for decoding at position T).
-  images: packed images whose features replace the prompt's placeholders."""
+  images: packed images whose features replace the prompt's placeholders. last_only: the
+  last position's logits alone ([B, 1, vocab]), all that generating needs."""
   cache = model.init_cache(tokens.shape[0], max_len)
-  logits, cache, _ = model(tokens, cache=cache, images=images)
+  logits, cache, _ = model(tokens, cache=cache, images=images, last_only=last_only)
   return logits, cache
 
 

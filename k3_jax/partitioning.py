@@ -62,11 +62,14 @@ class ParallelOps:
     short_conv        k3_jax.ops.conv.short_conv(x, weight, segment_ids, cache)
     latent_attention  k3_jax.ops.attention.latent_attention(q_nope, q_rope, c_kv, k_r,
                       w_kvb, scale, dtype, q_segment_ids, kv_segment_ids, q_offset)
+    absorbed_attention  k3_jax.ops.attention.blockwise_absorbed_attention(q_latent, q_rope,
+                      c_kv, k_rope, scale, q_pos) (prefill over a cache)
   """
   moe_dispatch: Callable | None = None
   chunk_kda: Callable | None = None
   short_conv: Callable | None = None
   latent_attention: Callable | None = None
+  absorbed_attention: Callable | None = None
 
 
 _PARALLEL_OPS: contextvars.ContextVar[ParallelOps] = contextvars.ContextVar(
@@ -98,6 +101,16 @@ def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
   if len(axes) != x.ndim:
     raise ValueError(f"constrain: {len(axes)} logical axes {axes} for an array of rank {x.ndim}")
   return jax.lax.with_sharding_constraint(x, resolver(x.shape, axes))
+
+
+def is_split(shape: tuple[int, ...], axes: tuple[str | None, ...], dim: int) -> bool:
+  """Do the installed rules split dimension `dim` of an array of this shape and logical
+  axes over the mesh? (False without installed rules.)"""
+  resolver = _RESOLVER.get()
+  if resolver is None:
+    return False
+  entry = resolver(tuple(shape), tuple(axes)).spec
+  return len(entry) > dim and entry[dim] is not None
 
 
 @contextlib.contextmanager

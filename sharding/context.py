@@ -1,10 +1,12 @@
 """Context parallelism: KDA, its short convolution and MLA with the sequence split over the
-mesh's sequence axis (K3_SPEC sections 2 and 10).
+mesh axes that "seq" resolves to (K3_SPEC sections 2 and 10): the `sequence` axis, and in a
+batch too small for the batch axes (one 1M-token prompt) also the axes the batch left
+(rules "seq"). The split of an array is always read from its resolved PartitionSpec.
 
 Each op has the signature of its single-device reference (after the mesh argument) and is
-reached from the layers through `partitioning.parallel_ops()` when the active mesh has a
-sequence axis > 1. Sequence lengths the axis does not divide (or too short for the conv
-halo) fall back to the reference, which the partitioner still runs correctly.
+reached from the layers through `partitioning.parallel_ops()` when the active mesh has an
+axis "seq" may take. Where the sequence is not split (or too short for the conv halo) an op
+falls back to its reference, which the partitioner still runs correctly.
 
 KDA (KCP). The state recurrence is affine in the incoming state: over shard j,
     S_out = M_j S_in + S~_j,     M_j = prod_t (I - beta_t k_t k_t^T) Diag(alpha_t)   [K, K]
@@ -20,12 +22,19 @@ a shard need nothing: chunk_kda's reset zeroes the augmented columns too (M = 0 
 Extra cost: the value-width-dependent part of chunk_kda runs with V + K columns.
 
 Conv halo: the causal conv of width W needs the last W - 1 inputs of the previous shard
-(one ppermute), masked to the tokens of the document the shard starts in.
+(an all-gather of every shard's last W - 1 inputs: a few KB, and one numbering of shards
+with the all-gathers above when the sequence spans several mesh axes), masked to the tokens
+of the document the shard starts in.
 
-MLA: the latent KV (c_kv, k_r: R + P values per token) and the segment ids are
-all-gathered over the sequence axis; each shard expands them with W_kvb and attends its
-local queries over all keys, masked causally by global position (query position = shard
-offset + local index).
+MLA, training (plain form): the latent KV (c_kv, k_r: R + P values per token) and the
+segment ids are all-gathered over the sequence axes; each shard expands them with W_kvb
+and attends its local queries over all keys, masked causally by global position (query
+position = shard offset + local index).
+
+MLA, prefill (absorbed form over the cache): the cache's latents are gathered whole (R + P
+values per token: 1.2 GB for 1M tokens), and each shard runs the blockwise absorbed
+attention of its own queries at their global positions (ops/attention.py): no [T, S]
+logits anywhere.
 """
 
 from __future__ import annotations
@@ -46,6 +55,8 @@ _HI = jax.lax.Precision.HIGHEST
 
 
 def sequence_axes(mesh: Mesh) -> tuple[str, ...]:
+  """The mesh axes (> 1) that "seq" may take; which of them split a given array depends on
+  its batch (see `seq_split`)."""
   return tuple(a for a in RULES["seq"] if mesh.shape[a] > 1)
 
 
@@ -53,10 +64,17 @@ def _spec(mesh, shape, axes) -> P:
   return logical_to_spec(tuple(shape), tuple(axes), mesh)
 
 
-def _split_ok(mesh: Mesh, t: int, min_local: int = 1) -> bool:
-  """The sequence axis shards a length-t dimension, with at least min_local tokens each."""
-  p = math.prod(mesh.shape[a] for a in sequence_axes(mesh))
-  return p > 1 and t % p == 0 and t // p >= min_local
+def _names(entry) -> tuple[str, ...]:
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def seq_split(mesh: Mesh, b: int, t: int, min_local: int = 1) -> tuple[str, ...]:
+  """The mesh axes splitting the time axis of a [b, t] activation (its resolved spec; in
+  order, the first the most significant), or () when it is not split or a shard would
+  hold fewer than min_local tokens."""
+  axes = _names(_spec(mesh, (b, t), ("batch", "seq"))[1])
+  p = math.prod(mesh.shape[a] for a in axes)
+  return axes if axes and t // p >= min_local else ()
 
 
 # ----- KDA (KCP) -------------------------------------------------------------------
@@ -73,11 +91,11 @@ def kcp_chunk_kda(mesh: Mesh, q, k, v, g, beta, scale=None, initial_state=None,
   """
   b, t, h, kd = q.shape
   vd = v.shape[-1]
-  if not _split_ok(mesh, t):
+  seq = seq_split(mesh, b, t)
+  if not seq:
     return local_fn(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                     output_final_state=output_final_state, chunk_size=chunk_size,
                     segment_ids=segment_ids)
-  seq = sequence_axes(mesh)
   p = math.prod(mesh.shape[a] for a in seq)
   tok = _spec(mesh, q.shape, ("batch", "seq", "heads", None))
   gate = _spec(mesh, beta.shape, ("batch", "seq", "heads"))
@@ -136,8 +154,8 @@ def _kcp_local(q, k, v, g, beta, *rest, seq, p, scale, chunk_size, has_seg, has_
 # ----- short convolution with a halo ----------------------------------------------------
 
 def kcp_short_conv(mesh: Mesh, x, weight, segment_ids=None, cache=None):
-  """`conv_ops.short_conv` with the time axis split over the sequence axis: the window of a
-  shard's first tokens reaches the previous shard's last W - 1 inputs (one ppermute).
+  """`conv_ops.short_conv` with the time axis split over the sequence axes: the window of a
+  shard's first tokens reaches the previous shard's last W - 1 inputs (all-gathered).
 
   x [B, T, D] (D = H K, split like "heads"); weight [W, D]; segment_ids [B, T] or None;
   cache [B, W-1, D] or None (the inputs before the sequence, seen by the first shard).
@@ -145,9 +163,9 @@ def kcp_short_conv(mesh: Mesh, x, weight, segment_ids=None, cache=None):
   """
   b, t, d = x.shape
   w = weight.shape[0]
-  if not _split_ok(mesh, t, w - 1):
+  seq = seq_split(mesh, b, t, w - 1)
+  if not seq:
     return conv_ops.short_conv(x, weight, segment_ids=segment_ids, cache=cache)
-  seq = sequence_axes(mesh)
   p = math.prod(mesh.shape[a] for a in seq)
   x_spec = _spec(mesh, x.shape, ("batch", "seq", "heads"))
   c_spec = _spec(mesh, (b, w - 1, d), ("batch", None, "heads"))
@@ -171,8 +189,11 @@ def _conv_local(x, weight, *rest, seq, p, has_seg, has_cache):
   cache = rest.pop(0) if has_cache else None
   w = weight.shape[0]
   me = jax.lax.axis_index(seq)
-  shift = [(i, i + 1) for i in range(p - 1)]                           # shard 0 gets zeros
-  halo = jax.lax.ppermute(x[:, -(w - 1):], seq, shift)                 # [b, W-1, D]
+  # Every shard's last W - 1 inputs; shard i takes those of shard i - 1 (shard 0: zeros).
+  tails = lambda a: jax.lax.all_gather(a[:, -(w - 1):], seq)           # [P, b, W-1, ...]
+  before = lambda a: jnp.where(me == 0, jnp.zeros_like(a[0]), a[jnp.maximum(me - 1, 0)])
+  x_tails = tails(x)
+  halo = before(x_tails)                                               # [b, W-1, D]
   first = me == 0
   if has_cache:
     halo = jnp.where(first, cache.astype(x.dtype), halo)
@@ -180,14 +201,13 @@ def _conv_local(x, weight, *rest, seq, p, has_seg, has_cache):
     # Halo token j is in the document of this shard's first token iff no id change between
     # them: ids j..W-2 of the halo all equal the first token's id. (The cache, on shard 0,
     # belongs to the first document, as in short_conv.)
-    halo_seg = jax.lax.ppermute(seg[:, -(w - 1):], seq, shift)         # [b, W-1]
+    halo_seg = before(tails(seg))                                      # [b, W-1]
     same = halo_seg == seg[:, :1]
     visible = jnp.flip(jnp.cumprod(jnp.flip(same, 1), 1), 1).astype(bool)
     visible = visible | first
     halo = jnp.where(visible[..., None], halo, jnp.zeros_like(halo))
-  y, new = conv_ops.short_conv(x, weight, segment_ids=seg, cache=halo)
-  last = jax.lax.psum(jnp.where(me == p - 1, new.astype(jnp.float32), 0.0), seq)
-  return y, last.astype(new.dtype)
+  y, _ = conv_ops.short_conv(x, weight, segment_ids=seg, cache=halo)
+  return y, x_tails[p - 1]                      # the new cache: the last shard's last inputs
 
 
 # ----- MLA ------------------------------------------------------------------------------
@@ -199,11 +219,11 @@ def cp_latent_attention(mesh: Mesh, q_nope, q_rope, c_kv, k_r, w_kvb, scale, dty
   attends its queries at global positions (offset + local) over all T keys.
   Returns (o [B, T, H, V], max_logit [H] over all shards)."""
   b, t = q_nope.shape[:2]
-  if (not _split_ok(mesh, t) or c_kv.shape[1] != t or q_offset != 0
+  seq = seq_split(mesh, b, t)
+  if (not seq or c_kv.shape[1] != t or q_offset != 0
       or (q_segment_ids is None) != (kv_segment_ids is None)):
     return attn_ops.latent_attention(q_nope, q_rope, c_kv, k_r, w_kvb, scale, dtype,
                                       q_segment_ids, kv_segment_ids, q_offset)
-  seq = sequence_axes(mesh)
   head_spec = _spec(mesh, q_nope.shape, ("batch", "seq", "heads", None))
   lat = lambda a: _spec(mesh, a.shape, ("batch", "seq", None))
   args = [q_nope, q_rope, c_kv, k_r, w_kvb]
@@ -213,9 +233,7 @@ def cp_latent_attention(mesh: Mesh, q_nope, q_rope, c_kv, k_r, w_kvb, scale, dty
   if has_seg:
     args += [q_segment_ids, kv_segment_ids]
     specs += [_spec(mesh, (b, t), ("batch", "seq"))] * 2
-  batch_axes = tuple(a for a in (head_spec[0] if isinstance(head_spec[0], tuple)
-                                 else (head_spec[0],)) if a)
-  body = functools.partial(_mla_local, seq=seq, reduce_axes=batch_axes + seq, scale=scale,
+  body = functools.partial(_mla_local, seq=seq, reduce_axes=_names(head_spec[0]) + seq, scale=scale,
                            dtype=dtype, has_seg=has_seg)
   max_spec = P(head_spec[2])
   fn = jax.shard_map(body, mesh=mesh, in_specs=tuple(specs), out_specs=(head_spec, max_spec),
@@ -235,10 +253,37 @@ def _mla_local(q_nope, q_rope, c_kv, k_r, w_kvb, *rest, seq, reduce_axes, scale,
   return o, max_logit
 
 
+def cp_absorbed_attention(mesh: Mesh, q_latent, q_rope, c_kv, k_rope, scale, q_pos):
+  """`k3_jax.ops.attention.blockwise_absorbed_attention` with the queries (and their
+  positions q_pos [B, T]) split over the sequence axes: the latents [B, S, R] / [B, S, P]
+  are gathered whole on every shard of a batch row, and each shard attends its own
+  queries. Returns (latent output [B, T, H, R] f32, max_logit [H] over all shards)."""
+  b, t = q_pos.shape
+  seq = seq_split(mesh, b, t)
+  if not seq:
+    return attn_ops.blockwise_absorbed_attention(q_latent, q_rope, c_kv, k_rope, scale, q_pos)
+  q_spec = _spec(mesh, q_latent.shape, ("batch", "seq", "heads", None))
+  kv_spec = lambda a: P(q_spec[0], None, None)                         # whole length
+  body = functools.partial(_absorbed_local, scale=scale,
+                           reduce_axes=_names(q_spec[0]) + seq)
+  fn = jax.shard_map(body, mesh=mesh,
+                     in_specs=(q_spec, q_spec, kv_spec(c_kv), kv_spec(k_rope),
+                               P(q_spec[0], q_spec[1])),
+                     out_specs=(q_spec, P(q_spec[2])), check_vma=False)
+  return fn(q_latent, q_rope, c_kv, k_rope, q_pos)
+
+
+def _absorbed_local(q_latent, q_rope, c_kv, k_rope, q_pos, *, scale, reduce_axes):
+  o, max_logit = attn_ops.blockwise_absorbed_attention(q_latent, q_rope, c_kv, k_rope, scale,
+                                                        q_pos)
+  return o, jax.lax.pmax(max_logit, reduce_axes)
+
+
 def parallel_ops(mesh: Mesh) -> dict:
-  """The context-parallel ops when the mesh has a sequence axis > 1."""
+  """The context-parallel ops when the mesh has an axis the sequence may take."""
   if not sequence_axes(mesh):
     return {}
   return {"chunk_kda": functools.partial(kcp_chunk_kda, mesh),
           "short_conv": functools.partial(kcp_short_conv, mesh),
-          "latent_attention": functools.partial(cp_latent_attention, mesh)}
+          "latent_attention": functools.partial(cp_latent_attention, mesh),
+          "absorbed_attention": functools.partial(cp_absorbed_attention, mesh)}

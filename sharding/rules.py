@@ -22,7 +22,10 @@ RULES: dict[str, tuple[str, ...]] = {
     # the heads, so no device repeats another's work (the expert axis holds different
     # tokens too; expert parallelism sends each token-expert pair to its expert's owner)
     "batch": ("data", "fsdp", "expert"),
-    "seq": ("sequence",),
+    # the sequence: over `sequence`, and over the batch axes a batch too small for them left
+    # unused (one 1M-token prompt on an expert mesh: its tokens split over the experts'
+    # chips, which expert parallelism then exchanges as it does batch rows)
+    "seq": ("sequence", "expert", "fsdp", "data"),
     # the length of a prefill / decode cache (MLA latents): over the axes its batch left
     # unused, so a 1M-token cache of a few sequences is split over the mesh, not repeated
     "cache_seq": ("sequence", "expert", "fsdp", "data", "tensor"),

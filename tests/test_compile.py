@@ -85,6 +85,16 @@ def test_k3_pod_layout_fills_what_is_not_given():
   assert (c4, t4) == (cfg, tc) and kw["mesh_spec"] == "" and kw["global_batch"] is None
 
 
+@pytest.mark.slow   # ~30 s of TPU compiling
+def test_compile_prefill_of_one_long_sequence_k3_tiny_v5p():
+  """One sequence over 4 chips (the k3 1M-token layout in miniature): its tokens split over
+  the expert axis, the cache over its length; the next-token logits only."""
+  rep = _compile("--config=k3_tiny", "--topology=v5p-8", "--step=prefill", "--mesh=expert:4",
+                 "--global_batch=1", "--seq_len=256", "--ep_capacity=2")
+  _check_report(rep)
+  assert rep["fits"] and rep["global_batch"] == 1 and rep["cache_len"] == 256
+
+
 @pytest.mark.slow
 def test_compile_train_k3_tiny_v5p():
   rep = _compile("--config=k3_tiny", "--topology=v5p:2x2x1", "--step=train",

@@ -106,28 +106,33 @@ class MLA(nnx.Module):
                                                     pos, axis=1),
         "k_r": jax.lax.dynamic_update_slice_in_dim(cache["k_r"], k_r.astype(self.dtype),
                                                    pos, axis=1)}
-    w = self.kv_b.w[...].astype(jnp.float32)                           # [R, H, n + v]
-    w_k, w_v = w[..., :c.qk_nope_head_dim], w[..., c.qk_nope_head_dim:]
-    q_lat = jnp.einsum("bthn,rhn->bthr", q_nope.astype(jnp.float32), w_k)
-    s = new_cache["c_kv"].shape[1]
     q_pos = jnp.broadcast_to(pos + jnp.arange(t)[None], (b, t))
-    kv_pos = jnp.broadcast_to(jnp.arange(s)[None], (b, s))
-    mask = attn_ops.causal_mask(q_pos, kv_pos)
-    o_lat, max_logit = attn_ops.absorbed_attention(
-        q_lat, q_rope.astype(jnp.float32), new_cache["c_kv"].astype(jnp.float32),
-        new_cache["k_r"].astype(jnp.float32), self.scale, mask)
-    o = jnp.einsum("bthr,rhv->bthv", o_lat, w_v)                       # [B, T, H, V]
-    return self._output(x, o), new_cache, max_logit
+    y, max_logit = self._absorbed(x, q_nope, q_rope, new_cache["c_kv"], new_cache["k_r"], q_pos)
+    return y, new_cache, max_logit
 
-  def _absorbed(self, x, q_nope, q_rope, c_kv_all, k_r_all, mask):
-    """Absorbed attention of the queries over latents [B, S, R] / [B, S, P] under mask."""
+  def _absorbed(self, x, q_nope, q_rope, c_kv_all, k_r_all, q_pos):
+    """Absorbed attention of the queries at positions q_pos [B, T] over latents [B, S, R] /
+    [B, S, P] (key s visible iff s <= the query's position). One token (decode): one
+    masked softmax over the cache. A prompt (prefill): blockwise, never the [H, T, S]
+    logits, and on a mesh that splits the sequence each shard takes its own queries
+    (sharding/context.py)."""
     c = self.c
+    b, t = q_pos.shape
     w = self.kv_b.w[...].astype(jnp.float32)                           # [R, H, n + v]
     w_k, w_v = w[..., :c.qk_nope_head_dim], w[..., c.qk_nope_head_dim:]
     q_lat = jnp.einsum("bthn,rhn->bthr", q_nope.astype(jnp.float32), w_k)
-    o_lat, max_logit = attn_ops.absorbed_attention(
-        q_lat, q_rope.astype(jnp.float32), c_kv_all.astype(jnp.float32),
-        k_r_all.astype(jnp.float32), self.scale, mask)
+    q_rope = q_rope.astype(jnp.float32)
+    if t == 1:
+      s = c_kv_all.shape[1]
+      mask = attn_ops.causal_mask(q_pos, jnp.broadcast_to(jnp.arange(s)[None], (b, s)))
+      o_lat, max_logit = attn_ops.absorbed_attention(
+          q_lat, q_rope, c_kv_all.astype(jnp.float32), k_r_all.astype(jnp.float32),
+          self.scale, mask)
+    else:
+      q_lat, q_rope = (constrain(a, ("batch", "seq", "heads", None)) for a in (q_lat, q_rope))
+      attend = (parallel_ops().absorbed_attention
+                or attn_ops.blockwise_absorbed_attention)
+      o_lat, max_logit = attend(q_lat, q_rope, c_kv_all, k_r_all, self.scale, q_pos)
     o = jnp.einsum("bthr,rhv->bthv", o_lat, w_v)                       # [B, T, H, V]
     return self._output(x, o), max_logit
 
@@ -146,7 +151,5 @@ class MLA(nnx.Module):
     m = table.shape[1]
     c_all = pool_c[table].reshape(b, m * page_size, -1)                # [B, S = M P, R]
     r_all = pool_r[table].reshape(b, m * page_size, -1)                # [B, S, Pr]
-    kv_pos = jnp.broadcast_to(jnp.arange(m * page_size, dtype=jnp.int32)[None], (b, m * page_size))
-    y, max_logit = self._absorbed(x, q_nope, q_rope, c_all, r_all,
-                                  attn_ops.causal_mask(q_pos, kv_pos))
+    y, max_logit = self._absorbed(x, q_nope, q_rope, c_all, r_all, q_pos)
     return y, {"c_kv": pool_c, "k_r": pool_r, "page_table": table}, max_logit

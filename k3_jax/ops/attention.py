@@ -81,3 +81,67 @@ def latent_attention(q_nope, q_rope, c_kv, k_r, w_kvb, scale: float, dtype,
   kv_pos = jnp.broadcast_to(jnp.arange(s)[None], (b, s))
   mask = causal_mask(q_pos, kv_pos, q_segment_ids, kv_segment_ids)
   return attention(q, k, v, scale, mask)
+
+
+def blockwise_absorbed_attention(q_latent: jax.Array, q_rope: jax.Array, c_kv: jax.Array,
+                                 k_rope: jax.Array, scale: float, q_pos: jax.Array,
+                                 block_q: int = 1024,
+                                 block_k: int = 1024) -> tuple[jax.Array, jax.Array]:
+  """`absorbed_attention` under the causal mask "key s is visible to the query at position
+  q_pos[b, t] iff s <= q_pos[b, t]", computed block by block (flash-style): queries in
+  blocks of block_q, keys in blocks of block_k with an online softmax (running max and
+  sum, FP32), and only the key blocks a query block can see (a dynamic trip count). Peak
+  memory: one [B, H, block_q, block_k] logit tile instead of [B, H, T, S]; a 1M-token
+  prompt's logits would be terabytes.
+
+  q_latent [B, T, H, R], q_rope [B, T, H, P], c_kv [B, S, R], k_rope [B, S, P],
+  q_pos [B, T] int (a query at q_pos < 0 sees nothing and gets 0)
+  -> (latent output [B, T, H, R] f32, max_logit [H] f32). Equal to absorbed_attention with
+  causal_mask(q_pos, arange(S)) up to the order of FP32 sums (tolerances in the tests)."""
+  b, t, h, r = q_latent.shape
+  s = c_kv.shape[1]
+  bq, bk = min(block_q, t), min(block_k, s)
+  nq, nk = -(-t // bq), -(-s // bk)
+  pad = lambda a, n, axis, value=0: jnp.pad(
+      a, [(0, n - a.shape[axis]) if i == axis else (0, 0) for i in range(a.ndim)],
+      constant_values=value)
+  # Padding: extra queries at position -1 (see nothing), extra keys past every query.
+  ql = pad(q_latent.astype(jnp.float32), nq * bq, 1).reshape(b, nq, bq, h, r)
+  qr = pad(q_rope.astype(jnp.float32), nq * bq, 1).reshape(b, nq, bq, h, -1)
+  qp = pad(q_pos.astype(jnp.int32), nq * bq, 1, -1).reshape(b, nq, bq)
+  ck = pad(c_kv, nk * bk, 1).reshape(b, nk, bk, r)
+  kr = pad(k_rope, nk * bk, 1).reshape(b, nk, bk, -1)
+
+  def query_block(args):
+    ql, qr, qp = args                                  # [B, bq, H, R], [B, bq, H, P], [B, bq]
+    # Key blocks this query block can see: those starting at or before its last position.
+    n_vis = jnp.clip(jnp.max(qp) // bk + 1, 0, nk)
+
+    def key_block(j, carry):
+      m, l, acc = carry                                # [B, H, bq], [B, H, bq], [B, bq, H, R]
+      c = jax.lax.dynamic_index_in_dim(ck, j, 1, keepdims=False).astype(jnp.float32)
+      kp = jax.lax.dynamic_index_in_dim(kr, j, 1, keepdims=False).astype(jnp.float32)
+      logits = (jnp.einsum("bthr,bsr->bhts", ql, c, preferred_element_type=jnp.float32)
+                + jnp.einsum("bthp,bsp->bhts", qr, kp,
+                             preferred_element_type=jnp.float32)) * scale
+      visible = (j * bk + jnp.arange(bk))[None, None, :] <= qp[:, :, None]   # [B, bq, bk]
+      logits = jnp.where(visible[:, None], logits, -jnp.inf)
+      m_new = jnp.maximum(m, logits.max(-1))
+      base = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+      p = jnp.exp(logits - base[..., None])            # masked: exp(-inf) = 0
+      corr = jnp.exp(m - base)                         # m = -inf (nothing seen yet): 0
+      l = l * corr + p.sum(-1)
+      acc = (acc * jnp.swapaxes(corr, 1, 2)[..., None]
+             + jnp.einsum("bhts,bsr->bthr", p, c, preferred_element_type=jnp.float32))
+      return m_new, l, acc
+
+    init = (jnp.full((b, h, bq), -jnp.inf, jnp.float32), jnp.zeros((b, h, bq), jnp.float32),
+            jnp.zeros((b, bq, h, r), jnp.float32))
+    m, l, acc = jax.lax.fori_loop(0, n_vis, key_block, init)
+    o = acc / jnp.swapaxes(jnp.where(l > 0, l, 1.0), 1, 2)[..., None]
+    return o, m.max(axis=(0, 2))                       # [B, bq, H, R], [H]
+
+  blocks = (jnp.moveaxis(ql, 1, 0), jnp.moveaxis(qr, 1, 0), jnp.moveaxis(qp, 1, 0))
+  o, max_logit = jax.lax.map(query_block, blocks)      # [nq, B, bq, H, R], [nq, H]
+  o = jnp.moveaxis(o, 0, 1).reshape(b, nq * bq, h, r)[:, :t]
+  return o, max_logit.max(0)

@@ -127,7 +127,7 @@ class Engine:
         states = kv.kda_states(cache)
         sub = kv.with_kda_states(cache, kv.take_rows(states, slot[None]))
         sub = kv.with_pages(sub, pos[None], table_row[None])
-        logits, new, _ = model(tokens[None], cache=sub, image_features=feats)
+        logits, new, _ = model(tokens[None], cache=sub, image_features=feats, last_only=True)
         new = kv.without_pages(new)
         out = kv.with_kda_states(new, kv.put_rows(states, slot[None], kv.kda_states(new)))
         out["pos"] = cache["pos"]

@@ -29,7 +29,8 @@ def greedy_captions(cfg: ModelConfig, graphdef, params, rest, tokenizer: Tokeniz
 
   @jax.jit
   def start(params, rest, tokens, images):
-    logits, cache = prefill(nnx.merge(graphdef, params, rest), tokens, total, images)
+    logits, cache = prefill(nnx.merge(graphdef, params, rest), tokens, total, images,
+                            last_only=True)
     return jnp.argmax(logits[:, -1], -1).astype(jnp.int32), cache
 
   @jax.jit

@@ -43,7 +43,7 @@ from k3_jax.ops.kda.common import (BACKENDS, G_CLAMP, SUB_TILE, TILE, check_chun
                                    check_decode_shapes, default_scale, doc_index)
 from k3_jax.ops.kda.gate import kda_gate_lower_bound, kda_gate_softplus, l2_normalize
 from k3_jax.ops.kda.naive import kda_decode_step, recurrent_kda
-from k3_jax.partitioning import parallel_ops, shard_kernel, target_platform
+from k3_jax.partitioning import is_split, parallel_ops, shard_kernel, target_platform
 
 _TOK = ("batch", None, "heads", None)           # [B, T, H, X]: kernels see the whole time axis
 _VEC = ("batch", None, "heads")                 # [B, T, H]
@@ -96,8 +96,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
   else:
     local = chunk_kda_reference
   kw = dict(scale=scale, chunk_size=chunk_size, output_final_state=output_final_state)
-  kcp = parallel_ops().chunk_kda          # context parallel (KCP) on a sequence mesh
-  if kcp is not None:                     # it runs `local` per shard inside its shard_map
+  kcp = parallel_ops().chunk_kda          # context parallel (KCP) where the mesh splits T
+  if kcp is not None and is_split(q.shape, ("batch", "seq", "heads", None), 1):
     return kcp(q, k, v, g, beta, initial_state=initial_state, segment_ids=segment_ids,
                local_fn=local, **kw)
   if not pallas:                          # plain JAX: the partitioner splits it
