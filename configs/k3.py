@@ -50,12 +50,14 @@ def get_pod_layouts():
   """The recommended layouts of k3's steps on v5p pods, applied by `main.py compile` where a
   flag is not given (README "Pod scale" has the measured per-chip memory)."""
   return (
-      # 2048 chips, 512 x 8192 tokens (2048 per chip: half of the 4096 that need 101 GiB);
-      # KDA / MLA context-parallel over sequence:2, heads and FFN units over tensor:2, the
-      # routed experts over expert x (fsdp, sequence) x tensor, the rest ZeRO-3 over
-      # fsdp x expert. (sequence:4 instead of tensor:2 holds the same tokens per chip.)
+      # 2048 chips, 512 x 8192 tokens, 2048 per chip: the batch over fsdp x expert (one
+      # sequence per group), each sequence split 4 ways (KDA / MLA context parallelism); the
+      # routed experts over expert x fsdp x sequence, the rest ZeRO-3 over fsdp x expert.
+      # 79.8 GiB per chip (README "Pod scale"). The same tokens per chip with
+      # sequence:2,tensor:2 need 97.0 GiB: tensor:2 splits heads and FFN units, but every
+      # chip of a tensor pair holds the pair's whole residual stream (4096 tokens).
       PodLayout(topology="v5p-4096", step="train",
-                mesh="fsdp:16,expert:32,sequence:2,tensor:2",
+                mesh="fsdp:16,expert:32,sequence:4",
                 global_batch=512, seq_len=8192, remat="block", grad_accum=1,
                 ep_capacity=1.25),
       # 64 chips, 8 sequences decoding against 1M-token caches: experts (MXFP4) and dense
