@@ -391,6 +391,7 @@ def cmd_compile() -> None:
   from sharding.topology import resolve_target
   if not FLAGS.topology:
     raise ConfigError("compile needs --topology, e.g. --topology=v5p-128 or v5p:4x4x4")
+  aot.limit_malloc_arenas()        # less host memory for the TPU compiler's threads
   target = resolve_target(FLAGS.topology, FLAGS.slices)
   cfg = _execution_overrides(_model_config(), gmm=FLAGS.gmm)
   # The preset's recommended layout for this target and step fills every flag not given.

@@ -15,10 +15,12 @@ size, its collective counts, lowering and compile seconds, peak RSS, per-chip Gi
 --full adds the full model (22 units) at each split.
 
 What it showed (docs/results.md, Compile host memory): the lowered program barely changes
-with the split, and the RSS does not follow the split but whether the step fits: the TPU
-compiler refuses a step that does not fit right after buffer assignment (cheap), and code-
-generates one that fits in full (LLO lowering of every fusion), which is where host memory
-and time go. Set LIBTPU_INIT_ARGS in the environment to try compiler options per run.
+with the split, and the RSS follows neither the split nor the number of scanned units but
+the code to generate: the TPU compiler refuses a step clearly too big right after buffer
+assignment (cheap), and code-generates the others in full (LLO lowering of every fusion),
+which is where host memory and time go. Since Newton-Schulz became a loop (it was 46% of
+the step's fusions and collectives) every row compiles here in 5-10 minutes at 10-15.3 GiB.
+Set LIBTPU_INIT_ARGS in the environment to try compiler options per run.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ def one(units: int, seq_split: int, remat: str, batch: int | None, seq_len: int,
   from sharding import aot
   from sharding.mesh import make_mesh, parse_mesh
   from sharding.topology import resolve_target, target_devices
+  aot.limit_malloc_arenas()        # as `main.py compile` does
   cfg = configs.get("k3")
   if units:
     n = 4 * units + 5          # k3's plan: 1 dense layer, `units` scanned units, 4 MoE layers

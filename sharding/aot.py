@@ -22,6 +22,30 @@ from sharding.rules import logical_to_spec
 from sharding.topology import GiB
 
 
+# glibc's M_ARENA_MAX (mallopt parameter number).
+_M_ARENA_MAX = -8
+
+
+def limit_malloc_arenas(n: int = 2) -> bool:
+  """Caps glibc malloc at n arenas for this process (unless MALLOC_ARENA_MAX is set in the
+  environment, which wins). The TPU compiler (libtpu allocates with glibc malloc)
+  generates code on many threads, and by default each thread contention opens another
+  arena that keeps its freed memory: for a 1-unit k3 train step at sequence:4, peak host
+  RSS 14.72 GiB with the default arenas, 12.85 GiB with 2 (19% more compile time).
+  Call it before compiling, early in the process. Returns whether the cap was set
+  (False off glibc)."""
+  import ctypes
+  import ctypes.util
+  import os
+  if "MALLOC_ARENA_MAX" in os.environ:
+    return False
+  try:
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    return bool(libc.mallopt(_M_ARENA_MAX, int(n)))
+  except (OSError, AttributeError):
+    return False
+
+
 def with_shardings(shapes, shardings):
   """ShapeDtypeStructs of `shapes` carrying `shardings` (a prefix tree of `shapes`)."""
   def attach(sh, sub):

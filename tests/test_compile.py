@@ -85,6 +85,16 @@ def test_k3_pod_layout_fills_what_is_not_given():
   assert (c4, t4) == (cfg, tc) and kw["mesh_spec"] == "" and kw["global_batch"] is None
 
 
+def test_malloc_arena_cap_yields_to_the_environment(monkeypatch):
+  """`compile` caps glibc's malloc arenas (less host memory for the TPU compiler's
+  threads); an explicit MALLOC_ARENA_MAX wins."""
+  from sharding import aot
+  monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
+  assert aot.limit_malloc_arenas() is False
+  monkeypatch.delenv("MALLOC_ARENA_MAX")
+  assert aot.limit_malloc_arenas(8) is True        # glibc (Linux): mallopt accepted it
+
+
 @pytest.mark.slow   # ~30 s of TPU compiling
 def test_compile_prefill_of_one_long_sequence_k3_tiny_v5p():
   """One sequence over 4 chips (the k3 1M-token layout in miniature): its tokens split over
