@@ -81,7 +81,8 @@ def test_gmm_field_changes_the_traced_program_not_the_result():
 def test_parallel_ops_is_a_typed_record():
   assert partitioning.parallel_ops() == partitioning.ParallelOps()      # nothing installed
   fields = {f.name for f in dataclasses.fields(partitioning.ParallelOps)}
-  assert fields == {"moe_dispatch", "chunk_kda", "short_conv", "latent_attention"}
+  assert fields == {"moe_dispatch", "chunk_kda", "short_conv", "latent_attention",
+                    "absorbed_attention"}
   with pytest.raises(TypeError):
     partitioning.ParallelOps(chunk_kdaa=lambda *a: a)                  # a misspelt op
   with pytest.raises(TypeError, match="ParallelOps"):
