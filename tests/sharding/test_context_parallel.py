@@ -88,7 +88,8 @@ def _check_layer(layer_cls, x, p, with_seg, collectives, mesh=None):
 
 
 @pytest.mark.parametrize("p,with_seg", [
-    (2, False), (4, True), (8, True),
+    (4, True), (8, True),           # and 8 ways over three axes: the batch-of-one test below
+    pytest.param(2, False, marks=pytest.mark.slow),
     pytest.param(2, True, marks=pytest.mark.slow), pytest.param(4, False, marks=pytest.mark.slow),
     pytest.param(8, False, marks=pytest.mark.slow)])
 def test_kcp_kda_layer_equals_single_device(x, p, with_seg):
