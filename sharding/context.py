@@ -263,12 +263,11 @@ def cp_absorbed_attention(mesh: Mesh, q_latent, q_rope, c_kv, k_rope, scale, q_p
   if not seq:
     return attn_ops.blockwise_absorbed_attention(q_latent, q_rope, c_kv, k_rope, scale, q_pos)
   q_spec = _spec(mesh, q_latent.shape, ("batch", "seq", "heads", None))
-  kv_spec = lambda a: P(q_spec[0], None, None)                         # whole length
+  kv_spec = P(q_spec[0], None, None)                                   # whole length
   body = functools.partial(_absorbed_local, scale=scale,
                            reduce_axes=_names(q_spec[0]) + seq)
   fn = jax.shard_map(body, mesh=mesh,
-                     in_specs=(q_spec, q_spec, kv_spec(c_kv), kv_spec(k_rope),
-                               P(q_spec[0], q_spec[1])),
+                     in_specs=(q_spec, q_spec, kv_spec, kv_spec, P(q_spec[0], q_spec[1])),
                      out_specs=(q_spec, P(q_spec[2])), check_vma=False)
   return fn(q_latent, q_rope, c_kv, k_rope, q_pos)
 
