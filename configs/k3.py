@@ -1,6 +1,16 @@
-"""Kimi K3, full size (K3_SPEC section 1): about 2.79T total, 104B activated parameters.
+"""Kimi K3, full size (docs/architecture.md section 1): 2.78T total, 104.2B activated
+parameters (the vision tower adds 447.4M).
 
-Never instantiated on a CPU; `main.py info` and ahead-of-time compilation use it abstractly.
+Never instantiated on a CPU; `main.py info` and ahead-of-time compilation use it abstractly:
+
+    python main.py info --config=k3                      # layer plan, parameter counts
+    python main.py info --config=k3 --serving_bytes      # bytes served with MXFP4 experts
+    python main.py compile --config=k3 --topology=v5p-4096              # train step, 2048 chips
+    python main.py compile --config=k3 --topology=v5p-128 --step=prefill  # one 1M-token prompt
+    python main.py compile --config=k3 --topology=v5p-128 --step=decode   # 8 x 1M-token caches
+    python main.py convert --config=k3 --dry_run         # the release's tensors and shards
+
+The compile commands take the pod layouts below for every flag not given (docs/pod-scale.md).
 """
 
 from k3_jax.config import (AttnResConfig, KDAConfig, MLAConfig, ModelConfig, MoEConfig,
@@ -27,7 +37,7 @@ def get_config() -> ModelConfig:
                     qk_rope_head_dim=64, v_head_dim=128, output_gate=True),
       moe=MoEConfig(num_experts=896, top_k=16, num_shared_experts=2, expert_intermediate=3072,
                     latent_dim=3584, routed_scaling_factor=1.0,
-                    # K3_SPEC section 3: at scale the quantiles come from a pooled
+                    # docs/architecture.md section 5: at scale the quantiles come from a pooled
                     # histogram (~1000 bins); the exact ones would gather every token's
                     # [896] router margins (f32) onto each chip.
                     qb_bins=1000),
@@ -36,7 +46,7 @@ def get_config() -> ModelConfig:
 
 
 def get_train_config() -> TrainConfig:
-  """K3 trains with Per-Head Muon + QK-Clip (K3_SPEC section 6)."""
+  """K3 trains with Per-Head Muon + QK-Clip (docs/architecture.md section 6)."""
   return TrainConfig(optimizer="muon")
 
 
@@ -48,12 +58,12 @@ def get_vision_config():
 
 def get_pod_layouts():
   """The recommended layouts of k3's steps on v5p pods, applied by `main.py compile` where a
-  flag is not given (README "Pod scale" has the measured per-chip memory)."""
+  flag is not given (docs/pod-scale.md has the measured per-chip memory)."""
   return (
       # 2048 chips, 512 x 8192 tokens, 2048 per chip: the batch over fsdp x expert (one
       # sequence per group), each sequence split 4 ways (KDA / MLA context parallelism); the
       # routed experts over expert x fsdp x sequence, the rest ZeRO-3 over fsdp x expert.
-      # 79.8 GiB per chip (README "Pod scale"). The same tokens per chip with
+      # 79.8 GiB per chip (docs/pod-scale.md). The same tokens per chip with
       # sequence:2,tensor:2 need 97.0 GiB: tensor:2 splits heads and FFN units, but every
       # chip of a tensor pair holds the pair's whole residual stream (4096 tokens).
       PodLayout(topology="v5p-4096", step="train",

@@ -1,6 +1,14 @@
 """The default training job: every K3 component at a size that trains on 2 CPU cores.
 
 Byte-level vocabulary (256), 9 layers = 2 blocks of [KDA, KDA, KDA, MLA] + a final MLA, a dense SiTU-GLU first layer, Stable LatentMoE everywhere else.
+17.5M parameters, 4.2M activated.
+
+    python main.py train                    # = --config=k3_small --workdir=runs/default
+    python main.py generate --workdir=runs/default --prompt="def fibonacci(n):" \\
+        --temperature=0.5 --top_p=0.9 --frequency_penalty=0.2 --presence_penalty=0.2
+    python main.py serve --workdir=runs/default
+    python main.py train --config=k3_small --dataset=shapes --steps=240 --batch_size=16 \\
+        --seq_len=72 --eval_every=80 --checkpoint_every=80 --workdir=runs/shapes  # with images
 """
 
 from k3_jax.config import (AttnResConfig, KDAConfig, MLAConfig, ModelConfig, MoEConfig,

@@ -1,4 +1,10 @@
-"""For tests: every K3 component, three [KDA, KDA, KDA, MLA] blocks + a final MLA, tiny widths."""
+"""For tests: every K3 component, three [KDA, KDA, KDA, MLA] blocks + a final MLA, tiny widths.
+
+    python main.py train --config=k3_tiny --workdir=/tmp/tiny     # 4 steps by default
+    python main.py generate --workdir=/tmp/tiny --prompt="def "
+    python main.py serve --random_weights --config=k3_tiny --override=max_seq_len=2048
+    python main.py compile --config=k3_tiny --topology=v5p-8 --step=decode   # its pod layout
+"""
 
 from k3_jax.config import (AttnResConfig, KDAConfig, MLAConfig, ModelConfig, MoEConfig,
                            PodLayout, TrainConfig)

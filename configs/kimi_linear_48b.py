@@ -1,7 +1,14 @@
-"""Kimi-Linear-48B-A3B compatibility config (K3_SPEC section 1): about 48B total, 3B active.
+"""Kimi-Linear-48B-A3B compatibility config (docs/architecture.md section 1): 49.1B total,
+3.1B activated.
 
 Softplus (unbounded) KDA decay, low-rank forget and output gates, MLA without output
 gate and without q_lora, SwiGLU, a plain (non-latent) MoE with one shared expert, no AttnRes.
+Too large to train on a CPU; it exists so the released weights load (docs/checkpoints.md):
+
+    python main.py info --config=kimi_linear_48b
+    python main.py convert --config=kimi_linear_48b --dry_run     # the release's tensor names
+    python main.py convert --from=path/to/Kimi-Linear-48B-A3B --to=runs/kimi_linear  # import
+    python main.py generate --hf_dir=path/to/Kimi-Linear-48B-A3B --prompt_ids=1,2,3 --json
 """
 
 from k3_jax.config import AttnResConfig, KDAConfig, MLAConfig, ModelConfig, MoEConfig

@@ -1,8 +1,16 @@
-"""Vision towers (K3_SPEC section 8), one function each; model presets attach theirs with
-`get_vision_config()`, and `configs.get_multimodal(name)` returns the preset with its tower.
+"""Vision towers (docs/architecture.md section 8), one function each; model presets attach
+theirs with `get_vision_config()`, and `configs.get_multimodal(name)` returns the preset with
+its tower.
 
 Byte-level presets (vocab 256) reserve the four media tokens in bytes that never occur in
-UTF-8 text (0xFC-0xFF), so the text vocabulary and every text checkpoint stay unchanged."""
+UTF-8 text (0xFC-0xFF), so the text vocabulary and every text checkpoint stay unchanged.
+
+A job that uses images attaches its preset's tower (docs/vision.md):
+
+    python main.py train --config=k3_small --dataset=shapes --steps=240 --batch_size=16 \\
+        --seq_len=72 --eval_every=80 --checkpoint_every=80 --workdir=runs/shapes
+    python main.py generate --workdir=runs/shapes --image=picture.png --max_new_tokens=48
+"""
 
 from k3_jax.config import VisionConfig
 
