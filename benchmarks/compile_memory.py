@@ -53,7 +53,7 @@ def one(units: int, seq_split: int, remat: str, batch: int | None, seq_len: int,
   import jax
   import jax.numpy as jnp
   import configs
-  from k3_jax import train
+  from k3_jax import stack, train
   from k3_jax.compile import train_program
   from sharding import aot
   from sharding.mesh import make_mesh, parse_mesh
@@ -77,7 +77,7 @@ def one(units: int, seq_split: int, remat: str, batch: int | None, seq_len: int,
   t0 = time.time()
   lowered = fn.lower(*args)
   t1 = time.time()
-  row = {"units": units or cfg.stack_plan()[1], "seq_split": seq_split, "remat": remat,
+  row = {"units": units or stack.plan_of(cfg).repeats, "seq_split": seq_split, "remat": remat,
          "mesh": f"fsdp:{fsdp},expert:32,sequence:{seq_split}",
          "global_batch": tc.batch_size, "seq_len": seq_len,
          "lower_s": round(t1 - t0, 1), **hlo_stats(lowered.as_text())}

@@ -15,10 +15,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3_jax import train
+from k3_jax.cache import MLACache, ModelCache
 from k3_jax.config import (EXPERT_FORMATS, ConfigError, ModelConfig, PodLayout, TrainConfig,
                            validate, validate_train)
 from k3_jax.model import create_model, decode_step, prefill
 from k3_jax.serve.pack import pack_routed_experts
+from k3_jax.stack import map_cache
 from sharding import aot
 from sharding.install import activation_rules
 from sharding.mesh import make_mesh, parse_mesh, validate_mesh
@@ -166,12 +168,7 @@ def _serving_program(cfg: ModelConfig, mesh, step: str, batch: int, seq: int, le
   graphdef, params, rest = serving_params(cfg, expert_format)
   p_sh, r_sh = tree_shardings(params, mesh), tree_shardings(rest, mesh)
   cache = jax.eval_shape(lambda: create_model(cfg, mode="abstract").init_cache(batch, length))
-  cache_dim = lambda path: (None if path[0].key == "pos" else
-                            1 if path[0].key == "units" else 0)
-  # MLA latents [(R,) B, S, X]: S over the axes the batch leaves unused.
-  seq_dim = lambda path: (cache_dim(path) + 1
-                          if getattr(path[-1], "key", None) in ("c_kv", "k_r") else None)
-  c_sh = aot.batch_shardings(cache, mesh, cache_dim, seq_dim)
+  c_sh = cache_shardings(cache, mesh)
   logits_sh = aot.batch_shardings(
       jax.ShapeDtypeStruct((batch, cfg.vocab_size), jnp.float32), mesh, 0)
   p_args = (aot.with_shardings(params, p_sh), aot.with_shardings(rest, r_sh))
@@ -195,6 +192,15 @@ def _serving_program(cfg: ModelConfig, mesh, step: str, batch: int, seq: int, le
   t_sh = aot.batch_shardings(toks, mesh, 0)
   fn = jax.jit(run, in_shardings=(p_sh, r_sh, t_sh), out_shardings=(logits_sh, c_sh))
   return fn, (*p_args, jax.ShapeDtypeStruct(toks.shape, toks.dtype, sharding=t_sh))
+
+
+def cache_shardings(cache: ModelCache, mesh) -> ModelCache:
+  """Shardings of a contiguous ModelCache: each entry on its batch axis (stack.py), MLA
+  latents [(R,) B, S, X] with S over the axes the batch leaves unused; pos replicated."""
+  return map_cache(
+      lambda e, axis: aot.batch_shardings(
+          e, mesh, axis, axis + MLACache.SEQ_AXIS if isinstance(e, MLACache) else None),
+      cache, pos=aot.batch_shardings(cache.pos, mesh, None))
 
 
 def serving_params(cfg: ModelConfig, expert_format: str = "dense"):

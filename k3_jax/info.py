@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from flax import nnx
 
+from k3_jax import stack
 from k3_jax.config import ModelConfig
 from k3_jax.model import abstract_model, param_counts, vision_param_counts
 from k3_jax.optim.muon import ADAMW, param_groups
@@ -18,16 +19,15 @@ def model_summary(cfg: ModelConfig, serving_bytes: bool = False,
   parameter counts; with serving_bytes, also the bytes served with the routed experts packed
   MXFP4 and the rest BF16 (key "serving_mxfp4"); with vision_cfg (the preset with its tower),
   the tower's counts on their own ("vision_params", "vision_by_module", not in the totals)."""
-  prefix, reps, period = cfg.stack_plan()
-  kinds = cfg.layer_kinds()
-  pattern = "".join(("K" if m == "kda" else "M") + ("d" if f == "dense" else "")
-                    for m, f in kinds)
+  plan = stack.plan_of(cfg)
+  pattern = "".join(("K" if l.mixer == "kda" else "M") + ("d" if l.ffn == "dense" else "")
+                    for l in plan.layers)
   out = {"config": cfg.name, "layers": cfg.num_layers,
-         "kda_layers": sum(m == "kda" for m, _ in kinds),
-         "mla_layers": [i + 1 for i, (m, _) in enumerate(kinds) if m == "mla"],
+         "kda_layers": sum(l.mixer == "kda" for l in plan.layers),
+         "mla_layers": [l.index + 1 for l in plan.layers if l.mixer == "mla"],
          "layer_pattern": pattern,
-         "scan": {"unscanned_prefix": prefix, "repeats": reps, "period": period,
-                  "unscanned_suffix": cfg.num_layers - prefix - reps * period},
+         "scan": {"unscanned_prefix": plan.prefix, "repeats": plan.repeats,
+                  "period": plan.period, "unscanned_suffix": len(plan.group("suffix"))},
          **param_counts(cfg)}
   if vision_cfg is not None and vision_cfg.vision is not None:
     out.update(vision_param_counts(vision_cfg))

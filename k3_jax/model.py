@@ -1,25 +1,25 @@
 """K3Model: embedding -> hybrid decoder layers (the repeating part under one scan) ->
 final norm -> LM head; plus forward / prefill / decode entry points and parameter counts.
 
-Layer layout comes from `ModelConfig.stack_plan()`: a few unscanned leading layers (the
-dense FFN layer breaks the pattern), `repeats` identical units of `period` layers whose
+Layer layout comes from the stack plan (k3_jax/stack.py): a few unscanned leading layers
+(the dense FFN layer breaks the pattern), `repeats` identical units of `period` layers whose
 parameters are stacked on a leading "layers" axis and run under `jax.lax.scan` (compile
 time does not grow with depth), then the unscanned trailing layers.
 
-Cache pytree (prefill/decode): {'pos': int32 [], 'prefix': [layer caches],
-'units': per-unit layer caches stacked on a leading axis, 'suffix': [layer caches]}.
+Cache (prefill/decode): a ModelCache (k3_jax/cache.py), grouped as the layers are.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from k3_jax import stack
+from k3_jax.cache import KDAState, MLACache, ModelCache, PagedMLACache
 from k3_jax.config import ConfigError, ModelConfig, UserError, jnp_dtype
 from k3_jax.layers import attn_res
 from k3_jax.layers.embed import Embed, LMHead
@@ -61,12 +61,13 @@ class DecoderLayer(nnx.Module):
       width = cfg.moe.latent_dim or cfg.d_model
       self.ffn = MoE(cfg, init=init, out_std=width ** -0.5 * out_std_scale)
 
-  def init_cache(self, batch: int, max_len: int) -> dict:
+  def init_cache(self, batch: int, max_len: int) -> KDAState | MLACache:
     if self.mixer_kind == "kda":
       return self.mixer.init_cache(batch)
     return self.mixer.init_cache(batch, max_len)
 
-  def init_paged_cache(self, batch: int, num_pages: int, page_size: int) -> dict:
+  def init_paged_cache(self, batch: int, num_pages: int,
+                       page_size: int) -> KDAState | PagedMLACache:
     if self.mixer_kind == "kda":
       return self.mixer.init_cache(batch)
     return self.mixer.init_paged_cache(num_pages, page_size)
@@ -145,7 +146,7 @@ class Unit(nnx.Module):
                              None if caches is None else caches[i], pos, first_layer + i, train)
       new_caches.append(c)
       auxes.append(aux)
-    return x, (None if caches is None else new_caches), auxes
+    return x, (None if caches is None else tuple(new_caches)), auxes
 
 
 def _stacked_units(cfg: ModelConfig, kinds, reps: int, init: Init) -> Unit:
@@ -175,16 +176,15 @@ class K3Model(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, init: Init):
     self.cfg = cfg
     dt, pdt = jnp_dtype(cfg.dtype), jnp_dtype(cfg.param_dtype)
-    kinds = cfg.layer_kinds()
-    prefix, reps, period = cfg.stack_plan()
-    self.repeats = reps
+    plan = stack.plan_of(cfg)
+    layer = lambda s: DecoderLayer(cfg, s.mixer, s.ffn, init=init)
     self.embed = Embed(cfg.vocab_size, cfg.d_model, init=init, dtype=dt, param_dtype=pdt)
-    self.prefix = nnx.List([DecoderLayer(cfg, *kinds[i], init=init) for i in range(prefix)])
+    self.prefix = nnx.List([layer(s) for s in plan.group("prefix")])
     self.units = nnx.data(None)
-    if reps:
-      self.units = nnx.data(_stacked_units(cfg, kinds[prefix:prefix + period], reps, init))
-    self.suffix = nnx.List([DecoderLayer(cfg, *kinds[i], init=init)
-                            for i in range(prefix + reps * period, cfg.num_layers)])
+    if plan.repeats:
+      self.units = nnx.data(_stacked_units(cfg, [(s.mixer, s.ffn) for s in plan.unit],
+                                           plan.repeats, init))
+    self.suffix = nnx.List([layer(s) for s in plan.group("suffix")])
     self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt, axis_name="embed")
     if cfg.attn_res.enabled:
       self.final_query = attn_res.PseudoQuery(cfg.d_model)
@@ -193,43 +193,35 @@ class K3Model(nnx.Module):
     if cfg.vision is not None:
       self.vision = VisionEncoder(cfg, init=init)
 
+  @property
+  def plan(self) -> stack.StackPlan:
+    return stack.plan_of(self.cfg)
+
   # ----- caches ---------------------------------------------------------------
-  def init_cache(self, batch: int, max_len: int) -> dict:
+  def init_cache(self, batch: int, max_len: int) -> ModelCache:
     if max_len > self.cfg.max_seq_len:
       raise ConfigError(f"cache length {max_len} exceeds max_seq_len={self.cfg.max_seq_len}")
-    cache: dict[str, Any] = {"pos": jnp.zeros((), jnp.int32),
-                             "prefix": [l.init_cache(batch, max_len) for l in self.prefix],
-                             "suffix": [l.init_cache(batch, max_len) for l in self.suffix]}
-    if self.units is not None:
-      g, state = nnx.split(self.units)
-      one = nnx.merge(g, jax.tree.map(lambda a: a[0], state))
-      unit_cache = [l.init_cache(batch, max_len) for l in one.layers]
-      cache["units"] = jax.tree.map(
-          lambda a: jnp.broadcast_to(a, (self.repeats,) + a.shape), unit_cache)
-    return cache
+    plan = self.plan
+    # (a unit layer's init_cache reads only its config: the stacked module serves)
+    return plan.build_cache(jnp.zeros((), jnp.int32),
+                            lambda s: plan.module(self, s).init_cache(batch, max_len))
 
-  def init_paged_cache(self, batch: int, num_pages: int, page_size: int) -> dict:
+  def init_paged_cache(self, batch: int, num_pages: int, page_size: int) -> ModelCache:
     """The serving cache: per-sequence KDA states ([B, ...] as in init_cache) and, for each
     MLA layer, a pool of `num_pages` latent pages of `page_size` tokens shared by all
-    sequences (layers/mla.py). Before a call, each MLA entry gets a 'page_table' [B, M] and
-    'pos' becomes a per-sequence [B] position (k3_jax/serve/kv_pages.py does both)."""
-    make = lambda l: l.init_paged_cache(batch, num_pages, page_size)
-    cache: dict[str, Any] = {"pos": jnp.zeros((batch,), jnp.int32),
-                             "prefix": [make(l) for l in self.prefix],
-                             "suffix": [make(l) for l in self.suffix]}
-    if self.units is not None:
-      g, state = nnx.split(self.units)
-      one = nnx.merge(g, jax.tree.map(lambda a: a[0], state))
-      cache["units"] = jax.tree.map(
-          lambda a: jnp.broadcast_to(a, (self.repeats,) + a.shape),
-          [make(l) for l in one.layers])
-    return cache
+    sequences (layers/mla.py). Before a call, each MLA entry gets its page table [B, M] and
+    `pos` becomes a per-sequence [B] position (k3_jax/serve/kv_pages.py does both)."""
+    plan = self.plan
+    return plan.build_cache(
+        jnp.zeros((batch,), jnp.int32),
+        lambda s: plan.module(self, s).init_paged_cache(batch, num_pages, page_size))
 
   # ----- forward --------------------------------------------------------------
   def _run_units(self, x, segment_ids, caches, pos, remat, train):
     graphdef, state = nnx.split(self.units)
-    prefix, reps, period = self.cfg.stack_plan()
-    first_layers = prefix + period * jnp.arange(reps)
+    plan = self.plan
+    reps = plan.repeats
+    first_layers = plan.prefix + plan.period * jnp.arange(reps)
 
     # Caches ride in the carry and are written back in place (dynamic_update_index), so a
     # decode step updates the donated cache buffers instead of building a second stacked
@@ -274,7 +266,7 @@ class K3Model(nnx.Module):
     return scatter_features(x, tokens, image_features, self.cfg.vision.image_token_id)
 
   def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
-               cache: dict | None = None, remat: str = "none", train: bool = False,
+               cache: ModelCache | None = None, remat: str = "none", train: bool = False,
                images: dict | None = None, image_features: jax.Array | None = None,
                last_only: bool = False):
     """tokens [B, T] -> (logits [B, T, vocab] f32, new cache or None, aux).
@@ -294,34 +286,35 @@ class K3Model(nnx.Module):
     limit = self.cfg.max_seq_len
     if t > limit:
       raise ConfigError(f"sequence length {t} exceeds max_seq_len={limit}")
-    pos = cache["pos"] if cache is not None else 0
+    pos = cache.pos if cache is not None else 0
     x = constrain(self.embed_inputs(tokens, images, image_features), ("batch", "seq", "embed"))
     if self.cfg.attn_res.enabled:
       x = attn_res.init_stream(x, self.cfg.num_layers, self.cfg.attn_res.block_size)
-    new_cache = None if cache is None else {"pos": pos + t}
-    auxes = []
-    prefix, reps, period = self.cfg.stack_plan()
+    new_caches = {}
+    auxes = []                  # per slot (stack.py's slot order), each with a leading rows axis
+    plan = self.plan
 
-    def run_list(name, layers, x, first):
+    def run_list(group, x):
       caches = []
-      for i, layer in enumerate(layers):
+      for spec, layer in plan.modules(self, plan.group(group)):
         # the unscanned layers are rematerialised one by one under any remat
         x, c, aux = call_layer(layer, remat, x, segment_ids,
-                               None if cache is None else cache[name][i], pos, first + i, train)
+                               None if cache is None else getattr(cache, group)[spec.position],
+                               pos, spec.index, train)
         caches.append(c)
         auxes.append(jax.tree.map(lambda a: a[None], aux))
-      if new_cache is not None:
-        new_cache[name] = caches
+      new_caches[group] = tuple(caches)
       return x
 
-    x = run_list("prefix", self.prefix, x, 0)
+    x = run_list("prefix", x)
     if self.units is not None:
-      x, unit_caches, unit_aux = self._run_units(
-          x, segment_ids, None if cache is None else cache["units"], pos, remat, train)
+      x, new_caches["units"], unit_aux = self._run_units(
+          x, segment_ids, None if cache is None else cache.units, pos, remat, train)
       auxes.extend(unit_aux)    # one aux per layer of the unit, each with a leading [R] axis
-      if new_cache is not None:
-        new_cache["units"] = unit_caches
-    x = run_list("suffix", self.suffix, x, prefix + reps * period)
+    x = run_list("suffix", x)
+    new_cache = None if cache is None else ModelCache(
+        pos=pos + t, prefix=new_caches["prefix"], units=new_caches.get("units"),
+        suffix=new_caches["suffix"])
     if last_only:     # the stream's [.., T, D] arrays (or x) at the last position
       x = jax.tree.map(lambda a: a[..., -1:, :] if a.ndim >= 3 else a, x)
     if self.cfg.attn_res.enabled:
@@ -333,12 +326,10 @@ class K3Model(nnx.Module):
 
   # ----- router biases ------------------------------------------------------------
   def moe_layers(self) -> list[tuple[MoE, int]]:
-    """(MoE module, rows) in aux order: prefix layers, then each MoE layer of the scanned
-    unit (its bias stacked over `repeats` rows), then suffix layers."""
-    out = [(l.ffn, 1) for l in self.prefix if l.ffn_kind == "moe"]
-    if self.units is not None:
-      out += [(l.ffn, self.repeats) for l in self.units.layers if l.ffn_kind == "moe"]
-    return out + [(l.ffn, 1) for l in self.suffix if l.ffn_kind == "moe"]
+    """(MoE module, rows) in aux order (the plan's MoE slots: a scanned layer's bias is
+    stacked over `repeats` rows)."""
+    return [(layer.ffn, spec.rows) for spec, layer in self.plan.modules(
+        self, self.plan.moe_slots())]
 
   def set_router_biases(self, new_bias: jax.Array) -> None:
     """Writes aux['new_bias'] [n_moe_layers, E] back into the layers' bias state."""
@@ -381,7 +372,8 @@ def forward(model: K3Model, tokens, segment_ids=None, remat: str = "none") -> ja
 
 
 def prefill(model: K3Model, tokens: jax.Array, max_len: int,
-            images: dict | None = None, last_only: bool = False) -> tuple[jax.Array, dict]:
+            images: dict | None = None,
+            last_only: bool = False) -> tuple[jax.Array, ModelCache]:
   """tokens [B, T] -> (logits [B, T, vocab], cache ready for decoding at position T).
   images: packed images whose features replace the prompt's placeholders. last_only: the
   last position's logits alone ([B, 1, vocab]), all that generating needs."""
@@ -390,7 +382,8 @@ def prefill(model: K3Model, tokens: jax.Array, max_len: int,
   return logits, cache
 
 
-def decode_step(model: K3Model, cache: dict, token: jax.Array) -> tuple[jax.Array, dict]:
+def decode_step(model: K3Model, cache: ModelCache,
+                token: jax.Array) -> tuple[jax.Array, ModelCache]:
   """token [B] -> (logits [B, vocab], cache advanced by one)."""
   logits, cache, _ = model(token[:, None], cache=cache)
   return logits[:, 0], cache

@@ -29,6 +29,7 @@ from k3_jax.model import K3Model, create_model
 from k3_jax.ops.balance import load_stats
 from k3_jax.optim.muon import decay_mask, per_head_muon
 from k3_jax.optim.qk_clip import qk_clip
+from k3_jax.stack import plan_of
 from sharding.aot import tree_bytes
 from sharding.install import activation_rules
 from sharding.rules import logical_to_spec, tree_shardings
@@ -183,8 +184,7 @@ def train_step(graphdef, optimizer, cfg: ModelConfig, tc: TrainConfig, state: di
     return loss_sum, (n, aux)
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-  n_moe = sum(f == "moe" for _, f in cfg.layer_kinds())
-  n_mla = sum(m == "mla" for m, _ in cfg.layer_kinds())
+  n_moe, n_mla = plan_of(cfg).moe_rows, plan_of(cfg).mla_rows
   e = cfg.moe.num_experts
 
   def micro(carry, mb):

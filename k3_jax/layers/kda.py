@@ -7,7 +7,7 @@
     o       = delta rule (chunked for many tokens, one recurrent step for decode)
     y       = W_o [ sigmoid(W_g x) * RMSNorm_head(o) ]
 
-Cache (decode): {'state': [B, H, K, V] f32, 'conv_q'/'conv_k'/'conv_v': [B, W-1, H*K]}.
+Cache (decode): a KDAState (k3_jax/cache.py): the state and the three conv windows.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from k3_jax.cache import KDAState
 from k3_jax.config import ModelConfig, jnp_dtype
 from k3_jax.layers.init import Init
 from k3_jax.layers.linear import Linear, apply_stacked
@@ -112,19 +113,19 @@ class KDA(nnx.Module):
       return kda_ops.kda_gate_softplus(z, self.a_log[...])
     return kda_ops.kda_gate_lower_bound(z, self.a_log[...], self.c.g_min)
 
-  def init_cache(self, batch: int) -> dict:
+  def init_cache(self, batch: int) -> KDAState:
     h, k, w = self.c.num_heads, self.c.head_dim, self.c.conv_size
     conv = jnp.zeros((batch, w - 1, h * k), self.dtype)
-    return {"state": jnp.zeros((batch, h, k, k), jnp.float32),
-            "conv_q": conv, "conv_k": conv, "conv_v": conv}
+    return KDAState(state=jnp.zeros((batch, h, k, k), jnp.float32),
+                    conv_q=conv, conv_k=conv, conv_v=conv)
 
   # ----- forward --------------------------------------------------------------
   def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None,
-               cache: dict | None = None) -> tuple[jax.Array, dict | None]:
+               cache: KDAState | None = None) -> tuple[jax.Array, KDAState | None]:
     """x [B, T, D] -> (y [B, T, D], new cache or None). With a cache and T == 1 the
     one-step recurrence runs; otherwise the chunked form (from the cached state)."""
     b, t, _ = x.shape
-    get = (lambda n: cache[n]) if cache is not None else (lambda n: None)
+    get = (lambda n: getattr(cache, n)) if cache is not None else (lambda n: None)
     xq, xk, xv, zf, gate = self._inputs(x)
     q, cq = self._conv(xq, self.q_conv, segment_ids, get("conv_q"))
     k, ck = self._conv(xk, self.k_conv, segment_ids, get("conv_k"))
@@ -135,18 +136,18 @@ class KDA(nnx.Module):
     g = self._decay(zf)                                                # [B, T, H, K] f32
     if cache is not None and t == 1:
       o, state = kda_ops.decode_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
-                                     cache["state"], backend=self.c.backend)
+                                     cache.state, backend=self.c.backend)
       o = o[:, None]
     else:
       o, state = kda_ops.chunk_kda(q, k, v, g, beta, chunk_size=self.c.chunk_size,
-                                   initial_state=None if cache is None else cache["state"],
+                                   initial_state=None if cache is None else cache.state,
                                    output_final_state=cache is not None,
                                    segment_ids=segment_ids, backend=self.c.backend)
     o = rms_norm(o.astype(jnp.float32), self.o_norm[...], self.eps)     # [B, T, H, V]
     o = jax.nn.sigmoid(gate.astype(jnp.float32)) * o
     y = self.o_proj(o.astype(self.dtype))
-    new_cache = None if cache is None else {"state": state, "conv_q": cq, "conv_k": ck,
-                                            "conv_v": cv}
+    new_cache = None if cache is None else KDAState(state=state, conv_q=cq, conv_k=ck,
+                                                    conv_v=cv)
     return y, new_cache
 
 

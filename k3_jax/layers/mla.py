@@ -8,12 +8,11 @@
 
 Training runs the plain form. With a cache (prefill and decode) W_kvb is absorbed into the
 query and output sides and attention runs over the cached latents: the cache holds only
-c_kv and k_r, (R + P) values per token: {'c_kv': [B, S, R], 'k_r': [B, S, P]}.
+c_kv and k_r, (R + P) values per token (an MLACache, k3_jax/cache.py).
 
 Paged cache (serving, k3_jax/serve): the latents live in a pool of fixed-size pages shared
-by all sequences, {'c_kv': [N, P, R], 'k_r': [N, P, Pr], 'page_table': [B, M] int32}; row b
-of the page table lists the pages of sequence b in order (logical position s lives in page
-page_table[b, s // P] at offset s % P), and `pos` is then a per-sequence [B] position.
+by all sequences, with the call's page table (a PagedMLACache), and `pos` is then a
+per-sequence [B] position.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from k3_jax.cache import MLACache, PagedMLACache
 from k3_jax.config import ModelConfig, jnp_dtype
 from k3_jax.layers.init import Init
 from k3_jax.layers.linear import Linear
@@ -56,14 +56,15 @@ class MLA(nnx.Module):
       self.g_proj = Linear(d, (h, vd), ("embed", "heads", "head_dim"), **lin)
     self.o_proj = Linear((h, vd), d, ("heads", "head_dim", "embed"), std=out_std, **lin)
 
-  def init_cache(self, batch: int, max_len: int) -> dict:
-    return {"c_kv": jnp.zeros((batch, max_len, self.c.kv_lora_rank), self.dtype),
-            "k_r": jnp.zeros((batch, max_len, self.c.qk_rope_head_dim), self.dtype)}
+  def init_cache(self, batch: int, max_len: int) -> MLACache:
+    return MLACache(c_kv=jnp.zeros((batch, max_len, self.c.kv_lora_rank), self.dtype),
+                    k_r=jnp.zeros((batch, max_len, self.c.qk_rope_head_dim), self.dtype))
 
-  def init_paged_cache(self, num_pages: int, page_size: int) -> dict:
-    """The page pool of this layer (the page table is added per call by the engine)."""
-    return {"c_kv": jnp.zeros((num_pages, page_size, self.c.kv_lora_rank), self.dtype),
-            "k_r": jnp.zeros((num_pages, page_size, self.c.qk_rope_head_dim), self.dtype)}
+  def init_paged_cache(self, num_pages: int, page_size: int) -> PagedMLACache:
+    """The page pool of this layer (the page table is attached per call by the engine)."""
+    return PagedMLACache(
+        c_kv=jnp.zeros((num_pages, page_size, self.c.kv_lora_rank), self.dtype),
+        k_r=jnp.zeros((num_pages, page_size, self.c.qk_rope_head_dim), self.dtype))
 
   def _query(self, x):
     q = self.q_b(self.q_norm(self.q_a(x))) if self.c.q_lora_rank else self.q_proj(x)
@@ -81,7 +82,7 @@ class MLA(nnx.Module):
     return self.o_proj(o.astype(self.dtype))
 
   def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None,
-               cache: dict | None = None, pos: jax.Array | int = 0):
+               cache: MLACache | PagedMLACache | None = None, pos: jax.Array | int = 0):
     """x [B, T, D] -> (y [B, T, D], new cache or None, max_logit [H]).
 
     Without a cache: causal (and segment) masked attention over x itself. With a cache:
@@ -98,16 +99,16 @@ class MLA(nnx.Module):
       o, max_logit = attend(q_nope, q_rope, c_kv, k_r, self.kv_b.w[...], self.scale,
                             self.dtype, segment_ids, segment_ids)
       return self._output(x, o), None, max_logit
-    if "page_table" in cache:
+    if isinstance(cache, PagedMLACache):
       return self._paged(x, q_nope, q_rope, c_kv, k_r, cache, pos)
     # Absorbed path over the latent cache.
-    new_cache = {
-        "c_kv": jax.lax.dynamic_update_slice_in_dim(cache["c_kv"], c_kv.astype(self.dtype),
-                                                    pos, axis=1),
-        "k_r": jax.lax.dynamic_update_slice_in_dim(cache["k_r"], k_r.astype(self.dtype),
-                                                   pos, axis=1)}
+    new_cache = MLACache(
+        c_kv=jax.lax.dynamic_update_slice_in_dim(cache.c_kv, c_kv.astype(self.dtype),
+                                                 pos, axis=1),
+        k_r=jax.lax.dynamic_update_slice_in_dim(cache.k_r, k_r.astype(self.dtype),
+                                                pos, axis=1))
     q_pos = jnp.broadcast_to(pos + jnp.arange(t)[None], (b, t))
-    y, max_logit = self._absorbed(x, q_nope, q_rope, new_cache["c_kv"], new_cache["k_r"], q_pos)
+    y, max_logit = self._absorbed(x, q_nope, q_rope, new_cache.c_kv, new_cache.k_r, q_pos)
     return y, new_cache, max_logit
 
   def _absorbed(self, x, q_nope, q_rope, c_kv_all, k_r_all, q_pos):
@@ -140,16 +141,18 @@ class MLA(nnx.Module):
     """Tokens at per-sequence positions pos[b] + [0, T): write their latents into the pages
     the page table names, then attend over the sequence's pages (gathered in order)."""
     b, t, _ = x.shape
-    table = cache["page_table"]                                        # [B, M] int32
-    page_size = cache["c_kv"].shape[1]
+    table = cache.page_table                                           # [B, M] int32
+    if table is None:
+      raise ValueError("a paged MLA cache needs its page table (kv_pages.with_pages)")
+    page_size = cache.c_kv.shape[1]
     pos = jnp.broadcast_to(jnp.asarray(pos, jnp.int32), (b,))
     q_pos = pos[:, None] + jnp.arange(t, dtype=jnp.int32)[None]        # [B, T]
     page = jnp.take_along_axis(table, q_pos // page_size, axis=1)      # [B, T]
     off = q_pos % page_size
-    pool_c = cache["c_kv"].at[page, off].set(c_kv.astype(self.dtype))  # [N, P, R]
-    pool_r = cache["k_r"].at[page, off].set(k_r.astype(self.dtype))    # [N, P, Pr]
+    pool_c = cache.c_kv.at[page, off].set(c_kv.astype(self.dtype))    # [N, P, R]
+    pool_r = cache.k_r.at[page, off].set(k_r.astype(self.dtype))      # [N, P, Pr]
     m = table.shape[1]
     c_all = pool_c[table].reshape(b, m * page_size, -1)                # [B, S = M P, R]
     r_all = pool_r[table].reshape(b, m * page_size, -1)                # [B, S, Pr]
     y, max_logit = self._absorbed(x, q_nope, q_rope, c_all, r_all, q_pos)
-    return y, {"c_kv": pool_c, "k_r": pool_r, "page_table": table}, max_logit
+    return y, PagedMLACache(c_kv=pool_c, k_r=pool_r, page_table=table), max_logit

@@ -19,16 +19,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from k3_jax import stack
+
 TAU = 100.0
 
 
 def mla_layers(model) -> list[tuple[object, int]]:
-  """(MLA module, rows) in aux['max_logit'] order: the prefix layers, each MLA layer of the
-  scanned unit (its weights stacked over `repeats` rows), then the suffix layers."""
-  out = [(l.mixer, 1) for l in model.prefix if l.mixer_kind == "mla"]
-  if model.units is not None:
-    out += [(l.mixer, model.repeats) for l in model.units.layers if l.mixer_kind == "mla"]
-  return out + [(l.mixer, 1) for l in model.suffix if l.mixer_kind == "mla"]
+  """(MLA module, rows) in aux['max_logit'] order: the plan's MLA slots (k3_jax/stack.py;
+  a scanned layer's weights are stacked over `repeats` rows)."""
+  plan = stack.plan_of(model.cfg)
+  return [(layer.mixer, spec.rows) for spec, layer in plan.modules(model, plan.mla_slots())]
 
 
 def _head_factors(gamma: jax.Array, first: int, rest: int, rest_power: float) -> jax.Array:

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from k3_jax.cache import PagedMLACache
 from k3_jax.config import ModelConfig, UserError
 from k3_jax.data import images as im
 from k3_jax.model import check_tokens
@@ -40,6 +41,7 @@ from k3_jax.serve import kv_pages as kv
 from k3_jax.serve.kv_pages import PAGE, PagePool
 from k3_jax.serve.prefix_cache import PrefixCache, block_hashes, image_salts
 from k3_jax.serve.sampling import sample_rows
+from k3_jax.stack import cache_leaves
 from k3_jax.serve.scheduler import (QueueFull, Request, RequestError, SamplingParams,
                                     checkpoint_boundaries, prefill_plan)
 
@@ -76,8 +78,8 @@ class Engine:
     # ----- memory: probe the sizes, then allocate the pools ---------------------------------
     model = nnx.merge(graphdef, params, rest)
     probe = jax.eval_shape(lambda: model.init_paged_cache(1, 1, PAGE))
-    self.page_bytes = sum(kv.tree_bytes(e) for n in ("prefix", "suffix", "units")
-                          for e in probe.get(n, []) if "c_kv" in e)
+    self.page_bytes = sum(kv.tree_bytes(e) for e in cache_leaves(probe)
+                          if isinstance(e, PagedMLACache))
     self.ckpt_bytes = kv.tree_bytes(kv.kda_states(probe))
     cache_pages = 0
     if prefix_cache_bytes > 0 and self.page_bytes:
@@ -130,7 +132,7 @@ class Engine:
         logits, new, _ = model(tokens[None], cache=sub, image_features=feats, last_only=True)
         new = kv.without_pages(new)
         out = kv.with_kda_states(new, kv.put_rows(states, slot[None], kv.kda_states(new)))
-        out["pos"] = cache["pos"]
+        out = out.replace(pos=cache.pos)
       return logits[0, -1], out
 
     def decode(params, rest, cache, counts, tokens, pos, tables, active, seeds, steps, temp,
@@ -143,7 +145,7 @@ class Engine:
         logits, new, _ = model(tokens[:, None], cache=kv.with_pages(cache, pos, tables))
         new = kv.without_pages(new)
         out = kv.with_kda_states(new, kv.select_rows(active, kv.kda_states(new), states))
-        out["pos"] = cache["pos"]
+        out = out.replace(pos=cache.pos)
       logits = logits[:, 0]
       nxt = sample_rows(logits, counts, seeds, steps, temp, top_p, presence, frequency)
       counts = counts.at[jnp.arange(nxt.shape[0]), nxt].add(active.astype(jnp.int32))

@@ -1,11 +1,10 @@
 """The serving cache's memory: MLA latent pages from a pool, per-slot KDA states, and the
 read-only KDA checkpoint slots of the prefix cache.
 
-Device side, the cache is `K3Model.init_paged_cache(max_batch, num_pages, PAGE)`:
-{'pos': [B], 'prefix': [...], 'units': [...], 'suffix': [...]} where each KDA layer holds
-{'state': [B, H, K, V] f32, 'conv_q'/'conv_k'/'conv_v': [B, W-1, H*K]} and each MLA layer a
-page pool {'c_kv': [N, P, R], 'k_r': [N, P, Pr]}; scanned layers ('units') carry a leading
-[R] repeat axis, so their batch axis is 1. Page 0 is the null page: unused page-table entries
+Device side, the cache is `K3Model.init_paged_cache(max_batch, num_pages, PAGE)`: a
+ModelCache (k3_jax/cache.py) with per-sequence positions [B], a KDAState per KDA layer and a
+PagedMLACache page pool per MLA layer; scanned layers carry a leading [R] repeat axis, so
+their batch axis is 1 (k3_jax/stack.py). Page 0 is the null page: unused page-table entries
 point at it, idle slots write into it, and no live position ever reads it.
 
 Host side, `PagePool` hands out page ids with reference counts (a page shared by the prefix
@@ -18,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from k3_jax.cache import KDAState, ModelCache, PagedMLACache, replace
+from k3_jax.stack import map_cache
 from sharding import aot
 
 PAGE = 512          # tokens per MLA page = one prefix-cache hash block (K3_SPEC section 9)
@@ -62,90 +63,63 @@ class PagePool:
 
 # ----- the cache pytree ---------------------------------------------------------------
 
-def _is_mla(entry: dict) -> bool:
-  return "c_kv" in entry
-
-
-def with_pages(cache: dict, pos: jax.Array, table: jax.Array) -> dict:
+def with_pages(cache: ModelCache, pos: jax.Array, table: jax.Array) -> ModelCache:
   """The model-call view: per-sequence positions [B] and the page table [B, M] in every MLA
   layer (broadcast over the repeat axis of the scanned units)."""
-  out = {"pos": pos}
-  for name in ("prefix", "suffix"):
-    out[name] = [{**e, "page_table": table} if _is_mla(e) else e for e in cache[name]]
-  if "units" in cache:
-    out["units"] = [
-        {**e, "page_table": jnp.broadcast_to(table, (e["c_kv"].shape[0],) + table.shape)}
-        if _is_mla(e) else e for e in cache["units"]]
-  return out
+  def attach(e, axis):
+    if not isinstance(e, PagedMLACache):
+      return e
+    return replace(e, page_table=jnp.broadcast_to(table, e.c_kv.shape[:axis] + table.shape))
+  return map_cache(attach, cache, pos=pos)
 
 
-def without_pages(cache: dict) -> dict:
-  strip = lambda e: {k: v for k, v in e.items() if k != "page_table"}
-  out = {"pos": cache["pos"]}
-  for name in ("prefix", "suffix", "units"):
-    if name in cache:
-      out[name] = [strip(e) for e in cache[name]]
-  return out
+def without_pages(cache: ModelCache) -> ModelCache:
+  return map_cache(lambda e, axis: replace(e, page_table=None)
+                   if isinstance(e, PagedMLACache) else e, cache)
 
 
-def kda_states(cache: dict) -> dict:
-  """The per-sequence part of the cache (KDA layers only; MLA entries become None)."""
-  out = {}
-  for name in ("prefix", "suffix", "units"):
-    if name in cache:
-      out[name] = [None if _is_mla(e) else e for e in cache[name]]
-  return out
+def kda_states(cache: ModelCache) -> ModelCache:
+  """The per-sequence part of the cache (KDA layers only; MLA entries and pos become None)."""
+  return map_cache(lambda e, axis: e if isinstance(e, KDAState) else None, cache, pos=None)
 
 
-def with_kda_states(cache: dict, states: dict) -> dict:
-  out = dict(cache)
-  for name in ("prefix", "suffix", "units"):
-    if name in cache:
-      out[name] = [e if _is_mla(e) else s for e, s in zip(cache[name], states[name])]
-  return out
+def with_kda_states(cache: ModelCache, states: ModelCache) -> ModelCache:
+  return map_cache(lambda e, s, axis: s if isinstance(e, KDAState) else e, cache, states)
 
 
-def _batch_axis(name: str) -> int:
-  return 1 if name == "units" else 0
-
-
-def take_rows(states: dict, rows: jax.Array) -> dict:
+def take_rows(states: ModelCache, rows: jax.Array) -> ModelCache:
   """states (kda_states layout) -> the same with only `rows` [n] of the batch axis."""
-  return {name: [None if e is None else jax.tree.map(
-      lambda a: jnp.take(a, rows, axis=_batch_axis(name)), e) for e in lst]
-      for name, lst in states.items()}
+  return map_cache(lambda e, axis: jax.tree.map(lambda a: jnp.take(a, rows, axis=axis), e),
+                   states)
 
 
-def put_rows(states: dict, rows: jax.Array, values: dict) -> dict:
+def put_rows(states: ModelCache, rows: jax.Array, values: ModelCache) -> ModelCache:
   """states with batch rows `rows` [n] replaced by `values` (same layout, n rows)."""
-  def put(name, a, v):
-    if _batch_axis(name) == 0:
+  def put(a, v, axis):
+    if axis == 0:
       return a.at[rows].set(v.astype(a.dtype))
     return a.at[:, rows].set(v.astype(a.dtype))
-  return {name: [None if e is None else jax.tree.map(lambda a, v: put(name, a, v), e, ve)
-                 for e, ve in zip(lst, values[name])]
-          for name, lst in states.items()}
+  return map_cache(lambda e, ve, axis: jax.tree.map(lambda a, v: put(a, v, axis), e, ve),
+                   states, values)
 
 
-def select_rows(mask: jax.Array, new: dict, old: dict) -> dict:
+def select_rows(mask: jax.Array, new: ModelCache, old: ModelCache) -> ModelCache:
   """Per batch row: new where mask [B] else old (keeps idle slots' states untouched)."""
-  def sel(name, n, o):
+  def sel(n, o, axis):
     shape = [1] * n.ndim
-    shape[_batch_axis(name)] = mask.shape[0]
+    shape[axis] = mask.shape[0]
     return jnp.where(mask.reshape(shape), n, o)
-  return {name: [None if e is None else jax.tree.map(lambda n, o: sel(name, n, o), e, oe)
-                 for e, oe in zip(lst, old[name])]
-          for name, lst in new.items()}
+  return map_cache(lambda e, oe, axis: jax.tree.map(lambda n, o: sel(n, o, axis), e, oe),
+                   new, old)
 
 
-def zeros_rows(states: dict, n: int) -> dict:
+def zeros_rows(states: ModelCache, n: int) -> ModelCache:
   """A zero state for n rows (a fresh sequence: S = 0, empty conv windows)."""
-  def z(name, a):
+  def z(a, axis):
     shape = list(a.shape)
-    shape[_batch_axis(name)] = n
+    shape[axis] = n
     return jnp.zeros(shape, a.dtype)
-  return {name: [None if e is None else jax.tree.map(lambda a: z(name, a), e) for e in lst]
-          for name, lst in states.items()}
+  return map_cache(lambda e, axis: jax.tree.map(lambda a: z(a, axis), e), states)
 
 
 def tree_bytes(tree, rows: int = 1, batch: int | None = None) -> int:

@@ -59,7 +59,7 @@ def test_mla_layer_absorbed_decode_equals_forward(cfg):
 def test_mla_cache_holds_only_latents():
   layer = MLA(CFG, init=Init(1))
   cache = layer.init_cache(1, 8)
-  per_token = sum(v.shape[-1] for v in cache.values())
+  per_token = sum(v.shape[-1] for v in jax.tree.leaves(cache))
   assert per_token == CFG.mla.kv_lora_rank + CFG.mla.qk_rope_head_dim
 
 

@@ -49,7 +49,7 @@ def test_prefill_then_decode_equals_forward():
   for t in range(12, 20):
     step_logits, cache = dec(state, cache, tokens[:, t])
     np.testing.assert_allclose(step_logits, full[:, t], rtol=2e-4, atol=2e-4)
-  assert int(cache["pos"]) == 20
+  assert int(cache.pos) == 20
 
 
 def test_packed_documents_do_not_interact():

@@ -76,7 +76,7 @@ def _run(backend: str, mesh):
     value, grads = nnx.value_and_grad(loss)(layer)
     y_pre, cache = layer(x[:, :-1], cache=cache)
     y_dec, cache = layer(x[:, -1:], cache=cache)
-    return value, nnx.state(grads), y_pre, y_dec, cache["state"]
+    return value, nnx.state(grads), y_pre, y_dec, cache.state
 
   def with_mesh(*a):
     if mesh is None:

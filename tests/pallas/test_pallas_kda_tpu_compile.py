@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import configs
 from k3_jax import train
+from k3_jax.cache import KDAState
 from k3_jax.config import apply_overrides
 from k3_jax.layers.init import Init
 from k3_jax.layers.kda import KDA
@@ -63,10 +64,10 @@ def test_kda_layer_compiles_for_tpu(tpu_mesh):
   assert compiled.memory_analysis().argument_size_in_bytes > 0
 
   h, k = cfg.kda.num_heads, cfg.kda.head_dim
-  cache = {"state": jax.ShapeDtypeStruct((b, h, k, k), jnp.float32, sharding=by_batch),
-           **{n: jax.ShapeDtypeStruct((b, cfg.kda.conv_size - 1, h * k), jnp.float32,
-                                      sharding=by_batch)
-              for n in ("conv_q", "conv_k", "conv_v")}}
+  conv = jax.ShapeDtypeStruct((b, cfg.kda.conv_size - 1, h * k), jnp.float32,
+                              sharding=by_batch)
+  cache = KDAState(state=jax.ShapeDtypeStruct((b, h, k, k), jnp.float32, sharding=by_batch),
+                   conv_q=conv, conv_k=conv, conv_v=conv)
 
   def decode(params, x, cache):
     with activation_rules(tpu_mesh):

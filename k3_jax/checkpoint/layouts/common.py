@@ -1,6 +1,7 @@
-"""What both released layouts share: where a decoder layer's variables live in the model
-state (scanned units stack their layers on a leading axis), and a builder that turns
-(tensor name, variable path, kind) into Entries with their disk shapes."""
+"""What both released layouts share: a builder that turns (tensor name, variable path, kind)
+into Entries with their disk shapes. Where a decoder layer's variables live in the model
+state (scanned units stack their layers on a leading axis) is the stack plan's
+(k3_jax/stack.py: LayerSpec.path and .lead)."""
 
 from __future__ import annotations
 
@@ -15,17 +16,6 @@ from flax import nnx
 
 from k3_jax.checkpoint.layouts.entry import Entry, LayoutError, Tensor, st_dtype
 from k3_jax.config import ModelConfig
-
-
-def layer_slot(cfg: ModelConfig, i: int) -> tuple[tuple, tuple[int, ...]]:
-  """0-based layer i -> (path prefix of its DecoderLayer, leading index into its variables)."""
-  prefix, reps, period = cfg.stack_plan()
-  if i < prefix:
-    return ("prefix", i), ()
-  if i < prefix + reps * period:
-    j = i - prefix
-    return ("units", "layers", j % period), (j // period,)
-  return ("suffix", i - prefix - reps * period), ()
 
 
 @functools.lru_cache(maxsize=8)

@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from k3_jax.checkpoint.layouts.common import Builder, dense_prefix, layer_slot
+from k3_jax import stack
+from k3_jax.checkpoint.layouts.common import Builder, dense_prefix
 from k3_jax.checkpoint.layouts.entry import LayoutError
 from k3_jax.checkpoint.layouts.kimi_linear import add_gated_ffn, add_layer
 from k3_jax.config import (AttnResConfig, KDAConfig, MLAConfig, ModelConfig, MoEConfig,
@@ -83,8 +84,8 @@ def entries(cfg: ModelConfig, expert_format: str = "auto", prefix: str = PREFIX)
   b = Builder(cfg, None)       # each variable in its own dtype, except FP32_NAMES (below)
   d = cfg.d_model
   b.add(f"{prefix}model.embed_tokens.weight", ("embed", "table"), (), "reshape")
-  for i, (mixer, ffn) in enumerate(cfg.layer_kinds()):
-    base, idx = layer_slot(cfg, i)
+  for spec in stack.plan_of(cfg).layers:
+    i, mixer, ffn, base, idx = spec.index, spec.mixer, spec.ffn, spec.path, spec.lead
     n = f"{prefix}model.layers.{i}."
     for ours, theirs in (("mixer_query", "self_attention_res"), ("ffn_query", "mlp_res")):
       q = base + (ours, "w")

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from k3_jax.checkpoint.layouts.common import Builder, dense_prefix, layer_slot
+from k3_jax import stack
+from k3_jax.checkpoint.layouts.common import Builder, dense_prefix
 from k3_jax.checkpoint.layouts.entry import LayoutError
 from k3_jax.config import (AttnResConfig, KDAConfig, MLAConfig, ModelConfig, MoEConfig,
                            validate)
@@ -123,8 +124,8 @@ def entries(cfg: ModelConfig, prefix: str = PREFIX):
   # router, its bias, A_log, dt_bias, and everything of an FP32 model) as F32
   b = Builder(cfg, None)
   b.add(f"{prefix}model.embed_tokens.weight", ("embed", "table"), (), "reshape")
-  for i, (mixer, ffn) in enumerate(cfg.layer_kinds()):
-    base, idx = layer_slot(cfg, i)
+  for spec in stack.plan_of(cfg).layers:
+    i, mixer, ffn, base, idx = spec.index, spec.mixer, spec.ffn, spec.path, spec.lead
     f = base + ("ffn",)
     moe = add_layer(b, f"{prefix}model.layers.{i}.", base, idx, mixer, ffn, lowrank_gate=True,
                     moe_name="block_sparse_moe.")

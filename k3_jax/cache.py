@@ -1,0 +1,79 @@
+"""The decode caches as types: registered pytree dataclasses, their shapes given here once.
+
+One entry per decoder layer, by its mixer:
+
+    KDAState        KDA layer: the delta-rule state and the short convolutions' windows
+        state             [B, H, K, V] f32
+        conv_q/k/v        [B, W-1, H*K]   (the last W-1 inputs of each causal conv)
+    MLACache        MLA layer, contiguous (prefill / decode): the latents of every position
+        c_kv              [B, S, R]
+        k_r               [B, S, Pr]     (R = kv_lora_rank, Pr = qk_rope_head_dim)
+    PagedMLACache   MLA layer, serving (k3_jax/serve): a pool of N pages of P tokens shared
+                    by all sequences, and the page table of the call
+        c_kv              [N, P, R]
+        k_r               [N, P, Pr]
+        page_table        [B, M] int32, or None between calls (the engine attaches it):
+                          row b lists sequence b's pages in order, so logical position s
+                          lives in page page_table[b, s // P] at offset s % P
+
+    ModelCache      the whole model's: `pos` and one entry per layer, grouped as the layer
+                    stack is (k3_jax/stack.py): `prefix` and `suffix` tuples of entries, and
+                    `units` (None without a scanned unit) a tuple of one entry per layer of
+                    the unit whose arrays carry a leading [R] repeat axis ([R, B, ...]).
+        pos               int32 [] (contiguous) | [B] (paged: per-sequence positions)
+
+A view that keeps some entries only (kv_pages.kda_states) holds None in place of the others
+and may hold None as pos. Which entry a layer has is its type (isinstance), never its keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+
+def _pytree(cls):
+  return jax.tree_util.register_dataclass(dataclasses.dataclass(frozen=True)(cls))
+
+
+@_pytree
+class KDAState:
+  state: jax.Array          # [B, H, K, V] f32
+  conv_q: jax.Array         # [B, W-1, H*K]
+  conv_k: jax.Array
+  conv_v: jax.Array
+
+
+@_pytree
+class MLACache:
+  c_kv: jax.Array           # [B, S, R]
+  k_r: jax.Array            # [B, S, Pr]
+
+  SEQ_AXIS = 1              # (of an unstacked entry) the axis of cache positions
+
+
+@_pytree
+class PagedMLACache:
+  c_kv: jax.Array           # [N, P, R]
+  k_r: jax.Array            # [N, P, Pr]
+  page_table: jax.Array | None = None   # [B, M] int32
+
+
+@_pytree
+class ModelCache:
+  pos: jax.Array | None
+  prefix: tuple = ()
+  units: tuple | None = None
+  suffix: tuple = ()
+
+  def replace(self, **kw) -> "ModelCache":
+    return dataclasses.replace(self, **kw)
+
+
+def replace(entry, **kw):
+  """A copy of a cache entry (or ModelCache) with fields replaced."""
+  return dataclasses.replace(entry, **kw)
+
+
+__all__ = ["KDAState", "MLACache", "PagedMLACache", "ModelCache", "replace"]
