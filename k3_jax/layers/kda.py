@@ -24,7 +24,7 @@ from k3_jax.layers.linear import Linear, apply_stacked
 from k3_jax.ops import conv as conv_ops
 from k3_jax.ops import kda as kda_ops
 from k3_jax.ops.norms import rms_norm
-from k3_jax.partitioning import constrain, parallel_ops
+from k3_jax.partitioning import SINGLE, Parallel
 
 
 def decay_bias_init(init: Init, shape, g_min: float | None) -> jax.Array:
@@ -80,7 +80,7 @@ class KDA(nnx.Module):
     self.o_proj = Linear((h, k), d, ("heads", "head_dim", "embed"), std=out_std, **lin)
 
   # ----- pieces ---------------------------------------------------------------
-  def _conv(self, x, weight, segment_ids, cache):
+  def _conv(self, x, weight, segment_ids, cache, par: Parallel = SINGLE):
     b, t, h, k = x.shape
     w = weight[...].reshape(self.c.conv_size, h * k)
     flat = x.reshape(b, t, h * k)
@@ -88,7 +88,7 @@ class KDA(nnx.Module):
       y, new = conv_ops.short_conv_step(flat[:, 0], w, cache)
       y = y[:, None]
     else:
-      conv = parallel_ops().short_conv or conv_ops.short_conv         # halo'd on a sequence mesh
+      conv = par.ops.short_conv or conv_ops.short_conv                # halo'd on a sequence mesh
       y, new = conv(flat, w, segment_ids=segment_ids, cache=cache)
     return jax.nn.silu(y.astype(jnp.float32)).reshape(b, t, h, k), new
 
@@ -120,31 +120,41 @@ class KDA(nnx.Module):
 
   # ----- forward --------------------------------------------------------------
   def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None,
-               cache: dict | None = None) -> tuple[jax.Array, dict | None]:
+               cache: dict | None = None,
+               par: Parallel = SINGLE) -> tuple[jax.Array, dict | None]:
     """x [B, T, D] -> (y [B, T, D], new cache or None). With a cache and T == 1 the
-    one-step recurrence runs; otherwise the chunked form (from the cached state)."""
+    one-step recurrence runs; otherwise the chunked form (from the cached state). par: the
+    parallel setup (k3_jax/partitioning.py)."""
     b, t, _ = x.shape
     get = (lambda n: cache[n]) if cache is not None else (lambda n: None)
-    xq, xk, xv, zf, gate = self._inputs(x)
-    q, cq = self._conv(xq, self.q_conv, segment_ids, get("conv_q"))
-    k, ck = self._conv(xk, self.k_conv, segment_ids, get("conv_k"))
-    v, cv = self._conv(xv, self.v_conv, segment_ids, get("conv_v"))
-    q, k = kda_ops.l2_normalize(q), kda_ops.l2_normalize(k)            # [B, T, H, K] f32
-    q = constrain(q, ("batch", "seq", "heads", None))
-    beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))          # [B, T, H]
-    g = self._decay(zf)                                                # [B, T, H, K] f32
-    if cache is not None and t == 1:
-      o, state = kda_ops.decode_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
-                                     cache["state"], backend=self.c.backend)
-      o = o[:, None]
-    else:
-      o, state = kda_ops.chunk_kda(q, k, v, g, beta, chunk_size=self.c.chunk_size,
-                                   initial_state=None if cache is None else cache["state"],
-                                   output_final_state=cache is not None,
-                                   segment_ids=segment_ids, backend=self.c.backend)
-    o = rms_norm(o.astype(jnp.float32), self.o_norm[...], self.eps)     # [B, T, H, V]
-    o = jax.nn.sigmoid(gate.astype(jnp.float32)) * o
-    y = self.o_proj(o.astype(self.dtype))
+    with jax.named_scope("kda"):
+      with jax.named_scope("projections"):
+        xq, xk, xv, zf, gate = self._inputs(x)
+      with jax.named_scope("conv"):
+        q, cq = self._conv(xq, self.q_conv, segment_ids, get("conv_q"), par)
+        k, ck = self._conv(xk, self.k_conv, segment_ids, get("conv_k"), par)
+        v, cv = self._conv(xv, self.v_conv, segment_ids, get("conv_v"), par)
+      with jax.named_scope("gates"):
+        q, k = kda_ops.l2_normalize(q), kda_ops.l2_normalize(k)        # [B, T, H, K] f32
+        q = par.constrain(q, ("batch", "seq", "heads", None))
+        beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))      # [B, T, H]
+        g = self._decay(zf)                                            # [B, T, H, K] f32
+      if cache is not None and t == 1:
+        with jax.named_scope("recurrent_step"):
+          o, state = kda_ops.decode_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
+                                         cache["state"], backend=self.c.backend, par=par)
+        o = o[:, None]
+      else:
+        with jax.named_scope("chunk"):
+          o, state = kda_ops.chunk_kda(q, k, v, g, beta, chunk_size=self.c.chunk_size,
+                                       initial_state=None if cache is None else cache["state"],
+                                       output_final_state=cache is not None,
+                                       segment_ids=segment_ids, backend=self.c.backend,
+                                       par=par)
+      with jax.named_scope("output"):
+        o = rms_norm(o.astype(jnp.float32), self.o_norm[...], self.eps)  # [B, T, H, V]
+        o = jax.nn.sigmoid(gate.astype(jnp.float32)) * o
+        y = self.o_proj(o.astype(self.dtype))
     new_cache = None if cache is None else {"state": state, "conv_q": cq, "conv_k": ck,
                                             "conv_v": cv}
     return y, new_cache
