@@ -74,23 +74,23 @@ class DecoderLayer(nnx.Module):
   # The two sublayers, each mapping its (residual-stream) input to the output that is
   # added back. Attention Residuals will build each sublayer's input from several
   # sources instead of the running sum; these are the hooks it plugs into.
+  @jax.named_scope("mixer")
   def mixer_sublayer(self, x, segment_ids=None, cache=None, pos=0, par: Parallel = SINGLE):
     """-> (y, new cache or None, aux)."""
-    with jax.named_scope("mixer"):
-      h = self.mixer_norm(x)
-      if self.mixer_kind == "kda":
-        y, cache = self.mixer(h, segment_ids, cache, par=par)
-        return y, cache, {}
-      y, cache, max_logit = self.mixer(h, segment_ids, cache, pos, par=par)
-      return y, cache, {"max_logit": max_logit}
+    h = self.mixer_norm(x)
+    if self.mixer_kind == "kda":
+      y, cache = self.mixer(h, segment_ids, cache, par=par)
+      return y, cache, {}
+    y, cache, max_logit = self.mixer(h, segment_ids, cache, pos, par=par)
+    return y, cache, {"max_logit": max_logit}
 
+  @jax.named_scope("ffn")
   def ffn_sublayer(self, x, train=False, par: Parallel = SINGLE):
     """-> (y, aux)."""
-    with jax.named_scope("ffn"):
-      h = self.ffn_norm(x)
-      if self.ffn_kind == "moe":
-        return self.ffn(h, train, par=par)
-      return self.ffn(h), {}
+    h = self.ffn_norm(x)
+    if self.ffn_kind == "moe":
+      return self.ffn(h, train, par=par)
+    return self.ffn(h), {}
 
   def __call__(self, x, segment_ids=None, cache=None, pos=0, layer_idx=0, train=False,
                par: Parallel = SINGLE):

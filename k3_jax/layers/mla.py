@@ -65,11 +65,13 @@ class MLA(nnx.Module):
     return {"c_kv": jnp.zeros((num_pages, page_size, self.c.kv_lora_rank), self.dtype),
             "k_r": jnp.zeros((num_pages, page_size, self.c.qk_rope_head_dim), self.dtype)}
 
+  @jax.named_scope("projections")
   def _query(self, x):
     q = self.q_b(self.q_norm(self.q_a(x))) if self.c.q_lora_rank else self.q_proj(x)
     n = self.c.qk_nope_head_dim
     return q[..., :n], q[..., n:]                                      # [B, T, H, n], [.., p]
 
+  @jax.named_scope("projections")
   def _latent(self, x):
     ckv = self.kv_a(x)                                                 # [B, T, R + P]
     r = self.c.kv_lora_rank
@@ -81,6 +83,7 @@ class MLA(nnx.Module):
       o = jax.nn.sigmoid(self.g_proj(x).astype(jnp.float32)) * o.astype(jnp.float32)
     return self.o_proj(o.astype(self.dtype))
 
+  @jax.named_scope("mla")
   def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None,
                cache: dict | None = None, pos: jax.Array | int = 0, par: Parallel = SINGLE):
     """x [B, T, D] -> (y [B, T, D], new cache or None, max_logit [H]).
@@ -90,22 +93,12 @@ class MLA(nnx.Module):
     they attend over cache positions <= their own (segment_ids are not used then).
     par: the parallel setup (k3_jax/partitioning.py).
     """
-    with jax.named_scope("mla"):
-      return self._call(x, segment_ids, cache, pos, par)
-
-  def _call(self, x, segment_ids, cache, pos, par):
     b, t, _ = x.shape
     c = self.c
-    with jax.named_scope("projections"):
-      q_nope, q_rope = self._query(x)
-      c_kv, k_r = self._latent(x)
+    q_nope, q_rope = self._query(x)
+    c_kv, k_r = self._latent(x)
     if cache is None:
-      with jax.named_scope("attention"):
-        q_nope, q_rope = (par.constrain(a, ("batch", "seq", "heads", None))
-                          for a in (q_nope, q_rope))
-        attend = par.ops.latent_attention or attn_ops.latent_attention  # sequence-parallel
-        o, max_logit = attend(q_nope, q_rope, c_kv, k_r, self.kv_b.w[...], self.scale,
-                              self.dtype, segment_ids, segment_ids)
+      o, max_logit = self._attention(q_nope, q_rope, c_kv, k_r, segment_ids, par)
       return self._output(x, o), None, max_logit
     if "page_table" in cache:
       return self._paged(x, q_nope, q_rope, c_kv, k_r, cache, pos, par)
@@ -120,6 +113,15 @@ class MLA(nnx.Module):
                                   par)
     return y, new_cache, max_logit
 
+  @jax.named_scope("attention")
+  def _attention(self, q_nope, q_rope, c_kv, k_r, segment_ids, par: Parallel = SINGLE):
+    """The plain (training) form over the sequence itself -> (o [B, T, H, V], max_logit)."""
+    q_nope, q_rope = (par.constrain(a, ("batch", "seq", "heads", None)) for a in (q_nope, q_rope))
+    attend = par.ops.latent_attention or attn_ops.latent_attention     # sequence-parallel
+    return attend(q_nope, q_rope, c_kv, k_r, self.kv_b.w[...], self.scale, self.dtype,
+                  segment_ids, segment_ids)
+
+  @jax.named_scope("absorbed_attention")
   def _absorbed(self, x, q_nope, q_rope, c_kv_all, k_r_all, q_pos, par: Parallel = SINGLE):
     """Absorbed attention of the queries at positions q_pos [B, T] over latents [B, S, R] /
     [B, S, P] (key s visible iff s <= the query's position). One token (decode): one
@@ -128,23 +130,22 @@ class MLA(nnx.Module):
     (sharding/context.py)."""
     c = self.c
     b, t = q_pos.shape
-    with jax.named_scope("absorbed_attention"):
-      w = self.kv_b.w[...].astype(jnp.float32)                         # [R, H, n + v]
-      w_k, w_v = w[..., :c.qk_nope_head_dim], w[..., c.qk_nope_head_dim:]
-      q_lat = jnp.einsum("bthn,rhn->bthr", q_nope.astype(jnp.float32), w_k)
-      q_rope = q_rope.astype(jnp.float32)
-      if t == 1:
-        s = c_kv_all.shape[1]
-        mask = attn_ops.causal_mask(q_pos, jnp.broadcast_to(jnp.arange(s)[None], (b, s)))
-        o_lat, max_logit = attn_ops.absorbed_attention(
-            q_lat, q_rope, c_kv_all.astype(jnp.float32), k_r_all.astype(jnp.float32),
-            self.scale, mask)
-      else:
-        q_lat, q_rope = (par.constrain(a, ("batch", "seq", "heads", None))
-                         for a in (q_lat, q_rope))
-        attend = par.ops.absorbed_attention or attn_ops.blockwise_absorbed_attention
-        o_lat, max_logit = attend(q_lat, q_rope, c_kv_all, k_r_all, self.scale, q_pos)
-      o = jnp.einsum("bthr,rhv->bthv", o_lat, w_v)                     # [B, T, H, V]
+    w = self.kv_b.w[...].astype(jnp.float32)                           # [R, H, n + v]
+    w_k, w_v = w[..., :c.qk_nope_head_dim], w[..., c.qk_nope_head_dim:]
+    q_lat = jnp.einsum("bthn,rhn->bthr", q_nope.astype(jnp.float32), w_k)
+    q_rope = q_rope.astype(jnp.float32)
+    if t == 1:
+      s = c_kv_all.shape[1]
+      mask = attn_ops.causal_mask(q_pos, jnp.broadcast_to(jnp.arange(s)[None], (b, s)))
+      o_lat, max_logit = attn_ops.absorbed_attention(
+          q_lat, q_rope, c_kv_all.astype(jnp.float32), k_r_all.astype(jnp.float32),
+          self.scale, mask)
+    else:
+      q_lat, q_rope = (par.constrain(a, ("batch", "seq", "heads", None))
+                       for a in (q_lat, q_rope))
+      attend = par.ops.absorbed_attention or attn_ops.blockwise_absorbed_attention
+      o_lat, max_logit = attend(q_lat, q_rope, c_kv_all, k_r_all, self.scale, q_pos)
+    o = jnp.einsum("bthr,rhv->bthv", o_lat, w_v)                       # [B, T, H, V]
     return self._output(x, o), max_logit
 
   def _paged(self, x, q_nope, q_rope, c_kv, k_r, cache, pos, par: Parallel = SINGLE):

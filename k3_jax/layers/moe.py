@@ -98,15 +98,12 @@ class MoE(nnx.Module):
       return mx_gmm.packed_gmm(base, kernel=local and platform == "tpu")
     return mx_gmm.qat_gmm(base) if self.qat else base
 
+  @jax.named_scope("moe")
   def __call__(self, x: jax.Array, train: bool = False,
                par: Parallel = SINGLE) -> tuple[jax.Array, dict]:
     """x [B, T, D] -> (y [B, T, D], aux): aux['expert_load'] [E] tokens per expert and, when
     training, aux['new_bias'] [E] (the bias itself is only changed by the train step).
     par: the parallel setup (k3_jax/partitioning.py)."""
-    with jax.named_scope("moe"):
-      return self._call(x, train, par)
-
-  def _call(self, x, train, par):
     m = self.cfg
     b, t, d = x.shape
     xf = x.reshape(b * t, d)                                           # [N, D]

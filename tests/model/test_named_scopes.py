@@ -15,7 +15,7 @@ from k3_jax.model import create_model, forward
 CFG = apply_overrides(configs.get("k3_tiny"), ["num_layers=5", "mla_layers=(4,5)"])
 
 SCOPES = ("embed", "units", "unit_layer_0", "unit_layer_3", "layer_4", "lm_head",
-          "mixer/kda/projections", "mixer/kda/conv", "mixer/kda/gates", "mixer/kda/chunk",
+          "mixer/kda/projections", "mixer/kda/conv", "mixer/kda/decay", "mixer/kda/chunk",
           "mixer/kda/output", "mixer/mla/projections", "mixer/mla/attention",
           "mixer/mla/output", "ffn/dense_ffn", "ffn/moe/router", "ffn/moe/routed_experts/dispatch",
           "ffn/moe/routed_experts/experts", "ffn/moe/routed_experts/combine",

@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import functools
 
+import jax
+
 from k3_jax.ops.kda.chunk import chunk_kda as chunk_kda_reference
 from k3_jax.ops.kda.common import (BACKENDS, G_CLAMP, SUB_TILE, TILE, check_chunk_shapes,
                                    check_decode_shapes, default_scale, doc_index)
@@ -77,6 +79,7 @@ def resolve_chunk_size(chunk_size: int, backend: str, par: Parallel = SINGLE) ->
   return int(chunk_size)
 
 
+@jax.named_scope("chunk")
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
               chunk_size=64, segment_ids=None, backend: str = "reference",
               par: Parallel = SINGLE):
@@ -122,6 +125,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
   return out if output_final_state else (out, None)
 
 
+@jax.named_scope("recurrent_step")
 def decode_step(q, k, v, g, beta, state, scale=None, backend: str = "reference",
                 par: Parallel = SINGLE):
   """One token by `backend` on the mesh of `par`: q, k, g [B, H, K]; v [B, H, V]; beta
