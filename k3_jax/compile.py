@@ -22,7 +22,7 @@ from k3_jax.model import create_model, decode_step, prefill
 from k3_jax.serve.pack import pack_routed_experts
 from k3_jax.stack import map_cache
 from sharding import aot
-from sharding.install import activation_rules
+from sharding.install import parallel_for
 from sharding.mesh import make_mesh, parse_mesh, validate_mesh
 from sharding.rules import tree_shardings
 from sharding.topology import Target, resolve_target, target_devices
@@ -172,10 +172,10 @@ def _serving_program(cfg: ModelConfig, mesh, step: str, batch: int, seq: int, le
   logits_sh = aot.batch_shardings(
       jax.ShapeDtypeStruct((batch, cfg.vocab_size), jnp.float32), mesh, 0)
   p_args = (aot.with_shardings(params, p_sh), aot.with_shardings(rest, r_sh))
+  par = parallel_for(mesh)     # built per call, for this mesh: no compile is shared across meshes
   if step == "decode":
     def run(params, rest, cache, token):
-      with activation_rules(mesh):
-        return decode_step(nnx.merge(graphdef, params, rest), cache, token)
+      return decode_step(nnx.merge(graphdef, params, rest), cache, token, par=par)
     tok = jax.ShapeDtypeStruct((batch,), jnp.int32)
     tok_sh = aot.batch_shardings(tok, mesh, 0)
     fn = jax.jit(run, in_shardings=(p_sh, r_sh, c_sh, tok_sh), out_shardings=(logits_sh, c_sh),
@@ -184,9 +184,8 @@ def _serving_program(cfg: ModelConfig, mesh, step: str, batch: int, seq: int, le
                 jax.ShapeDtypeStruct(tok.shape, tok.dtype, sharding=tok_sh))
 
   def run(params, rest, tokens):
-    with activation_rules(mesh):
-      logits, cache = prefill(nnx.merge(graphdef, params, rest), tokens, length,
-                              last_only=True)
+    logits, cache = prefill(nnx.merge(graphdef, params, rest), tokens, length,
+                            last_only=True, par=par)
     return logits[:, -1], cache          # the next-token logits and the filled cache
   toks = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
   t_sh = aot.batch_shardings(toks, mesh, 0)

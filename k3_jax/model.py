@@ -30,7 +30,7 @@ from k3_jax.layers.mla import MLA
 from k3_jax.layers.moe import MoE
 from k3_jax.layers.norm import RMSNorm
 from k3_jax.ops.vision import scatter_features
-from k3_jax.partitioning import constrain
+from k3_jax.partitioning import SINGLE, Parallel
 from k3_jax.vision.tower import VisionEncoder
 
 
@@ -75,38 +75,41 @@ class DecoderLayer(nnx.Module):
   # The two sublayers, each mapping its (residual-stream) input to the output that is
   # added back. Attention Residuals will build each sublayer's input from several
   # sources instead of the running sum; these are the hooks it plugs into.
-  def mixer_sublayer(self, x, segment_ids=None, cache=None, pos=0):
+  @jax.named_scope("mixer")
+  def mixer_sublayer(self, x, segment_ids=None, cache=None, pos=0, par: Parallel = SINGLE):
     """-> (y, new cache or None, aux)."""
     h = self.mixer_norm(x)
     if self.mixer_kind == "kda":
-      y, cache = self.mixer(h, segment_ids, cache)
+      y, cache = self.mixer(h, segment_ids, cache, par=par)
       return y, cache, {}
-    y, cache, max_logit = self.mixer(h, segment_ids, cache, pos)
+    y, cache, max_logit = self.mixer(h, segment_ids, cache, pos, par=par)
     return y, cache, {"max_logit": max_logit}
 
-  def ffn_sublayer(self, x, train=False):
+  @jax.named_scope("ffn")
+  def ffn_sublayer(self, x, train=False, par: Parallel = SINGLE):
     """-> (y, aux)."""
     h = self.ffn_norm(x)
     if self.ffn_kind == "moe":
-      return self.ffn(h, train)
+      return self.ffn(h, train, par=par)
     return self.ffn(h), {}
 
-  def __call__(self, x, segment_ids=None, cache=None, pos=0, layer_idx=0, train=False):
+  def __call__(self, x, segment_ids=None, cache=None, pos=0, layer_idx=0, train=False,
+               par: Parallel = SINGLE):
     """x: the residual stream [B, T, D], or with Attention Residuals the source bank
     (layers/attn_res.py). -> (x, new cache or None, aux dict)."""
     if self.block_size:
-      return self._attn_res_call(x, segment_ids, cache, pos, layer_idx, train)
-    y, cache, aux = self.mixer_sublayer(x, segment_ids, cache, pos)
-    x = constrain(x + y, ("batch", "seq", "embed"))
-    y, ffn_aux = self.ffn_sublayer(x, train)
-    x = constrain(x + y, ("batch", "seq", "embed"))
+      return self._attn_res_call(x, segment_ids, cache, pos, layer_idx, train, par)
+    y, cache, aux = self.mixer_sublayer(x, segment_ids, cache, pos, par)
+    x = par.constrain(x + y, ("batch", "seq", "embed"))
+    y, ffn_aux = self.ffn_sublayer(x, train, par)
+    x = par.constrain(x + y, ("batch", "seq", "embed"))
     return x, cache, {**aux, **ffn_aux}
 
-  def _attn_res_call(self, stream, segment_ids, cache, pos, layer_idx, train):
+  def _attn_res_call(self, stream, segment_ids, cache, pos, layer_idx, train, par):
     y, cache, aux = self.mixer_sublayer(self.mixer_query(stream, self.eps), segment_ids, cache,
-                                        pos)
+                                        pos, par)
     stream = attn_res.add_output(stream, y)
-    y, ffn_aux = self.ffn_sublayer(self.ffn_query(stream, self.eps), train)
+    y, ffn_aux = self.ffn_sublayer(self.ffn_query(stream, self.eps), train, par)
     stream = attn_res.add_output(stream, y)
     stream = attn_res.close_block(stream, (layer_idx + 1) % self.block_size == 0)
     return stream, cache, {**aux, **ffn_aux}
@@ -117,16 +120,17 @@ def _remat_policy(remat: str):
           else jax.checkpoint_policies.nothing_saveable)
 
 
-def call_layer(layer: DecoderLayer, remat: str, x, segment_ids, cache, pos, layer_idx, train):
+def call_layer(layer: DecoderLayer, remat: str, x, segment_ids, cache, pos, layer_idx, train,
+               par: Parallel = SINGLE):
   """One decoder layer; with `remat` != "none" it is rematerialised on its own: the backward
   pass keeps only its inputs (and, for "dots", its matmul outputs) and recomputes the rest,
   so at most one layer's intermediates are live at a time."""
   if remat == "none":
-    return layer(x, segment_ids, cache, pos, layer_idx, train)
+    return layer(x, segment_ids, cache, pos, layer_idx, train, par)
   graphdef, state = nnx.split(layer)
 
   def run(state, x, cache):
-    return nnx.merge(graphdef, state)(x, segment_ids, cache, pos, layer_idx, train)
+    return nnx.merge(graphdef, state)(x, segment_ids, cache, pos, layer_idx, train, par)
 
   return jax.checkpoint(run, policy=_remat_policy(remat))(state, x, cache)
 
@@ -138,12 +142,14 @@ class Unit(nnx.Module):
     self.layers = nnx.List([DecoderLayer(cfg, m, f, init=init) for m, f in kinds])
 
   def __call__(self, x, segment_ids=None, caches=None, pos=0, first_layer=0, train=False,
-               layer_remat: str = "none"):
+               layer_remat: str = "none", par: Parallel = SINGLE):
     """layer_remat: rematerialise each layer on its own (`call_layer`) inside the unit."""
     new_caches, auxes = [], []
     for i, layer in enumerate(self.layers):
-      x, c, aux = call_layer(layer, layer_remat, x, segment_ids,
-                             None if caches is None else caches[i], pos, first_layer + i, train)
+      with jax.named_scope(f"unit_layer_{i}"):
+        x, c, aux = call_layer(layer, layer_remat, x, segment_ids,
+                               None if caches is None else caches[i], pos, first_layer + i,
+                               train, par)
       new_caches.append(c)
       auxes.append(aux)
     return x, (None if caches is None else tuple(new_caches)), auxes
@@ -217,7 +223,7 @@ class K3Model(nnx.Module):
         lambda s: plan.module(self, s).init_paged_cache(batch, num_pages, page_size))
 
   # ----- forward --------------------------------------------------------------
-  def _run_units(self, x, segment_ids, caches, pos, remat, train):
+  def _run_units(self, x, segment_ids, caches, pos, remat, train, par):
     graphdef, state = nnx.split(self.units)
     plan = self.plan
     reps = plan.repeats
@@ -231,7 +237,8 @@ class K3Model(nnx.Module):
       st, first, i = xs
       c = None if all_c is None else jax.tree.map(lambda a: a[i], all_c)
       x, c, aux = nnx.merge(graphdef, st)(x, segment_ids, c, pos, first, train,
-                                          layer_remat="block" if remat == "layer" else "none")
+                                          layer_remat="block" if remat == "layer" else "none",
+                                          par=par)
       if all_c is not None:
         all_c = jax.tree.map(
             lambda a, u: jax.lax.dynamic_update_index_in_dim(a, u.astype(a.dtype), i, 0),
@@ -268,8 +275,11 @@ class K3Model(nnx.Module):
   def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
                cache: ModelCache | None = None, remat: str = "none", train: bool = False,
                images: dict | None = None, image_features: jax.Array | None = None,
-               last_only: bool = False):
+               last_only: bool = False, par: Parallel = SINGLE):
     """tokens [B, T] -> (logits [B, T, vocab] f32, new cache or None, aux).
+
+    par: how the program is parallelised (k3_jax/partitioning.py; built for a mesh by
+    sharding.install.parallel_for); the default SINGLE is the single-device program.
 
     last_only: the logits of the last position alone ([B, 1, vocab]): a prefill needs no
     others (at T = 1M the whole [T, vocab] f32 logits would be 671 GB).
@@ -287,9 +297,12 @@ class K3Model(nnx.Module):
     if t > limit:
       raise ConfigError(f"sequence length {t} exceeds max_seq_len={limit}")
     pos = cache.pos if cache is not None else 0
-    x = constrain(self.embed_inputs(tokens, images, image_features), ("batch", "seq", "embed"))
+    with jax.named_scope("embed"):
+      x = par.constrain(self.embed_inputs(tokens, images, image_features),
+                        ("batch", "seq", "embed"))
     if self.cfg.attn_res.enabled:
-      x = attn_res.init_stream(x, self.cfg.num_layers, self.cfg.attn_res.block_size)
+      with jax.named_scope("attn_res"):
+        x = attn_res.init_stream(x, self.cfg.num_layers, self.cfg.attn_res.block_size)
     new_caches = {}
     auxes = []                  # per slot (stack.py's slot order), each with a leading rows axis
     plan = self.plan
@@ -298,9 +311,10 @@ class K3Model(nnx.Module):
       caches = []
       for spec, layer in plan.modules(self, plan.group(group)):
         # the unscanned layers are rematerialised one by one under any remat
-        x, c, aux = call_layer(layer, remat, x, segment_ids,
-                               None if cache is None else getattr(cache, group)[spec.position],
-                               pos, spec.index, train)
+        with jax.named_scope(f"layer_{spec.index}"):
+          x, c, aux = call_layer(layer, remat, x, segment_ids,
+                                 None if cache is None else getattr(cache, group)[spec.position],
+                                 pos, spec.index, train, par)
         caches.append(c)
         auxes.append(jax.tree.map(lambda a: a[None], aux))
       new_caches[group] = tuple(caches)
@@ -308,8 +322,9 @@ class K3Model(nnx.Module):
 
     x = run_list("prefix", x)
     if self.units is not None:
-      x, new_caches["units"], unit_aux = self._run_units(
-          x, segment_ids, None if cache is None else cache.units, pos, remat, train)
+      with jax.named_scope("units"):
+        x, new_caches["units"], unit_aux = self._run_units(
+            x, segment_ids, None if cache is None else cache.units, pos, remat, train, par)
       auxes.extend(unit_aux)    # one aux per layer of the unit, each with a leading [R] axis
     x = run_list("suffix", x)
     new_cache = None if cache is None else ModelCache(
@@ -319,7 +334,8 @@ class K3Model(nnx.Module):
       x = jax.tree.map(lambda a: a[..., -1:, :] if a.ndim >= 3 else a, x)
     if self.cfg.attn_res.enabled:
       x = self.final_query(x, self.cfg.norm_eps)
-    logits = self.lm_head(self.final_norm(x))
+    with jax.named_scope("lm_head"):
+      logits = self.lm_head(self.final_norm(x))
     aux = {k: jnp.concatenate([a[k] for a in auxes if k in a], axis=0)
            for k in ("expert_load", "max_logit", "new_bias") if any(k in a for a in auxes)}
     return logits, new_cache, aux
@@ -367,25 +383,27 @@ def check_tokens(tokens, cfg: ModelConfig) -> np.ndarray:
   return arr
 
 
-def forward(model: K3Model, tokens, segment_ids=None, remat: str = "none") -> jax.Array:
-  return model(tokens, segment_ids, remat=remat)[0]
+def forward(model: K3Model, tokens, segment_ids=None, remat: str = "none",
+            par: Parallel = SINGLE) -> jax.Array:
+  return model(tokens, segment_ids, remat=remat, par=par)[0]
 
 
 def prefill(model: K3Model, tokens: jax.Array, max_len: int,
-            images: dict | None = None,
-            last_only: bool = False) -> tuple[jax.Array, ModelCache]:
+            images: dict | None = None, last_only: bool = False,
+            par: Parallel = SINGLE) -> tuple[jax.Array, ModelCache]:
   """tokens [B, T] -> (logits [B, T, vocab], cache ready for decoding at position T).
   images: packed images whose features replace the prompt's placeholders. last_only: the
-  last position's logits alone ([B, 1, vocab]), all that generating needs."""
+  last position's logits alone ([B, 1, vocab]), all that generating needs. par: the
+  parallel setup (K3Model.__call__)."""
   cache = model.init_cache(tokens.shape[0], max_len)
-  logits, cache, _ = model(tokens, cache=cache, images=images, last_only=last_only)
+  logits, cache, _ = model(tokens, cache=cache, images=images, last_only=last_only, par=par)
   return logits, cache
 
 
-def decode_step(model: K3Model, cache: ModelCache,
-                token: jax.Array) -> tuple[jax.Array, ModelCache]:
+def decode_step(model: K3Model, cache: ModelCache, token: jax.Array,
+                par: Parallel = SINGLE) -> tuple[jax.Array, ModelCache]:
   """token [B] -> (logits [B, vocab], cache advanced by one)."""
-  logits, cache, _ = model(token[:, None], cache=cache)
+  logits, cache, _ = model(token[:, None], cache=cache, par=par)
   return logits[:, 0], cache
 
 

@@ -1,51 +1,31 @@
-"""Logical-axis sharding hooks used by model code.
+"""Logical-axis sharding as one explicit value that model code is called with.
 
-Model code names logical axes only ("batch", "seq", "embed", "heads", ...). The mapping to
-mesh axes lives in `sharding/`, which installs it here with `use_rules(mesh, rules)`.
-Without installed rules, `constrain` is the identity, so single-device code is untouched.
+Model code names logical axes only ("batch", "seq", "embed", "heads", ...). What the names
+mean on a mesh lives in `sharding/`, which builds a `Parallel` for a mesh
+(`sharding.install.parallel_for`): the rules table resolving names to mesh axes (for
+`constrain` and `is_split`), the per-shard wrapping of kernels (`shard_kernel`: Pallas /
+Mosaic calls cannot be partitioned by the compiler, so on a mesh they run per shard inside
+`shard_map`), the target platform (the mesh's, which may be compile-only TPU devices on a
+CPU host, so kernels are chosen for the target rather than the host), and the ops that need
+explicit collectives on a sharded mesh (expert-parallel MoE dispatch, context-parallel KDA
+and MLA) as one typed `ParallelOps` record; a layer calls `par.ops.<op> or reference`.
 
-Kernels (Pallas / Mosaic calls) cannot be partitioned by the compiler: on a mesh they must run
-per shard inside `shard_map`. `shard_kernel` gives model code that by logical names too; the
-wrapping itself is installed by `sharding/` along with the rules (`use_kernel_sharding`).
-`target_platform` tells model code what the traced program is compiled for (the platform of
-the installed mesh's devices, which may be compile-only TPU devices on a CPU host), so it can
-choose kernels for the target rather than for the host.
-
-Ops that need explicit collectives on a sharded mesh (expert-parallel MoE dispatch, context-
-parallel KDA and MLA) are installed the same way, as one typed `ParallelOps` record, with
-`use_parallel_ops`; a layer calls `parallel_ops().<op> or reference`, i.e. the reference op
-unless `sharding/` installed a mesh-parallel version with the same signature for the active
-mesh.
+Every layer, sublayer and op that shards, picks a kernel or calls a parallel op takes the
+`Parallel` as its `par` argument; the default `SINGLE` is the single-device program
+(`constrain` is the identity, kernels are called directly, the reference ops run). A
+`Parallel` is hashable and compared by what determines the traced program (the mesh, the
+target platform and an optional key), not by its callables, so it is a static value under
+jit: a step that takes it as a static argument, or is built per `Parallel` and closes over
+it, can never reuse a program traced for another setup, while an equal rebuilt setup reuses
+the compile; and a step built without one is the single-device program by construction.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
-from typing import Callable
+from typing import Any, Callable, Hashable
 
 import jax
-
-# A function mapping (shape, logical axes) -> jax.sharding.Sharding, or None.
-_RESOLVER: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("k3_resolver",
-                                                                          default=None)
-
-
-# (fn, in_axes, out_axes) -> fn run per shard on the installed mesh; and that mesh's platform.
-_KERNEL_SHARDER: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
-    "k3_kernel_sharder", default=None)
-_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar("k3_platform",
-                                                                      default=None)
-
-
-@contextlib.contextmanager
-def use_resolver(resolver: Callable):
-  token = _RESOLVER.set(resolver)
-  try:
-    yield
-  finally:
-    _RESOLVER.reset(token)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,75 +52,78 @@ class ParallelOps:
   absorbed_attention: Callable | None = None
 
 
-_PARALLEL_OPS: contextvars.ContextVar[ParallelOps] = contextvars.ContextVar(
-    "k3_parallel_ops", default=ParallelOps())
+def _callables(ops: ParallelOps) -> bool:
+  return any(getattr(ops, f.name) is not None for f in dataclasses.fields(ops))
 
 
-@contextlib.contextmanager
-def use_parallel_ops(ops: ParallelOps):
-  if not isinstance(ops, ParallelOps):
-    raise TypeError(f"use_parallel_ops takes a ParallelOps, got {type(ops).__name__}")
-  token = _PARALLEL_OPS.set(ops)
-  try:
-    yield
-  finally:
-    _PARALLEL_OPS.reset(token)
+@dataclasses.dataclass(frozen=True)
+class Parallel:
+  """How the traced program is parallelised: a static, hashable value (see the module
+  docstring). Build it with `sharding.install.parallel_for(mesh)`; `SINGLE` is one device.
 
-
-def parallel_ops() -> ParallelOps:
-  """The mesh-parallel ops installed for the active mesh (fields None where there are none;
-  an installed op must equal its single-device reference)."""
-  return _PARALLEL_OPS.get()
-
-
-def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
-  """Sharding constraint by logical axis names; identity when no rules are installed."""
-  resolver = _RESOLVER.get()
-  if resolver is None:
-    return x
-  if len(axes) != x.ndim:
-    raise ValueError(f"constrain: {len(axes)} logical axes {axes} for an array of rank {x.ndim}")
-  return jax.lax.with_sharding_constraint(x, resolver(x.shape, axes))
-
-
-def is_split(shape: tuple[int, ...], axes: tuple[str | None, ...], dim: int) -> bool:
-  """Do the installed rules split dimension `dim` of an array of this shape and logical
-  axes over the mesh? (False without installed rules.)"""
-  resolver = _RESOLVER.get()
-  if resolver is None:
-    return False
-  entry = resolver(tuple(shape), tuple(axes)).spec
-  return len(entry) > dim and entry[dim] is not None
-
-
-@contextlib.contextmanager
-def use_kernel_sharding(sharder: Callable, platform: str):
-  """Install how kernels run per shard (see `shard_kernel`) and the target platform."""
-  t1, t2 = _KERNEL_SHARDER.set(sharder), _PLATFORM.set(platform)
-  try:
-    yield
-  finally:
-    _PLATFORM.reset(t2)
-    _KERNEL_SHARDER.reset(t1)
-
-
-def mesh_installed() -> bool:
-  """Is a mesh installed (so a kernel called directly would be partitioned by the compiler,
-  which Mosaic kernels do not allow)?"""
-  return _KERNEL_SHARDER.get() is not None
-
-
-def target_platform() -> str:
-  """"tpu", "cpu", "gpu": the platform of the installed mesh, else JAX's default backend."""
-  return _PLATFORM.get() or jax.default_backend()
-
-
-def shard_kernel(fn: Callable, in_axes, out_axes) -> Callable:
-  """`fn` (arrays -> arrays, written for one shard) as a function of the global arrays.
-
-  in_axes: one tuple of logical axis names (or None = whole) per positional array; out_axes:
-  the same for fn's outputs (a tuple of tuples for several outputs). Dimensions named alike
-  are split alike. Without installed kernel sharding this is `fn` itself.
+  mesh: the mesh (hashable) or None; target: its platform ("tpu", "cpu", "gpu"; None = JAX's
+  default backend); key: anything else that tells two setups apart (a hand-built Parallel
+  carrying its own ops needs one). These three are the identity of the value. The
+  callables (ops, resolver: (shape, logical axes) -> Sharding, sharder: (fn, in_axes,
+  out_axes) -> fn per shard) are carried alongside and not compared: two Parallels that
+  compare equal must trace the same program, which `parallel_for` guarantees.
   """
-  sharder = _KERNEL_SHARDER.get()
-  return fn if sharder is None else sharder(fn, in_axes, out_axes)
+  mesh: Any = None
+  target: str | None = None
+  key: Hashable = None
+  ops: ParallelOps = dataclasses.field(default_factory=ParallelOps, compare=False)
+  resolver: Callable | None = dataclasses.field(default=None, compare=False, repr=False)
+  sharder: Callable | None = dataclasses.field(default=None, compare=False, repr=False)
+
+  def __post_init__(self):
+    if not isinstance(self.ops, ParallelOps):
+      raise TypeError(f"Parallel.ops takes a ParallelOps, got {type(self.ops).__name__}")
+    carries = _callables(self.ops) or self.resolver is not None or self.sharder is not None
+    if carries and self.mesh is None and self.key is None:
+      raise ValueError("a Parallel carrying ops, rules or kernel sharding needs a mesh or a "
+                       "key: it is compared by those, never by its callables")
+
+  @property
+  def platform(self) -> str:
+    """"tpu", "cpu", "gpu": what the program is compiled for (the mesh's platform, else
+    JAX's default backend)."""
+    return self.target or jax.default_backend()
+
+  @property
+  def kernels_sharded(self) -> bool:
+    """Do kernels run per shard (so a kernel called directly would be partitioned by the
+    compiler, which Mosaic kernels do not allow)?"""
+    return self.sharder is not None
+
+  def constrain(self, x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
+    """Sharding constraint by logical axis names; identity without rules (one device)."""
+    if self.resolver is None:
+      return x
+    if len(axes) != x.ndim:
+      raise ValueError(f"constrain: {len(axes)} logical axes {axes} for an array of rank "
+                       f"{x.ndim}")
+    return jax.lax.with_sharding_constraint(x, self.resolver(x.shape, axes))
+
+  def is_split(self, shape: tuple[int, ...], axes: tuple[str | None, ...], dim: int) -> bool:
+    """Do the rules split dimension `dim` of an array of this shape and logical axes over
+    the mesh? (False without rules.)"""
+    if self.resolver is None:
+      return False
+    entry = self.resolver(tuple(shape), tuple(axes)).spec
+    return len(entry) > dim and entry[dim] is not None
+
+  def shard_kernel(self, fn: Callable, in_axes, out_axes) -> Callable:
+    """`fn` (arrays -> arrays, written for one shard) as a function of the global arrays.
+
+    in_axes: one tuple of logical axis names (or None = whole) per positional array;
+    out_axes: the same for fn's outputs (a tuple of tuples for several outputs). Dimensions
+    named alike are split alike. Without kernel sharding this is `fn` itself.
+    """
+    return fn if self.sharder is None else self.sharder(fn, in_axes, out_axes)
+
+
+SINGLE = Parallel()
+"""The single-device program: no constraints, kernels called directly, reference ops."""
+
+
+__all__ = ["Parallel", "ParallelOps", "SINGLE"]

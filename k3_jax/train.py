@@ -29,9 +29,10 @@ from k3_jax.model import K3Model, create_model
 from k3_jax.ops.balance import load_stats
 from k3_jax.optim.muon import decay_mask, per_head_muon
 from k3_jax.optim.qk_clip import qk_clip
+from k3_jax.partitioning import SINGLE, Parallel
 from k3_jax.stack import plan_of
 from sharding.aot import tree_bytes
-from sharding.install import activation_rules
+from sharding.install import parallel_for
 from sharding.rules import logical_to_spec, tree_shardings
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "loss_mask")
@@ -152,11 +153,13 @@ def fresh_state(steps: "Steps", tc: TrainConfig, log: Callable[[str], None] = pr
 
 # ----- loss and steps --------------------------------------------------------------
 
-def loss_terms(graphdef, params, rest, batch, remat: str = "none", train: bool = False):
-  """(sum of masked token cross-entropies, number of target tokens, aux)."""
+def loss_terms(graphdef, params, rest, batch, remat: str = "none", train: bool = False,
+               par: Parallel = SINGLE):
+  """(sum of masked token cross-entropies, number of target tokens, aux). par: the parallel
+  setup the model runs under (k3_jax/partitioning.py; SINGLE = one device)."""
   model = nnx.merge(graphdef, params, rest)
   logits, _, aux = model(batch["inputs"], batch["segment_ids"], remat=remat, train=train,
-                         images=batch.get("images"))
+                         images=batch.get("images"), par=par)
   ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
   mask = batch["loss_mask"].astype(jnp.float32)
   return jnp.sum(ce * mask), jnp.sum(mask), aux
@@ -170,8 +173,9 @@ def _microbatches(batch: dict, n: int) -> dict:
 
 
 def train_step(graphdef, optimizer, cfg: ModelConfig, tc: TrainConfig, state: dict,
-               batch: dict):
-  """One optimizer step over `batch` (split into tc.grad_accum micro-batches).
+               batch: dict, *, par: Parallel = SINGLE):
+  """One optimizer step over `batch` (split into tc.grad_accum micro-batches), the model
+  run under `par` (SINGLE = one device).
 
   The MoE balancing biases are updated from this step's router outputs (averaged over
   micro-batches) and take effect from the next step; the optimizer never sees them.
@@ -180,7 +184,8 @@ def train_step(graphdef, optimizer, cfg: ModelConfig, tc: TrainConfig, state: di
   """
 
   def loss_fn(params, mb):
-    loss_sum, n, aux = loss_terms(graphdef, params, state["rest"], mb, tc.remat, train=True)
+    loss_sum, n, aux = loss_terms(graphdef, params, state["rest"], mb, tc.remat, train=True,
+                                  par=par)
     return loss_sum, (n, aux)
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -257,8 +262,8 @@ def _all_finite(tree) -> jax.Array:
   return jnp.stack(leaves).all() if leaves else jnp.bool_(True)
 
 
-def eval_step(graphdef, state: dict, batch: dict):
-  loss_sum, n, _ = loss_terms(graphdef, state["params"], state["rest"], batch)
+def eval_step(graphdef, state: dict, batch: dict, *, par: Parallel = SINGLE):
+  loss_sum, n, _ = loss_terms(graphdef, state["params"], state["rest"], batch, par=par)
   return loss_sum, n
 
 
@@ -276,6 +281,7 @@ class Steps:
   train: Callable
   eval: Callable
   init_sharded: Callable | None = None   # seed -> state, jit into the shardings
+  par: Parallel = SINGLE       # the parallel setup train and eval were traced under
 
 
 def build_steps(cfg: ModelConfig, tc: TrainConfig, mesh: Mesh) -> Steps:
@@ -301,12 +307,9 @@ def _build_steps(cfg: ModelConfig, tc: TrainConfig, mesh: Mesh) -> Steps:
   if cfg.vision is not None:       # multimodal batches: the packed images are replicated
     batch_sh = multimodal_batch_sharding(batch_sh, mesh)
 
-  def with_rules(fn):
-    @functools.wraps(fn)
-    def wrapped(*a):
-      with activation_rules(mesh):
-        return fn(*a)
-    return wrapped
+  # The steps are built per mesh (this cache's key) and close over its parallel setup, so a
+  # step traced for one mesh is never reused for another.
+  par = parallel_for(mesh)
 
   def init():
     _, params, rest = split_model(create_model(cfg, seed=tc.seed))
@@ -316,13 +319,13 @@ def _build_steps(cfg: ModelConfig, tc: TrainConfig, mesh: Mesh) -> Steps:
     return {"step": jax.device_put(jnp.zeros((), jnp.int32), state_sh["step"]),
             "params": params, "rest": rest, "opt_state": opt_state}
 
-  train = jax.jit(with_rules(functools.partial(train_step, graphdef, optimizer, cfg, tc)),
+  train = jax.jit(functools.partial(train_step, graphdef, optimizer, cfg, tc, par=par),
                   in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None),
                   donate_argnums=(0,))
-  evaluate = jax.jit(with_rules(functools.partial(eval_step, graphdef)),
+  evaluate = jax.jit(functools.partial(eval_step, graphdef, par=par),
                      in_shardings=(state_sh, batch_sh))
   return Steps(graphdef, mesh, abstract, state_sh, batch_sh, init, train, evaluate,
-               init_sharded=sharded_init(cfg, tc, optimizer, state_sh))
+               init_sharded=sharded_init(cfg, tc, optimizer, state_sh), par=par)
 
 
 def multimodal_batch_sharding(text_sharding: NamedSharding, mesh: Mesh) -> dict:

@@ -4,9 +4,9 @@ batch too small for the batch axes (one 1M-token prompt) also the axes the batch
 (rules "seq"). The split of an array is always read from its resolved PartitionSpec.
 
 Each op has the signature of its single-device reference (after the mesh argument) and is
-reached from the layers through `partitioning.parallel_ops()` when the active mesh has an
-axis "seq" may take. Where the sequence is not split (or too short for the conv halo) an op
-falls back to its reference, which the partitioner still runs correctly.
+reached from the layers through `par.ops` (the `Parallel` of sharding/install.py) when the
+mesh has an axis "seq" may take. Where the sequence is not split (or too short for the
+conv halo) an op falls back to its reference, which the partitioner still runs correctly.
 
 KDA (KCP). The state recurrence is affine in the incoming state: over shard j,
     S_out = M_j S_in + S~_j,     M_j = prod_t (I - beta_t k_t k_t^T) Diag(alpha_t)   [K, K]

@@ -1,11 +1,11 @@
 """Expert parallelism: the routed-expert FFN inside `shard_map` over the expert mesh axis.
 
 Same signature and result as `k3_jax.ops.moe.moe_dispatch` (after the mesh argument), so
-the MoE layer reaches it through `partitioning.parallel_ops().moe_dispatch` when the
-active mesh has an expert axis > 1. Routing, the load counts and the balancing-bias update
-stay outside, in the global (GSPMD) view, so they see the global batch exactly as on one
-device (QB's quantile over all tokens; the histogram variant's counts are summed by the
-partitioner's all-reduce).
+the MoE layer reaches it through `par.ops.moe_dispatch` (the `Parallel` of
+sharding/install.py) when the mesh has an expert axis > 1. Routing, the load counts and the
+balancing-bias update stay outside, in the global (GSPMD) view, so they see the global
+batch exactly as on one device (QB's quantile over all tokens; the histogram variant's
+counts are summed by the partitioner's all-reduce).
 
 Per device (P devices in the expert group, E_l = E / P experts each, n local tokens):
   1. sort the n k token-expert pairs by expert; the destination of a pair is the device
@@ -114,7 +114,8 @@ def expert_parallel_dispatch(mesh: Mesh, x: jax.Array, weights: jax.Array,
   fn = jax.shard_map(body, mesh=mesh, in_specs=(tok_spec, tok_spec, tok_spec, w_spec, w_spec,
                                                 w_spec),
                      out_specs=tok_spec, check_vma=False)
-  return fn(x, weights, expert_ids, w_gate, w_up, w_down)
+  with jax.named_scope("expert_parallel"):
+    return fn(x, weights, expert_ids, w_gate, w_up, w_down)
 
 
 def _excl_cumsum(x, axis=0):
@@ -182,10 +183,11 @@ def _local_dispatch(x, weights, expert_ids, w_gate, w_up, w_down, *, ex, p, exch
 
   # --- local grouped matmul over the received rows, grouped by local expert.
   rows = jnp.take(recv, slot_of, axis=0)                               # [P cap, D]
-  gate = gmm(rows, w_gate, group_sizes)                                # [P cap, F] f32
-  up = gmm(rows, w_up, group_sizes)
-  h = glu(gate, up, activation, beta1=beta1, beta2=beta2).astype(x.dtype)
-  out = gmm(h, w_down, group_sizes)                                    # [P cap, D] f32
+  with jax.named_scope("experts"):
+    gate = gmm(rows, w_gate, group_sizes)                              # [P cap, F] f32
+    up = gmm(rows, w_up, group_sizes)
+    h = glu(gate, up, activation, beta1=beta1, beta2=beta2).astype(x.dtype)
+    out = gmm(h, w_down, group_sizes)                                  # [P cap, D] f32
   out = jnp.take(out, grouped_pos, axis=0)                             # back to slot order
   out = jnp.where(valid[:, None], out, 0.0).astype(x.dtype)
 

@@ -1,6 +1,7 @@
-"""Installs a mesh into model code: the logical-axis rules for its `constrain` calls, the
-per-shard wrapping of its kernels, and the mesh-parallel ops (expert-parallel MoE,
-context-parallel KDA and MLA) where the mesh has those axes.
+"""The `Parallel` of a mesh (k3_jax/partitioning.py), the value model code is called with:
+the logical-axis rules for its `constrain` calls, the per-shard wrapping of its kernels, the
+mesh's platform, and the mesh-parallel ops (expert-parallel MoE, context-parallel KDA and
+MLA) where the mesh has those axes.
 
 Kept apart from sharding/rules.py (the leaf table every other sharding module reads) because
 it imports the modules that build the parallel ops.
@@ -8,7 +9,7 @@ it imports the modules that build the parallel ops.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 
 from jax.sharding import Mesh
 
@@ -22,17 +23,19 @@ def mesh_parallel_ops(mesh: Mesh) -> partitioning.ParallelOps:
   return partitioning.ParallelOps(**expert.parallel_ops(mesh), **context.parallel_ops(mesh))
 
 
-@contextlib.contextmanager
-def activation_rules(mesh: Mesh):
-  """Within this context, model code's `constrain` calls shard activations on `mesh`; its
-  kernels run per shard of `mesh` (sharding/kernels.py); and `partitioning.parallel_ops()`
-  gives the mesh's explicit-collective ops."""
-  with partitioning.use_resolver(lambda shape, axes: named_sharding(mesh, shape, axes)), \
-       partitioning.use_kernel_sharding(
-           lambda fn, i, o: kernels.shard_map_kernel(mesh, fn, i, o),
-           kernels.mesh_platform(mesh)), \
-       partitioning.use_parallel_ops(mesh_parallel_ops(mesh)):
-    yield
+@functools.lru_cache(maxsize=64)
+def parallel_for(mesh: Mesh | None) -> partitioning.Parallel:
+  """The program's parallel setup on `mesh` (`partitioning.SINGLE` for None): model code
+  called with it shards activations by the rules table, runs kernels per shard and takes
+  the mesh's explicit-collective ops. Memoised per mesh, and equal for equal meshes in any
+  case (compared by the mesh and its platform), so a jitted step keyed on it recompiles for
+  a different mesh only."""
+  if mesh is None:
+    return partitioning.SINGLE
+  return partitioning.Parallel(
+      mesh=mesh, target=kernels.mesh_platform(mesh), ops=mesh_parallel_ops(mesh),
+      resolver=functools.partial(named_sharding, mesh),
+      sharder=functools.partial(kernels.shard_map_kernel, mesh))
 
 
-__all__ = ["activation_rules", "mesh_parallel_ops"]
+__all__ = ["mesh_parallel_ops", "parallel_for"]

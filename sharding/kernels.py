@@ -2,10 +2,11 @@
 
 XLA cannot partition a Mosaic custom call, so a kernel called on sharded arrays must be
 wrapped in `jax.shard_map`: each device runs the kernel on its own block. Model code asks
-for that by logical names through `k3_jax.partitioning.shard_kernel`; this module turns the
-names into PartitionSpecs with the same rules table as every other array (`sharding.rules`),
-so e.g. "batch" splits over data+fsdp and "heads" over tensor. Dimensions a kernel must see
-whole (time for the chunked KDA scan, head dims) are named None and are gathered.
+for that by logical names through `Parallel.shard_kernel` (k3_jax/partitioning.py); this
+module turns the names into PartitionSpecs with the same rules table as every other array
+(`sharding.rules`), so e.g. "batch" splits over data+fsdp and "heads" over tensor.
+Dimensions a kernel must see whole (time for the chunked KDA scan, head dims) are named None
+and are gathered.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The one table mapping logical axis names to mesh axes, and the resolver that applies it.
-A leaf of sharding/: installing the rules (and the mesh-parallel ops) into model code is
-sharding/install.py.
+A leaf of sharding/: the value model code is called with (the rules, the mesh-parallel
+ops: `partitioning.Parallel`) is built in sharding/install.py.
 
 Resolution of one array: each logical axis maps to zero or more mesh axes; a mesh axis
 already used by an earlier dimension is dropped (activations: "batch" takes data+fsdp, so

@@ -79,20 +79,20 @@ def test_gmm_field_changes_the_traced_program_not_the_result():
 
 
 def test_parallel_ops_is_a_typed_record():
-  assert partitioning.parallel_ops() == partitioning.ParallelOps()      # nothing installed
+  assert partitioning.SINGLE.ops == partitioning.ParallelOps()         # one device: none
   fields = {f.name for f in dataclasses.fields(partitioning.ParallelOps)}
   assert fields == {"moe_dispatch", "chunk_kda", "short_conv", "latent_attention",
                     "absorbed_attention"}
   with pytest.raises(TypeError):
     partitioning.ParallelOps(chunk_kdaa=lambda *a: a)                  # a misspelt op
   with pytest.raises(TypeError, match="ParallelOps"):
-    with partitioning.use_parallel_ops({"chunk_kda": None}):
-      pass
+    partitioning.Parallel(ops={"chunk_kda": None}, key="dict")
   op = lambda *a, **k: "installed"
-  with partitioning.use_parallel_ops(partitioning.ParallelOps(short_conv=op)):
-    assert partitioning.parallel_ops().short_conv is op
-    assert partitioning.parallel_ops().chunk_kda is None
-  assert partitioning.parallel_ops().short_conv is None
+  with pytest.raises(ValueError, match="key"):       # would compare equal to SINGLE
+    partitioning.Parallel(ops=partitioning.ParallelOps(short_conv=op))
+  par = partitioning.Parallel(ops=partitioning.ParallelOps(short_conv=op), key="custom conv")
+  assert par.ops.short_conv is op and par.ops.chunk_kda is None
+  assert par != partitioning.SINGLE and hash(par) != hash(partitioning.SINGLE)
 
 
 @pytest.mark.slow

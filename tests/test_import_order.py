@@ -36,7 +36,7 @@ GROUPS = (
 #   main.py -> jobs (train, serve/, checkpoint/, compile) -> sharding/ -> model -> layers
 #   (and vision/) -> ops + pallas_kernels -> config, partitioning, configs/;
 #   data/ and optim/ sit beside the model and import only config/ops/partitioning;
-#   sharding/ installs hooks into partitioning and imports only ops/partitioning/config.
+#   sharding/ builds partitioning.Parallel values and imports only ops/partitioning/config.
 BELOW = {
     "cli": {"jobs", "sharding", "model", "data", "optim", "layers", "ops", "base"},
     "jobs": {"sharding", "model", "data", "optim", "layers", "ops", "base"},

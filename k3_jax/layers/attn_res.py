@@ -39,6 +39,7 @@ def bank_size(num_layers: int, block_size: int) -> int:
   return 1 + num_layers // block_size
 
 
+@jax.named_scope("attn_res")
 def init_stream(embedded: jax.Array, num_layers: int, block_size: int) -> dict:
   """The sources before layer 1: the embedding alone. embedded [B, T, D]."""
   n = bank_size(num_layers, block_size)
@@ -49,6 +50,7 @@ def init_stream(embedded: jax.Array, num_layers: int, block_size: int) -> dict:
           "has_partial": jnp.zeros((), jnp.bool_)}
 
 
+@jax.named_scope("attn_res")
 def aggregate(w: jax.Array, stream: dict, eps: float = 1e-5) -> jax.Array:
   """h = sum_i softmax_i(w . RMSNorm(v_i)) v_i over the valid sources. -> [B, T, D].
 
@@ -75,11 +77,13 @@ def _aggregate(w: jax.Array, stream: dict, eps: float) -> jax.Array:
   return h.astype(stream["partial"].dtype)
 
 
+@jax.named_scope("attn_res")
 def add_output(stream: dict, y: jax.Array) -> dict:
   return {**stream, "partial": stream["partial"] + y.astype(stream["partial"].dtype),
           "has_partial": jnp.ones((), jnp.bool_)}
 
 
+@jax.named_scope("attn_res")
 def close_block(stream: dict, is_boundary: jax.Array | bool) -> dict:
   """At a block boundary the partial sum becomes the next bank entry and resets."""
   bank = jax.lax.dynamic_update_index_in_dim(stream["bank"], stream["partial"],

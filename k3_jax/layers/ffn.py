@@ -23,6 +23,7 @@ class GatedFFN(nnx.Module):
     self.down = Linear(hidden, dim, (mlp_axis, "embed"), init=init, dtype=dt, param_dtype=pdt,
                        std=out_std)
 
+  @jax.named_scope("dense_ffn")
   def __call__(self, x: jax.Array) -> jax.Array:
     gate, up = apply_stacked(x, (self.gate, self.up))                  # one matmul
     return self.down(glu(gate, up, self.kind, self.beta1, self.beta2))

@@ -25,7 +25,7 @@ from k3_jax.layers.linear import Linear, apply_stacked
 from k3_jax.ops import conv as conv_ops
 from k3_jax.ops import kda as kda_ops
 from k3_jax.ops.norms import rms_norm
-from k3_jax.partitioning import constrain, parallel_ops
+from k3_jax.partitioning import SINGLE, Parallel
 
 
 def decay_bias_init(init: Init, shape, g_min: float | None) -> jax.Array:
@@ -81,7 +81,8 @@ class KDA(nnx.Module):
     self.o_proj = Linear((h, k), d, ("heads", "head_dim", "embed"), std=out_std, **lin)
 
   # ----- pieces ---------------------------------------------------------------
-  def _conv(self, x, weight, segment_ids, cache):
+  @jax.named_scope("conv")
+  def _conv(self, x, weight, segment_ids, cache, par: Parallel = SINGLE):
     b, t, h, k = x.shape
     w = weight[...].reshape(self.c.conv_size, h * k)
     flat = x.reshape(b, t, h * k)
@@ -89,10 +90,11 @@ class KDA(nnx.Module):
       y, new = conv_ops.short_conv_step(flat[:, 0], w, cache)
       y = y[:, None]
     else:
-      conv = parallel_ops().short_conv or conv_ops.short_conv         # halo'd on a sequence mesh
+      conv = par.ops.short_conv or conv_ops.short_conv                # halo'd on a sequence mesh
       y, new = conv(flat, w, segment_ids=segment_ids, cache=cache)
     return jax.nn.silu(y.astype(jnp.float32)).reshape(b, t, h, k), new
 
+  @jax.named_scope("projections")
   def _inputs(self, x):
     """Every projection of x, stacked into as few matmuls as the shapes allow (layers/linear.
     apply_stacked): q, k, v (and the full-rank output gate) as one; the decay's and the
@@ -107,6 +109,7 @@ class KDA(nnx.Module):
     gate = self.g_up(zg) if self.c.gate_rank else out[3]
     return out[0], out[1], out[2], zf, gate
 
+  @jax.named_scope("decay")
   def _decay(self, zf):
     z = self.f_up(zf).astype(jnp.float32) + self.dt_bias[...]                # [B, T, H, K]
     if self.c.decay == "softplus":
@@ -119,33 +122,41 @@ class KDA(nnx.Module):
     return KDAState(state=jnp.zeros((batch, h, k, k), jnp.float32),
                     conv_q=conv, conv_k=conv, conv_v=conv)
 
+  @jax.named_scope("output")
+  def _output(self, o, gate):
+    o = rms_norm(o.astype(jnp.float32), self.o_norm[...], self.eps)     # [B, T, H, V]
+    o = jax.nn.sigmoid(gate.astype(jnp.float32)) * o
+    return self.o_proj(o.astype(self.dtype))
+
   # ----- forward --------------------------------------------------------------
+  @jax.named_scope("kda")
   def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None,
-               cache: KDAState | None = None) -> tuple[jax.Array, KDAState | None]:
+               cache: KDAState | None = None,
+               par: Parallel = SINGLE) -> tuple[jax.Array, KDAState | None]:
     """x [B, T, D] -> (y [B, T, D], new cache or None). With a cache and T == 1 the
-    one-step recurrence runs; otherwise the chunked form (from the cached state)."""
+    one-step recurrence runs; otherwise the chunked form (from the cached state). par: the
+    parallel setup (k3_jax/partitioning.py)."""
     b, t, _ = x.shape
     get = (lambda n: getattr(cache, n)) if cache is not None else (lambda n: None)
     xq, xk, xv, zf, gate = self._inputs(x)
-    q, cq = self._conv(xq, self.q_conv, segment_ids, get("conv_q"))
-    k, ck = self._conv(xk, self.k_conv, segment_ids, get("conv_k"))
-    v, cv = self._conv(xv, self.v_conv, segment_ids, get("conv_v"))
+    q, cq = self._conv(xq, self.q_conv, segment_ids, get("conv_q"), par)
+    k, ck = self._conv(xk, self.k_conv, segment_ids, get("conv_k"), par)
+    v, cv = self._conv(xv, self.v_conv, segment_ids, get("conv_v"), par)
     q, k = kda_ops.l2_normalize(q), kda_ops.l2_normalize(k)            # [B, T, H, K] f32
-    q = constrain(q, ("batch", "seq", "heads", None))
+    q = par.constrain(q, ("batch", "seq", "heads", None))
     beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))          # [B, T, H]
     g = self._decay(zf)                                                # [B, T, H, K] f32
     if cache is not None and t == 1:
       o, state = kda_ops.decode_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
-                                     cache.state, backend=self.c.backend)
+                                     cache.state, backend=self.c.backend, par=par)
       o = o[:, None]
     else:
       o, state = kda_ops.chunk_kda(q, k, v, g, beta, chunk_size=self.c.chunk_size,
                                    initial_state=None if cache is None else cache.state,
                                    output_final_state=cache is not None,
-                                   segment_ids=segment_ids, backend=self.c.backend)
-    o = rms_norm(o.astype(jnp.float32), self.o_norm[...], self.eps)     # [B, T, H, V]
-    o = jax.nn.sigmoid(gate.astype(jnp.float32)) * o
-    y = self.o_proj(o.astype(self.dtype))
+                                   segment_ids=segment_ids, backend=self.c.backend,
+                                   par=par)
+    y = self._output(o, gate)
     new_cache = None if cache is None else KDAState(state=state, conv_q=cq, conv_k=ck,
                                                     conv_v=cv)
     return y, new_cache

@@ -27,7 +27,7 @@ from k3_jax.layers.init import Init
 from k3_jax.layers.linear import Linear
 from k3_jax.layers.norm import RMSNorm
 from k3_jax.ops import attention as attn_ops
-from k3_jax.partitioning import constrain, parallel_ops
+from k3_jax.partitioning import SINGLE, Parallel
 
 
 class MLA(nnx.Module):
@@ -66,41 +66,44 @@ class MLA(nnx.Module):
         c_kv=jnp.zeros((num_pages, page_size, self.c.kv_lora_rank), self.dtype),
         k_r=jnp.zeros((num_pages, page_size, self.c.qk_rope_head_dim), self.dtype))
 
+  @jax.named_scope("projections")
   def _query(self, x):
     q = self.q_b(self.q_norm(self.q_a(x))) if self.c.q_lora_rank else self.q_proj(x)
     n = self.c.qk_nope_head_dim
     return q[..., :n], q[..., n:]                                      # [B, T, H, n], [.., p]
 
+  @jax.named_scope("projections")
   def _latent(self, x):
     ckv = self.kv_a(x)                                                 # [B, T, R + P]
     r = self.c.kv_lora_rank
     return self.kv_norm(ckv[..., :r]), ckv[..., r:]                    # [B, T, R], [B, T, P]
 
+  @jax.named_scope("output")
   def _output(self, x, o):
     if self.c.output_gate:
       o = jax.nn.sigmoid(self.g_proj(x).astype(jnp.float32)) * o.astype(jnp.float32)
     return self.o_proj(o.astype(self.dtype))
 
+  @jax.named_scope("mla")
   def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None,
-               cache: MLACache | PagedMLACache | None = None, pos: jax.Array | int = 0):
+               cache: MLACache | PagedMLACache | None = None, pos: jax.Array | int = 0,
+               par: Parallel = SINGLE):
     """x [B, T, D] -> (y [B, T, D], new cache or None, max_logit [H]).
 
     Without a cache: causal (and segment) masked attention over x itself. With a cache:
     x holds tokens at positions pos..pos+T-1; their latents are written into the cache and
     they attend over cache positions <= their own (segment_ids are not used then).
+    par: the parallel setup (k3_jax/partitioning.py).
     """
     b, t, _ = x.shape
     c = self.c
     q_nope, q_rope = self._query(x)
     c_kv, k_r = self._latent(x)
     if cache is None:
-      q_nope, q_rope = (constrain(a, ("batch", "seq", "heads", None)) for a in (q_nope, q_rope))
-      attend = parallel_ops().latent_attention or attn_ops.latent_attention  # sequence-parallel
-      o, max_logit = attend(q_nope, q_rope, c_kv, k_r, self.kv_b.w[...], self.scale,
-                            self.dtype, segment_ids, segment_ids)
+      o, max_logit = self._attention(q_nope, q_rope, c_kv, k_r, segment_ids, par)
       return self._output(x, o), None, max_logit
     if isinstance(cache, PagedMLACache):
-      return self._paged(x, q_nope, q_rope, c_kv, k_r, cache, pos)
+      return self._paged(x, q_nope, q_rope, c_kv, k_r, cache, pos, par)
     # Absorbed path over the latent cache.
     new_cache = MLACache(
         c_kv=jax.lax.dynamic_update_slice_in_dim(cache.c_kv, c_kv.astype(self.dtype),
@@ -108,10 +111,20 @@ class MLA(nnx.Module):
         k_r=jax.lax.dynamic_update_slice_in_dim(cache.k_r, k_r.astype(self.dtype),
                                                 pos, axis=1))
     q_pos = jnp.broadcast_to(pos + jnp.arange(t)[None], (b, t))
-    y, max_logit = self._absorbed(x, q_nope, q_rope, new_cache.c_kv, new_cache.k_r, q_pos)
+    y, max_logit = self._absorbed(x, q_nope, q_rope, new_cache.c_kv, new_cache.k_r, q_pos,
+                                  par)
     return y, new_cache, max_logit
 
-  def _absorbed(self, x, q_nope, q_rope, c_kv_all, k_r_all, q_pos):
+  @jax.named_scope("attention")
+  def _attention(self, q_nope, q_rope, c_kv, k_r, segment_ids, par: Parallel = SINGLE):
+    """The plain (training) form over the sequence itself -> (o [B, T, H, V], max_logit)."""
+    q_nope, q_rope = (par.constrain(a, ("batch", "seq", "heads", None)) for a in (q_nope, q_rope))
+    attend = par.ops.latent_attention or attn_ops.latent_attention     # sequence-parallel
+    return attend(q_nope, q_rope, c_kv, k_r, self.kv_b.w[...], self.scale, self.dtype,
+                  segment_ids, segment_ids)
+
+  @jax.named_scope("absorbed_attention")
+  def _absorbed(self, x, q_nope, q_rope, c_kv_all, k_r_all, q_pos, par: Parallel = SINGLE):
     """Absorbed attention of the queries at positions q_pos [B, T] over latents [B, S, R] /
     [B, S, P] (key s visible iff s <= the query's position). One token (decode): one
     masked softmax over the cache. A prompt (prefill): blockwise, never the [H, T, S]
@@ -130,14 +143,14 @@ class MLA(nnx.Module):
           q_lat, q_rope, c_kv_all.astype(jnp.float32), k_r_all.astype(jnp.float32),
           self.scale, mask)
     else:
-      q_lat, q_rope = (constrain(a, ("batch", "seq", "heads", None)) for a in (q_lat, q_rope))
-      attend = (parallel_ops().absorbed_attention
-                or attn_ops.blockwise_absorbed_attention)
+      q_lat, q_rope = (par.constrain(a, ("batch", "seq", "heads", None))
+                       for a in (q_lat, q_rope))
+      attend = par.ops.absorbed_attention or attn_ops.blockwise_absorbed_attention
       o_lat, max_logit = attend(q_lat, q_rope, c_kv_all, k_r_all, self.scale, q_pos)
     o = jnp.einsum("bthr,rhv->bthv", o_lat, w_v)                       # [B, T, H, V]
     return self._output(x, o), max_logit
 
-  def _paged(self, x, q_nope, q_rope, c_kv, k_r, cache, pos):
+  def _paged(self, x, q_nope, q_rope, c_kv, k_r, cache, pos, par: Parallel = SINGLE):
     """Tokens at per-sequence positions pos[b] + [0, T): write their latents into the pages
     the page table names, then attend over the sequence's pages (gathered in order)."""
     b, t, _ = x.shape
@@ -154,5 +167,5 @@ class MLA(nnx.Module):
     m = table.shape[1]
     c_all = pool_c[table].reshape(b, m * page_size, -1)                # [B, S = M P, R]
     r_all = pool_r[table].reshape(b, m * page_size, -1)                # [B, S, Pr]
-    y, max_logit = self._absorbed(x, q_nope, q_rope, c_all, r_all, q_pos)
+    y, max_logit = self._absorbed(x, q_nope, q_rope, c_all, r_all, q_pos, par)
     return y, PagedMLACache(c_kv=pool_c, k_r=pool_r, page_table=table), max_logit

@@ -27,7 +27,7 @@ from k3_jax.layers.norm import RMSNorm
 from k3_jax.ops import balance as balance_ops
 from k3_jax.ops import moe as moe_ops
 from k3_jax.ops import mx_gmm
-from k3_jax.partitioning import mesh_installed, parallel_ops, target_platform
+from k3_jax.partitioning import SINGLE, Parallel
 
 
 class RouterBias(nnx.Variable):
@@ -89,38 +89,47 @@ class MoE(nnx.Module):
       return [mx_gmm.qat_weight(w, self.dtype) for w in ws]
     return [w.astype(self.dtype) for w in ws]
 
-  def _gmm(self, local: bool):
-    """The grouped matmul for this call. local: it runs on whole local arrays (no mesh, or
-    inside the expert-parallel shard_map), so a Pallas kernel may be called directly."""
-    platform = target_platform()
+  def _gmm(self, local: bool, platform: str):
+    """The grouped matmul for this call on `platform`. local: it runs on whole local arrays
+    (no mesh, or inside the expert-parallel shard_map), so a Pallas kernel may be called
+    directly."""
     base = moe_ops.default_gmm(self.cfg.gmm, platform=platform)
     if self._packed():
       return mx_gmm.packed_gmm(base, kernel=local and platform == "tpu")
     return mx_gmm.qat_gmm(base) if self.qat else base
 
-  def __call__(self, x: jax.Array, train: bool = False) -> tuple[jax.Array, dict]:
+  @jax.named_scope("moe")
+  def __call__(self, x: jax.Array, train: bool = False,
+               par: Parallel = SINGLE) -> tuple[jax.Array, dict]:
     """x [B, T, D] -> (y [B, T, D], aux): aux['expert_load'] [E] tokens per expert and, when
-    training, aux['new_bias'] [E] (the bias itself is only changed by the train step)."""
+    training, aux['new_bias'] [E] (the bias itself is only changed by the train step).
+    par: the parallel setup (k3_jax/partitioning.py)."""
     m = self.cfg
     b, t, d = x.shape
     xf = x.reshape(b * t, d)                                           # [N, D]
-    scores = moe_ops.router_scores(xf, self.router[...])               # [N, E] f32
-    weights, ids = moe_ops.select_experts(scores, self.bias[...], m.top_k,
-                                          m.routed_scaling_factor, m.n_group, m.topk_group)
-    z = self.down(xf) if m.latent_dim else xf                          # [N, L]
-    ep = parallel_ops().moe_dispatch                                   # expert-parallel on a mesh
+    with jax.named_scope("router"):
+      scores = moe_ops.router_scores(xf, self.router[...])             # [N, E] f32
+      weights, ids = moe_ops.select_experts(scores, self.bias[...], m.top_k,
+                                            m.routed_scaling_factor, m.n_group, m.topk_group)
+    with jax.named_scope("latent_down"):
+      z = self.down(xf) if m.latent_dim else xf                        # [N, L]
+    ep = par.ops.moe_dispatch                                          # expert-parallel on a mesh
     args = (z.astype(self.dtype), weights, ids, *self._expert_weights())
     kw = dict(activation=self.kind, beta1=self.beta1, beta2=self.beta2,
-              gmm=self._gmm(ep is not None or not mesh_installed()))
-    if ep is not None:
-      u = ep(*args, capacity_factor=m.ep_capacity or None, **kw)
-    else:
-      u = moe_ops.moe_dispatch(*args, **kw)                            # [N, L]
-    y = self.up(self.norm(u)) if m.latent_dim else u                   # [N, D]
+              gmm=self._gmm(ep is not None or not par.kernels_sharded, par.platform))
+    with jax.named_scope("routed_experts"):
+      if ep is not None:
+        u = ep(*args, capacity_factor=m.ep_capacity or None, **kw)
+      else:
+        u = moe_ops.moe_dispatch(*args, **kw)                          # [N, L]
+    with jax.named_scope("latent_up"):
+      y = self.up(self.norm(u)) if m.latent_dim else u                 # [N, D]
     if m.num_shared_experts:
-      y = y + self.shared(xf)
-    aux = {"expert_load": moe_ops.expert_load(ids, m.num_experts)}
-    if train:
-      aux["new_bias"] = self.new_bias(scores, aux["expert_load"])
+      with jax.named_scope("shared_experts"):
+        y = y + self.shared(xf)
+    with jax.named_scope("balance"):
+      aux = {"expert_load": moe_ops.expert_load(ids, m.num_experts)}
+      if train:
+        aux["new_bias"] = self.new_bias(scores, aux["expert_load"])
     return y.reshape(b, t, d).astype(self.dtype), aux
 

@@ -168,21 +168,24 @@ def moe_dispatch(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
   n, k = expert_ids.shape
   e = w_gate.shape[0]
 
-  flat_ids = expert_ids.reshape(-1)                                      # [N*k]
-  order = jnp.argsort(flat_ids, stable=True)                             # [N*k] pair index, sorted by expert
-  token_of_pair = order // k                                             # [N*k] source token of each sorted row
-  group_sizes = jnp.bincount(flat_ids, length=e).astype(jnp.int32)      # [E]
+  with jax.named_scope("dispatch"):
+    flat_ids = expert_ids.reshape(-1)                                    # [N*k]
+    order = jnp.argsort(flat_ids, stable=True)                           # [N*k] pair index, sorted by expert
+    token_of_pair = order // k                                           # [N*k] source token of each sorted row
+    group_sizes = jnp.bincount(flat_ids, length=e).astype(jnp.int32)    # [E]
+    xs = jnp.take(x, token_of_pair, axis=0)                              # [N*k, Din]
 
-  xs = jnp.take(x, token_of_pair, axis=0)                                # [N*k, Din]
-  gate = gmm(xs, w_gate, group_sizes)                                    # [N*k, F] f32
-  up = gmm(xs, w_up, group_sizes)                                        # [N*k, F] f32
-  h = glu(gate, up, activation, beta1=beta1, beta2=beta2)                # [N*k, F] f32
-  h = h.astype(x.dtype)
-  out_sorted = gmm(h, w_down, group_sizes).astype(jnp.float32)           # [N*k, Din]
+  with jax.named_scope("experts"):
+    gate = gmm(xs, w_gate, group_sizes)                                  # [N*k, F] f32
+    up = gmm(xs, w_up, group_sizes)                                      # [N*k, F] f32
+    h = glu(gate, up, activation, beta1=beta1, beta2=beta2)              # [N*k, F] f32
+    h = h.astype(x.dtype)
+    out_sorted = gmm(h, w_down, group_sizes).astype(jnp.float32)         # [N*k, Din]
 
-  inverse = jnp.argsort(order)                                           # [N*k] sorted row of each pair
-  out = jnp.take(out_sorted, inverse, axis=0).reshape(n, k, -1)          # [N, k, Din]
-  y = jnp.sum(out * weights.astype(jnp.float32)[..., None], axis=1)      # [N, Din]
+  with jax.named_scope("combine"):
+    inverse = jnp.argsort(order)                                         # [N*k] sorted row of each pair
+    out = jnp.take(out_sorted, inverse, axis=0).reshape(n, k, -1)        # [N, k, Din]
+    y = jnp.sum(out * weights.astype(jnp.float32)[..., None], axis=1)    # [N, Din]
   return y.astype(x.dtype)
 
 
@@ -202,6 +205,29 @@ def _moe_tiled(x, weights, expert_ids, w_gate, w_up, w_down, activation, beta1, 
   t = tile or _tile_rows(m, e)
   num_tiles = -(-(m + e * (t - 1)) // t)                                 # static bound
   rows = num_tiles * t
+  with jax.named_scope("dispatch"):
+    dest, src, onehot = _tiled_layout(expert_ids, n, k, e, t, num_tiles, rows, w_gate.dtype)
+    xe = jnp.concatenate([x, jnp.zeros((1, din), x.dtype)], axis=0)      # [N+1, Din]
+    xs = jnp.take(xe, src, axis=0).reshape(num_tiles, t, din)            # [tiles, t, Din]
+  with jax.named_scope("experts"):
+    w_gu = jnp.concatenate([w_gate, w_up], axis=-1)                      # [E, Din, 2F]
+    w_gu_t = jnp.einsum("te,edf->tdf", onehot, w_gu)                     # [tiles, Din, 2F]
+    gu = jnp.einsum("tmd,tdf->tmf", xs, w_gu_t,
+                    preferred_element_type=jnp.float32)                  # [tiles, t, 2F]
+    h = glu(gu[..., :f], gu[..., f:], activation, beta1=beta1, beta2=beta2).astype(x.dtype)
+    w_d_t = jnp.einsum("te,efd->tfd", onehot.astype(w_down.dtype), w_down)  # [tiles, F, Din]
+    out = jnp.einsum("tmf,tfd->tmd", h, w_d_t,
+                     preferred_element_type=jnp.float32).reshape(rows, din)  # [rows, Din]
+  with jax.named_scope("combine"):
+    pair_out = jnp.take(out, dest, axis=0).reshape(n, k, din)            # [N, k, Din]
+    y = jnp.sum(pair_out * weights.astype(jnp.float32)[..., None], axis=1)  # [N, Din]
+  return y.astype(x.dtype)
+
+
+def _tiled_layout(expert_ids, n, k, e, t, num_tiles, rows, dtype):
+  """_moe_tiled's layout: (dest [M] padded row of each pair, src [rows] token of each
+  padded row (n = the zero pad row), onehot [tiles, E] expert of each tile)."""
+  m = n * k
   flat_ids = expert_ids.reshape(-1)                                      # [M] pair -> expert
   order = jnp.argsort(flat_ids, stable=True)                             # [M] sorted row -> pair
   group_sizes = jnp.bincount(flat_ids, length=e).astype(jnp.int32)      # [E]
@@ -217,21 +243,8 @@ def _moe_tiled(x, weights, expert_ids, w_gate, w_up, w_down, activation, beta1, 
       (order // k).astype(jnp.int32))                                    # [rows] token (n = pad)
   tile_group = jnp.minimum(jnp.searchsorted(padded_ends, jnp.arange(num_tiles) * t,
                                             side="right"), e - 1)        # [tiles]
-  onehot = jax.nn.one_hot(tile_group, e, dtype=w_gate.dtype)             # [tiles, E]
-
-  xe = jnp.concatenate([x, jnp.zeros((1, din), x.dtype)], axis=0)        # [N+1, Din]
-  xs = jnp.take(xe, src, axis=0).reshape(num_tiles, t, din)              # [tiles, t, Din]
-  w_gu = jnp.concatenate([w_gate, w_up], axis=-1)                        # [E, Din, 2F]
-  w_gu_t = jnp.einsum("te,edf->tdf", onehot, w_gu)                       # [tiles, Din, 2F]
-  gu = jnp.einsum("tmd,tdf->tmf", xs, w_gu_t,
-                  preferred_element_type=jnp.float32)                    # [tiles, t, 2F]
-  h = glu(gu[..., :f], gu[..., f:], activation, beta1=beta1, beta2=beta2).astype(x.dtype)
-  w_d_t = jnp.einsum("te,efd->tfd", onehot.astype(w_down.dtype), w_down)  # [tiles, F, Din]
-  out = jnp.einsum("tmf,tfd->tmd", h, w_d_t,
-                   preferred_element_type=jnp.float32).reshape(rows, din)  # [rows, Din]
-  pair_out = jnp.take(out, dest, axis=0).reshape(n, k, din)              # [N, k, Din]
-  y = jnp.sum(pair_out * weights.astype(jnp.float32)[..., None], axis=1)  # [N, Din]
-  return y.astype(x.dtype)
+  onehot = jax.nn.one_hot(tile_group, e, dtype=dtype)                    # [tiles, E]
+  return dest, src, onehot
 
 
 def moe_dense_reference(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,

@@ -22,7 +22,6 @@ two images of one size never share KV or KDA state.
 from __future__ import annotations
 
 import collections
-import contextlib
 import math
 import threading
 import time
@@ -37,6 +36,7 @@ from k3_jax.cache import PagedMLACache
 from k3_jax.config import ModelConfig, UserError
 from k3_jax.data import images as im
 from k3_jax.model import check_tokens
+from k3_jax.partitioning import SINGLE
 from k3_jax.serve import kv_pages as kv
 from k3_jax.serve.kv_pages import PAGE, PagePool
 from k3_jax.serve.prefix_cache import PrefixCache, block_hashes, image_salts
@@ -57,7 +57,8 @@ class Engine:
     """max_len: tokens per sequence (prompt + generated), default the model's max_seq_len.
     prefill_chunk: tokens per prefill chunk, a multiple of 512. prefix_cache_bytes: the
     prefix cache's budget for cached MLA pages + KDA checkpoints (0 disables it). mesh:
-    run under sharding.rules.activation_rules(mesh) with params placed by their logical axes."""
+    the steps run under its parallel setup (sharding.install.parallel_for) with params
+    placed by their logical axes; None: the single-device program."""
     if prefill_chunk < PAGE or prefill_chunk % PAGE:
       raise ValueError(f"prefill_chunk={prefill_chunk} must be a positive multiple of {PAGE}")
     if max_batch < 1:
@@ -110,42 +111,43 @@ class Engine:
     self.finished_requests = 0
 
   # ----- compiled steps -----------------------------------------------------------------
-  def _rules(self):
+  def _parallel(self):
     if self.mesh is None:
-      return contextlib.nullcontext()
-    from sharding.install import activation_rules
-    return activation_rules(self.mesh)
+      return SINGLE
+    from sharding.install import parallel_for
+    return parallel_for(self.mesh)
 
   def _build_steps(self):
+    # The jitted steps belong to this engine and close over its parallel setup: another
+    # mesh is another engine, with its own compiles.
     graphdef = self.graphdef
-    rules = self._rules
+    self.par = par = self._parallel()
 
     def prefill(params, rest, cache, slot, tokens, pos, table_row, feats=None):
       """tokens [T] at positions pos + [0, T) of slot `slot` -> (last logits [V], cache).
       feats [T, D]: the features of the piece's image placeholders, in order (models with a
       tower; zeros for a piece without placeholders)."""
-      with rules():
-        model = nnx.merge(graphdef, params, rest)
-        states = kv.kda_states(cache)
-        sub = kv.with_kda_states(cache, kv.take_rows(states, slot[None]))
-        sub = kv.with_pages(sub, pos[None], table_row[None])
-        logits, new, _ = model(tokens[None], cache=sub, image_features=feats, last_only=True)
-        new = kv.without_pages(new)
-        out = kv.with_kda_states(new, kv.put_rows(states, slot[None], kv.kda_states(new)))
-        out = out.replace(pos=cache.pos)
+      model = nnx.merge(graphdef, params, rest)
+      states = kv.kda_states(cache)
+      sub = kv.with_kda_states(cache, kv.take_rows(states, slot[None]))
+      sub = kv.with_pages(sub, pos[None], table_row[None])
+      logits, new, _ = model(tokens[None], cache=sub, image_features=feats, last_only=True,
+                             par=par)
+      new = kv.without_pages(new)
+      out = kv.with_kda_states(new, kv.put_rows(states, slot[None], kv.kda_states(new)))
+      out = out.replace(pos=cache.pos)
       return logits[0, -1], out
 
     def decode(params, rest, cache, counts, tokens, pos, tables, active, seeds, steps, temp,
                top_p, presence, frequency):
       """One token for every slot: tokens/pos/active [B], tables [B, M] -> (next [B],
       logits [B, V], cache, counts). Idle slots keep their KDA state."""
-      with rules():
-        model = nnx.merge(graphdef, params, rest)
-        states = kv.kda_states(cache)
-        logits, new, _ = model(tokens[:, None], cache=kv.with_pages(cache, pos, tables))
-        new = kv.without_pages(new)
-        out = kv.with_kda_states(new, kv.select_rows(active, kv.kda_states(new), states))
-        out = out.replace(pos=cache.pos)
+      model = nnx.merge(graphdef, params, rest)
+      states = kv.kda_states(cache)
+      logits, new, _ = model(tokens[:, None], cache=kv.with_pages(cache, pos, tables), par=par)
+      new = kv.without_pages(new)
+      out = kv.with_kda_states(new, kv.select_rows(active, kv.kda_states(new), states))
+      out = out.replace(pos=cache.pos)
       logits = logits[:, 0]
       nxt = sample_rows(logits, counts, seeds, steps, temp, top_p, presence, frequency)
       counts = counts.at[jnp.arange(nxt.shape[0]), nxt].add(active.astype(jnp.int32))
@@ -171,8 +173,7 @@ class Engine:
 
     def encode(params, rest, images):
       """packed images -> projected features [M, D] f32 (one dtype for every prefill)."""
-      with rules():
-        return nnx.merge(graphdef, params, rest).vision(images).astype(jnp.float32)
+      return nnx.merge(graphdef, params, rest).vision(images).astype(jnp.float32)
 
     self._prefill = jax.jit(prefill, donate_argnums=(2,))
     self._decode = jax.jit(decode, donate_argnums=(2, 3))

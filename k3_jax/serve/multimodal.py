@@ -17,12 +17,14 @@ from k3_jax.data import images as im
 from k3_jax.data import shapes
 from k3_jax.data.tokenizers import Tokenizer
 from k3_jax.model import decode_step, prefill
+from k3_jax.partitioning import SINGLE, Parallel
 
 
 def greedy_captions(cfg: ModelConfig, graphdef, params, rest, tokenizer: Tokenizer,
                     pictures: Sequence[np.ndarray], max_new_tokens: int = 48,
-                    batch_size: int = 32) -> list[str]:
-  """Greedy captions of `shapes`-sized images, `batch_size` images per prefill/decode batch."""
+                    batch_size: int = 32, par: Parallel = SINGLE) -> list[str]:
+  """Greedy captions of `shapes`-sized images, `batch_size` images per prefill/decode batch.
+  par: the parallel setup of the two steps (built here, per call; SINGLE = one device)."""
   v = cfg.vision
   prefix = shapes.prompt_ids(v, tokenizer)
   total = len(prefix) + max_new_tokens
@@ -30,12 +32,12 @@ def greedy_captions(cfg: ModelConfig, graphdef, params, rest, tokenizer: Tokeniz
   @jax.jit
   def start(params, rest, tokens, images):
     logits, cache = prefill(nnx.merge(graphdef, params, rest), tokens, total, images,
-                            last_only=True)
+                            last_only=True, par=par)
     return jnp.argmax(logits[:, -1], -1).astype(jnp.int32), cache
 
   @jax.jit
   def step(params, rest, cache, token):
-    logits, cache = decode_step(nnx.merge(graphdef, params, rest), cache, token)
+    logits, cache = decode_step(nnx.merge(graphdef, params, rest), cache, token, par=par)
     return jnp.argmax(logits, -1).astype(jnp.int32), cache
 
   out = []

@@ -132,7 +132,7 @@ def test_packed_moe_on_tpu_expert_mesh_lowers_to_the_mxfp4_kernel():
   same layer lowered for the CPU keeps dequantize + grouped matmul (no Mosaic call).
   Lowering only (no TPU compile) keeps this cheap; compiling is `main.py compile --quant`."""
   from sharding.mesh import make_mesh, parse_mesh
-  from sharding.install import activation_rules
+  from sharding.install import parallel_for
   from sharding.topology import topology_devices
   wide = ["moe.latent_dim=256", "moe.expert_intermediate=256", "dtype=bfloat16"]
   cfg = validate(apply_overrides(configs.get("k3_tiny"), wide))
@@ -145,8 +145,7 @@ def test_packed_moe_on_tpu_expert_mesh_lowers_to_the_mxfp4_kernel():
     mesh = make_mesh(parse_mesh(spec), devices=devices)
 
     def fwd(p, r, x):
-      with activation_rules(mesh):
-        return nnx.merge(g, p, r)(x)[0]
+      return nnx.merge(g, p, r)(x, par=parallel_for(mesh))[0]
     with jax.default_matmul_precision("default"):
       return jax.jit(fwd).lower(p, r, x).as_text()
 

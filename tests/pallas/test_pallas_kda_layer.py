@@ -25,7 +25,7 @@ from k3_jax.ops import moe as moe_ops
 from k3_jax.ops.kda import resolve_backend
 from sharding.kernels import kernel_specs
 from sharding.mesh import make_mesh, parse_mesh
-from sharding.install import activation_rules
+from sharding.install import parallel_for
 from sharding.topology import topology_devices
 
 CFG = configs.get("k3_tiny")
@@ -50,12 +50,11 @@ def test_kernel_specs_split_names_alike():
 def test_auto_backend_follows_the_compile_target():
   assert CFG.kda.backend == "auto"
   assert resolve_backend("auto") == "reference"             # CPU host, no mesh
-  with activation_rules(_cpu_mesh()):
-    assert resolve_backend("auto") == "reference"
-  tpu = make_mesh(parse_mesh("fsdp:4"), devices=topology_devices("v5p:2x2x1"))
-  with activation_rules(tpu):
-    assert resolve_backend("auto") == "pallas"
-    assert resolve_backend("reference") == "reference"
+  assert resolve_backend("auto", parallel_for(_cpu_mesh())) == "reference"
+  tpu = parallel_for(make_mesh(parse_mesh("fsdp:4"), devices=topology_devices("v5p:2x2x1")))
+  assert tpu.platform == "tpu"
+  assert resolve_backend("auto", tpu) == "pallas"
+  assert resolve_backend("reference", tpu) == "reference"
   assert resolve_backend("pallas") == "pallas"
   # The MoE grouped matmul follows the same target.
   assert moe_ops.default_gmm(platform="tpu") is moe_ops.ragged_dot_gmm
@@ -69,22 +68,18 @@ def _run(backend: str, mesh):
   x = jax.random.normal(jax.random.key(0), (b, t, CFG.d_model), jnp.float32)
   seg = jnp.asarray(np.repeat([[0] * 9 + [1] * 12], b, 0), jnp.int32)  # two documents
 
+  par = parallel_for(mesh)
+
   def f(layer, x, seg, cache):
     def loss(layer):
-      y, _ = layer(x, seg)
+      y, _ = layer(x, seg, par=par)
       return jnp.sum(y * jnp.sin(y))
     value, grads = nnx.value_and_grad(loss)(layer)
-    y_pre, cache = layer(x[:, :-1], cache=cache)
-    y_dec, cache = layer(x[:, -1:], cache=cache)
+    y_pre, cache = layer(x[:, :-1], cache=cache, par=par)
+    y_dec, cache = layer(x[:, -1:], cache=cache, par=par)
     return value, nnx.state(grads), y_pre, y_dec, cache.state
 
-  def with_mesh(*a):
-    if mesh is None:
-      return f(*a)
-    with activation_rules(mesh):
-      return f(*a)
-
-  return nnx.jit(with_mesh)(layer, x, seg, layer.init_cache(b))
+  return nnx.jit(f)(layer, x, seg, layer.init_cache(b))
 
 
 def test_pallas_layer_on_mesh_matches_reference():

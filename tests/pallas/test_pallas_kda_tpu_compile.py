@@ -21,7 +21,7 @@ from k3_jax.config import apply_overrides
 from k3_jax.layers.init import Init
 from k3_jax.layers.kda import KDA
 from sharding.mesh import make_mesh, parse_mesh
-from sharding.install import activation_rules
+from sharding.install import parallel_for
 from sharding.topology import topology_devices
 
 TOPOLOGY = "v5p:2x2x1"        # 4 chips: batch over data, heads over tensor
@@ -48,12 +48,13 @@ def test_kda_layer_compiles_for_tpu(tpu_mesh):
   x = jax.ShapeDtypeStruct((b, t, d), jnp.float32, sharding=by_batch)
   seg = jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=by_batch)
 
+  par = parallel_for(tpu_mesh)
+
   def loss_and_grad(params, x, seg):
-    with activation_rules(tpu_mesh):
-      def loss(p):
-        y, _ = nnx.merge(gd, p)(x, seg)
-        return jnp.sum(jnp.square(y.astype(jnp.float32)))
-      return jax.value_and_grad(loss)(params)
+    def loss(p):
+      y, _ = nnx.merge(gd, p)(x, seg, par=par)
+      return jnp.sum(jnp.square(y.astype(jnp.float32)))
+    return jax.value_and_grad(loss)(params)
 
   lowered = jax.jit(loss_and_grad).lower(ps, x, seg)
   text = lowered.as_text()
@@ -70,8 +71,7 @@ def test_kda_layer_compiles_for_tpu(tpu_mesh):
                    conv_q=conv, conv_k=conv, conv_v=conv)
 
   def decode(params, x, cache):
-    with activation_rules(tpu_mesh):
-      return nnx.merge(gd, params)(x, cache=cache)
+    return nnx.merge(gd, params)(x, cache=cache, par=par)
 
   tok = jax.ShapeDtypeStruct((b, 1, d), jnp.float32, sharding=by_batch)
   lowered = jax.jit(decode, donate_argnums=(2,)).lower(ps, tok, cache)

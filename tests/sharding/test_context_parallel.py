@@ -18,7 +18,7 @@ from k3_jax.ops import conv as conv_ops
 from k3_jax.ops import kda as kda_ops
 from sharding import context
 from sharding.mesh import make_mesh, parse_mesh
-from sharding.install import activation_rules
+from sharding.install import parallel_for
 
 CFG = configs.get("k3_tiny")
 B, T = 2, 32
@@ -48,14 +48,11 @@ def x():
 def _layer_fn(layer_cls, mesh):
   graphdef, params = nnx.split(layer_cls(CFG, init=Init(0)))
 
+  par = parallel_for(mesh)
+
   def loss(params, x, seg):
-    def f():
-      y = nnx.merge(graphdef, params)(x, seg)[0]
-      return jnp.sum(jnp.sin(y)), y
-    if mesh is None:
-      return f()
-    with activation_rules(mesh):
-      return f()
+    y = nnx.merge(graphdef, params)(x, seg, par=par)[0]
+    return jnp.sum(jnp.sin(y)), y
 
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)), params
 

@@ -15,7 +15,7 @@ from k3_jax.layers.moe import MoE
 from k3_jax.ops import moe as moe_ops
 from sharding import expert
 from sharding.mesh import make_mesh, parse_mesh
-from sharding.install import activation_rules
+from sharding.install import parallel_for
 
 N, D, F, E, K = 32, 8, 16, 8, 2
 
@@ -84,13 +84,8 @@ def test_moe_layer_on_expert_mesh_equals_single_device():
 
   def run(mesh):
     def loss(params, x):
-      def f():
-        y, aux = nnx.merge(graphdef, params, rest)(x, train=True)
-        return jnp.sum(jnp.sin(y)), (y, aux)
-      if mesh is None:
-        return f()
-      with activation_rules(mesh):
-        return f()
+      y, aux = nnx.merge(graphdef, params, rest)(x, train=True, par=parallel_for(mesh))
+      return jnp.sum(jnp.sin(y)), (y, aux)
     return jax.jit(jax.value_and_grad(loss, has_aux=True))(params, x)
 
   (l1, (y1, aux1)), g1 = run(None)
@@ -220,8 +215,7 @@ def test_ep_capacity_is_a_config_field_jit_sees():
 
   @nnx.jit
   def forward(m, x):
-    with activation_rules(mesh):
-      return m(x)[0]
+    return m(x, par=parallel_for(mesh))[0]
 
   dropless, bounded = forward(layer(0.0), x), forward(layer(1.0), x)
   assert float(jnp.max(jnp.abs(bounded - dropless))) > 1e-3     # rows were dropped

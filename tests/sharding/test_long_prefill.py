@@ -11,7 +11,7 @@ from flax import nnx
 
 import configs
 from k3_jax.model import create_model, prefill
-from sharding.install import activation_rules
+from sharding.install import parallel_for
 from sharding.mesh import make_mesh, parse_mesh
 
 T = 64
@@ -23,12 +23,12 @@ def test_batch_of_one_prefill_on_a_mesh_equals_one_device():
   tokens = jax.random.randint(jax.random.key(4), (1, T), 0, cfg.vocab_size)
   mesh = make_mesh(parse_mesh("data:2,expert:2,sequence:2"))
 
-  def run(state, tokens, last_only):
-    return prefill(nnx.merge(graphdef, state), tokens, T, last_only=last_only)
+  def run(state, tokens, last_only, on=None):        # on: a mesh, or None = one device
+    return prefill(nnx.merge(graphdef, state), tokens, T, last_only=last_only,
+                   par=parallel_for(on))
 
   def on_mesh(state, tokens):
-    with activation_rules(mesh):
-      return run(state, tokens, True)
+    return run(state, tokens, True, mesh)
 
   want_logits, want_cache = jax.jit(lambda s, t: run(s, t, False))(state, tokens)
   lowered = jax.jit(on_mesh).lower(state, tokens)

@@ -28,39 +28,41 @@ The package:
 
 and the entry points here, `chunk_kda(..., backend=)` and `decode_step(..., backend=)`:
 backend "reference" (the plain-JAX forms), "pallas" (the kernels; interpret mode when not
-compiling for TPU) or "auto" (pallas when the compile target, partitioning.target_platform(),
-is TPU). They also place the call on the installed mesh: a kernel runs per shard
-(partitioning.shard_kernel), and on a mesh with a sequence axis the chunked form runs
-context parallel (partitioning.parallel_ops().chunk_kda) with the chosen form per shard.
+compiling for TPU) or "auto" (pallas when the compile target, `par.platform`, is TPU). They
+also place the call on the mesh of `par` (k3_jax/partitioning.py; SINGLE = one device): a
+kernel runs per shard (`par.shard_kernel`), and on a mesh with a sequence axis the chunked
+form runs context parallel (`par.ops.chunk_kda`) with the chosen form per shard.
 """
 
 from __future__ import annotations
 
 import functools
 
+import jax
+
 from k3_jax.ops.kda.chunk import chunk_kda as chunk_kda_reference
 from k3_jax.ops.kda.common import (BACKENDS, G_CLAMP, SUB_TILE, TILE, check_chunk_shapes,
                                    check_decode_shapes, default_scale, doc_index)
 from k3_jax.ops.kda.gate import kda_gate_lower_bound, kda_gate_softplus, l2_normalize
 from k3_jax.ops.kda.naive import kda_decode_step, recurrent_kda
-from k3_jax.partitioning import is_split, parallel_ops, shard_kernel, target_platform
+from k3_jax.partitioning import SINGLE, Parallel
 
 _TOK = ("batch", None, "heads", None)           # [B, T, H, X]: kernels see the whole time axis
 _VEC = ("batch", None, "heads")                 # [B, T, H]
 _STATE = ("batch", "heads", None, None)         # [B, H, K, V]
 
 
-def resolve_backend(backend: str) -> str:
-  """"reference" or "pallas"; "auto" is pallas when compiling for TPU."""
+def resolve_backend(backend: str, par: Parallel = SINGLE) -> str:
+  """"reference" or "pallas"; "auto" is pallas when compiling for TPU (par.platform)."""
   if backend not in BACKENDS:
     raise ValueError(f"KDA backend={backend!r}: expected one of {BACKENDS}")
   if backend != "auto":
     return backend
-  return "pallas" if target_platform() == "tpu" else "reference"
+  return "pallas" if par.platform == "tpu" else "reference"
 
 
-def _interpret() -> bool:
-  return target_platform() != "tpu"
+def _interpret(par: Parallel) -> bool:
+  return par.platform != "tpu"
 
 
 # Chunk length when the caller passes chunk_size=0 ("by backend"): the XLA reference path is
@@ -70,16 +72,18 @@ def _interpret() -> bool:
 CHUNK_BY_BACKEND = {"reference": 16, "pallas": 64}
 
 
-def resolve_chunk_size(chunk_size: int, backend: str) -> int:
+def resolve_chunk_size(chunk_size: int, backend: str, par: Parallel = SINGLE) -> int:
   """chunk_size, or for 0 the default of the resolved backend (CHUNK_BY_BACKEND)."""
   if int(chunk_size) == 0:
-    return CHUNK_BY_BACKEND[resolve_backend(backend)]
+    return CHUNK_BY_BACKEND[resolve_backend(backend, par)]
   return int(chunk_size)
 
 
+@jax.named_scope("chunk")
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-              chunk_size=64, segment_ids=None, backend: str = "reference"):
-  """Chunked KDA by `backend` on the installed mesh (or one device).
+              chunk_size=64, segment_ids=None, backend: str = "reference",
+              par: Parallel = SINGLE):
+  """Chunked KDA by `backend` on the mesh of `par` (SINGLE: one device).
   chunk_size=0 picks the backend's default (CHUNK_BY_BACKEND); any chunk size gives the
   same result up to float32 reassociation.
 
@@ -87,22 +91,22 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
   segment_ids [B, T] int or None. Returns (o [B, T, H, V] in v.dtype, final state
   [B, H, K, V] f32, or None unless output_final_state). Equals naive.recurrent_kda up to
   float32 reassociation and the per-step decay clamp at G_CLAMP."""
-  chunk_size = resolve_chunk_size(chunk_size, backend)
+  chunk_size = resolve_chunk_size(chunk_size, backend, par)
   check_chunk_shapes(q, k, v, g, beta, initial_state, segment_ids, chunk_size)
-  pallas = resolve_backend(backend) == "pallas"
+  pallas = resolve_backend(backend, par) == "pallas"
   if pallas:
     from pallas_kernels import kda as pallas_kda    # lazy: only the Pallas backend needs it
-    local = functools.partial(pallas_kda.chunk_kda, interpret=_interpret())
+    local = functools.partial(pallas_kda.chunk_kda, interpret=_interpret(par))
   else:
     local = chunk_kda_reference
   kw = dict(scale=scale, chunk_size=chunk_size, output_final_state=output_final_state)
-  kcp = parallel_ops().chunk_kda          # context parallel (KCP) where the mesh splits T
-  if kcp is not None and is_split(q.shape, ("batch", "seq", "heads", None), 1):
+  kcp = par.ops.chunk_kda                 # context parallel (KCP) where the mesh splits T
+  if kcp is not None and par.is_split(q.shape, ("batch", "seq", "heads", None), 1):
     return kcp(q, k, v, g, beta, initial_state=initial_state, segment_ids=segment_ids,
                local_fn=local, **kw)
   if not pallas:                          # plain JAX: the partitioner splits it
     return local(q, k, v, g, beta, initial_state=initial_state, segment_ids=segment_ids, **kw)
-  # A Mosaic kernel cannot be partitioned: run it per shard of the installed mesh.
+  # A Mosaic kernel cannot be partitioned: run it per shard of the mesh.
   has_state, has_seg = initial_state is not None, segment_ids is not None
   arrays, axes = [q, k, v, g, beta], [_TOK, _TOK, _TOK, _TOK, _VEC]
   for x, a in ((initial_state, _STATE), (segment_ids, ("batch", None))):
@@ -116,20 +120,24 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     o, sf = local(q, k, v, g, beta, initial_state=s0, segment_ids=seg, **kw)
     return (o, sf) if output_final_state else o
 
-  out = shard_kernel(per_shard, axes, (_TOK, _STATE) if output_final_state else _TOK)(*arrays)
+  out = par.shard_kernel(per_shard, axes,
+                         (_TOK, _STATE) if output_final_state else _TOK)(*arrays)
   return out if output_final_state else (out, None)
 
 
-def decode_step(q, k, v, g, beta, state, scale=None, backend: str = "reference"):
-  """One token by `backend`: q, k, g [B, H, K]; v [B, H, V]; beta [B, H]; state
-  [B, H, K, V] f32. Returns (o [B, H, V] in v.dtype, new state [B, H, K, V] f32)."""
+@jax.named_scope("recurrent_step")
+def decode_step(q, k, v, g, beta, state, scale=None, backend: str = "reference",
+                par: Parallel = SINGLE):
+  """One token by `backend` on the mesh of `par`: q, k, g [B, H, K]; v [B, H, V]; beta
+  [B, H]; state [B, H, K, V] f32. Returns (o [B, H, V] in v.dtype, new state [B, H, K, V]
+  f32)."""
   check_decode_shapes(q, k, v, g, beta, state)
-  if resolve_backend(backend) == "reference":
+  if resolve_backend(backend, par) == "reference":
     return kda_decode_step(q, k, v, g, beta, state, scale)
   from pallas_kernels import kda_decode          # lazy: only the Pallas backend needs it
   vec = ("batch", "heads", None)
-  step = lambda *a: kda_decode.kda_decode_step(*a, scale=scale, interpret=_interpret())
-  return shard_kernel(step, [vec, vec, vec, vec, ("batch", "heads"), _STATE], (vec, _STATE))(
+  step = lambda *a: kda_decode.kda_decode_step(*a, scale=scale, interpret=_interpret(par))
+  return par.shard_kernel(step, [vec, vec, vec, vec, ("batch", "heads"), _STATE], (vec, _STATE))(
       q, k, v, g, beta, state)
 
 
