@@ -21,6 +21,11 @@ from sharding.mesh import make_mesh, parse_mesh
 CFG = configs.get("k3_tiny")
 TC = dataclasses.replace(configs.get_train("k3_tiny"), batch_size=8, seq_len=32,
                          learning_rate=1e-2)
+# The compiled-step tests (compile time dominates them): k3_tiny cut to 6 layers that keep
+# every kind -- an unscanned dense KDA layer, a scan of 2 x [KDA+MoE, MLA+MoE] units, an
+# unscanned MLA+MoE tail -- and AttnRes blocks closing inside the scan: 4 layer bodies to
+# compile instead of 9.
+STEP_CFG = dataclasses.replace(CFG, num_layers=6, mla_layers=(3, 5, 6), scan_period=2)
 
 
 def _batches(n, seed=0):
@@ -32,7 +37,7 @@ def _batches(n, seed=0):
 def _steps(mesh_spec: str, grad_accum: int = 1):
   devices = jax.devices()[:1] if mesh_spec == "single" else jax.devices()
   mesh = make_mesh(parse_mesh("" if mesh_spec == "single" else mesh_spec), devices=devices)
-  return train.build_steps(CFG, dataclasses.replace(TC, grad_accum=grad_accum), mesh)
+  return train.build_steps(STEP_CFG, dataclasses.replace(TC, grad_accum=grad_accum), mesh)
 
 
 def _run(steps, batches):
@@ -104,12 +109,12 @@ def test_resume_continues_exactly(tmp_path):
   it = lambda: mqar.mqar_dataset(tc.batch_size, tc.seq_len, CFG.vocab_size, num_kv_pairs=4,
                                  seed=7)
   full_dir, part_dir = str(tmp_path / "full"), str(tmp_path / "part")
-  train.run(CFG, tc, full_dir, mesh, it(), [], ckpt=CheckpointManager(full_dir, CFG),
+  train.run(STEP_CFG, tc, full_dir, mesh, it(), [], ckpt=CheckpointManager(full_dir, STEP_CFG),
             log=lambda s: None)
   # Interrupted run: 2 steps, then a fresh process resumes to 4.
-  train.run(CFG, tc, part_dir, mesh, it(), [], ckpt=CheckpointManager(part_dir, CFG),
+  train.run(STEP_CFG, tc, part_dir, mesh, it(), [], ckpt=CheckpointManager(part_dir, STEP_CFG),
             log=lambda s: None, stop_after=2)
-  train.run(CFG, tc, part_dir, mesh, it(), [], ckpt=CheckpointManager(part_dir, CFG),
+  train.run(STEP_CFG, tc, part_dir, mesh, it(), [], ckpt=CheckpointManager(part_dir, STEP_CFG),
             log=lambda s: None)
   read = lambda d: [json.loads(l) for l in open(os.path.join(d, "metrics.jsonl"))]
   full, part = read(full_dir), read(part_dir)
