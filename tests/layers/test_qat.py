@@ -34,8 +34,8 @@ def _cfg(qat="none", *extra):
 @functools.lru_cache(maxsize=None)
 def layers():
   """The same MoE layer (same initial values) plain and with QAT; a jitted loss+grad."""
-  plain = MoE(_cfg(), init=Init(0, "numpy"))
-  qat = MoE(_cfg("mxfp4_mxfp8"), init=Init(0, "numpy"))
+  plain = MoE(_cfg(), init=Init(0, "host"))
+  qat = MoE(_cfg("mxfp4_mxfp8"), init=Init(0, "host"))
   x = jax.random.normal(jax.random.key(1), (2, 32, 32), jnp.float32)      # [B, T, D]
 
   def loss(g, p, r, x):
@@ -136,7 +136,7 @@ def test_packed_moe_on_tpu_expert_mesh_lowers_to_the_mxfp4_kernel():
   from sharding.topology import topology_devices
   wide = ["moe.latent_dim=256", "moe.expert_intermediate=256", "dtype=bfloat16"]
   cfg = validate(apply_overrides(configs.get("k3_tiny"), wide))
-  layer = MoE(cfg, init=Init(0, "numpy"))
+  layer = MoE(cfg, init=Init(0, "host"))
   pack.pack_moe(layer)
   g, p, r = nnx.split(layer, nnx.Param, ...)
   x = jax.ShapeDtypeStruct((4, 16, cfg.d_model), jnp.bfloat16)
