@@ -287,9 +287,10 @@ def build_steps(cfg: ModelConfig, tc: TrainConfig, mesh: Mesh) -> Steps:
 
 
 def _step_relevant(tc: TrainConfig) -> TrainConfig:
-  return dataclasses.replace(tc, eval_every=1, eval_batches=1, checkpoint_every=1,
-                             keep_checkpoints=1, log_every=1, dataset="", tokenizer="",
-                             init="auto")
+  """tc with every field declared step=False (k3_jax/config.py `option`) at its default: the
+  steps' cache key."""
+  return dataclasses.replace(tc, **{f.name: f.default for f in dataclasses.fields(tc)
+                                    if not f.metadata["step"]})
 
 
 @functools.lru_cache(maxsize=8)

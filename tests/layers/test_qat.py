@@ -22,6 +22,7 @@ from k3_jax.layers.init import Init
 from k3_jax.layers.moe import MoE
 from k3_jax.model import create_model
 from k3_jax.ops.mx import MXArray
+from k3_jax.config import SINGLE_STREAM
 from k3_jax.serve.engine import Engine
 
 WIDE = ["moe.latent_dim=32", "moe.expert_intermediate=32"]
@@ -108,8 +109,8 @@ def test_generate_from_packed_weights_matches_fake_quant():
   qat = _cfg("mxfp4_mxfp8")
   qg, qp, qr = nnx.split(create_model(qat, seed=0), nnx.Param, ...)
   prompt = [5, 17, 99, 3, 250, 8]
-  ref = list(Engine(qat, qg, qp, qr).generate(prompt, 6))
-  out = list(Engine(qat, *pack.pack_state(qg, qp, qr)).generate(prompt, 6))
+  ref = list(Engine(qat, qg, qp, qr, SINGLE_STREAM).generate(prompt, 6))
+  out = list(Engine(qat, *pack.pack_state(qg, qp, qr), SINGLE_STREAM).generate(prompt, 6))
   assert out == ref and len(out) == 6
 
 

@@ -4,12 +4,13 @@ from flax import nnx
 
 import configs
 from k3_jax.model import create_model
+from k3_jax.config import SINGLE_STREAM
 from k3_jax.serve.engine import Engine
 
 
 def test_a_huge_frequency_penalty_never_repeats_a_token():
   cfg = configs.get("k3_tiny")
-  engine = Engine(cfg, *nnx.split(create_model(cfg, seed=0), nnx.Param, ...))
+  engine = Engine(cfg, *nnx.split(create_model(cfg, seed=0), nnx.Param, ...), SINGLE_STREAM)
   prompt, n = [5, 17, 99, 3], 40
   plain = list(engine.generate(prompt, n))
   penalized = list(engine.generate(prompt, n, frequency_penalty=1e4))
