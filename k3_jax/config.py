@@ -518,5 +518,6 @@ def jnp_dtype(name: str):
 __all__ = ["ConfigError", "KDAConfig", "MLAConfig", "MoEConfig", "AttnResConfig", "PodLayout", "QuantConfig",
            "QAT_MODES", "KDA_BACKENDS", "GMM_KINDS", "EXECUTION_FIELDS", "ModelConfig",
            "VisionConfig", "validate_vision",
-           "TrainConfig", "ServeConfig", "SINGLE_STREAM", "option", "flag_fields", "MeshConfig", "validate", "validate_train", "apply_overrides",
+           "TrainConfig", "ServeConfig", "SINGLE_STREAM", "SERVE_PAGE", "option", "flag_fields",
+           "MeshConfig", "validate", "validate_train", "apply_overrides",
            "to_dict", "without_execution_fields", "from_dict", "jnp_dtype"]

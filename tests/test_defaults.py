@@ -87,7 +87,7 @@ STACKED = validate(apply_overrides(configs.get("k3_tiny"), [
 
 
 def _bits(tree):
-  return [np.asarray(x).view(np.uint8) for x in jax.tree.leaves(tree)]
+  return [np.asarray(x).reshape(-1).view(np.uint8) for x in jax.tree.leaves(tree)]
 
 
 def test_host_and_traced_init_are_bit_identical():

@@ -94,7 +94,8 @@ def _assert_bitwise_equal(a, b):
   for (path, x), (_, y) in zip(_leaves(a), _leaves(b), strict=True):
     x, y = np.asarray(x), np.asarray(y)
     assert x.dtype == y.dtype and x.shape == y.shape, jax.tree_util.keystr(path)
-    assert np.array_equal(x.view(np.uint8), y.view(np.uint8)), jax.tree_util.keystr(path)
+    assert np.array_equal(x.reshape(-1).view(np.uint8), y.reshape(-1).view(np.uint8)), \
+        jax.tree_util.keystr(path)
 
 
 def test_sharded_init_is_seeded_and_equals_the_host_init(built):

@@ -44,7 +44,8 @@ def restore_for_inference(workdir: str, expert_format: str = "dense",
   graphdef, params, rest = loaded.graphdef, loaded.params, loaded.rest
   if expert_format == "mxfp4":
     graphdef, params, rest = pack_state(graphdef, params, rest)
-  return Restored(loaded.cfg, Engine(loaded.cfg, graphdef, params, rest, SINGLE_STREAM), tok, loaded.step)
+  return Restored(loaded.cfg, Engine(loaded.cfg, graphdef, params, rest, SINGLE_STREAM), tok,
+                  loaded.step)
 
 
 def restore_from_hf(hf_dir: str, expert_format: str = "dense",
