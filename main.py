@@ -37,9 +37,30 @@ _quiet_platform()
 
 from absl import app, flags  # noqa: E402
 
-from k3_jax.config import EXPERT_FORMATS  # noqa: E402  (plain data: no jax import)
+from k3_jax.config import (EXPERT_FORMATS, ServeConfig, TrainConfig,  # noqa: E402
+                            flag_fields)            # (plain data: no jax import)
 
 FLAGS = flags.FLAGS
+
+
+def _define_fields(cls, default_none: bool) -> tuple[str, ...]:
+  """A flag per field of `cls` (config.option declarations: help, choices; the type from
+  the default); default None (the preset's value) when `default_none`, else the field's."""
+  for f in flag_fields(cls):
+    meta, default = f.metadata, f.default
+    value = None if default_none else default
+    if meta["choices"]:
+      flags.DEFINE_enum(f.name, value, list(meta["choices"]), meta["help"])
+    elif isinstance(default, bool):
+      flags.DEFINE_boolean(f.name, value, meta["help"])
+    elif isinstance(default, int) or (default is None and "int" in str(f.type)):
+      flags.DEFINE_integer(f.name, value, meta["help"])
+    elif isinstance(default, float):
+      flags.DEFINE_float(f.name, value, meta["help"])
+    else:
+      flags.DEFINE_string(f.name, value, meta["help"])
+  return tuple(f.name for f in flag_fields(cls))
+
 
 # ---- flags, grouped; each command lists the groups / flags it reads (COMMANDS below) ----
 # model: which config
@@ -49,35 +70,12 @@ flags.DEFINE_multi_string("override", [], "config override field=value, e.g. kda
 # training job (train; compile --step=train reads the ones that shape the step)
 flags.DEFINE_string("workdir", "runs/default", "train: where checkpoints, train_config.json and "
                     "metrics.jsonl go; generate: the run to load")
-flags.DEFINE_integer("steps", None, "training steps (default: the preset's)")
-flags.DEFINE_integer("batch_size", None, "global batch size in sequences")
-flags.DEFINE_integer("seq_len", None, "sequence length in tokens")
-flags.DEFINE_integer("grad_accum", None, "micro-batches per step")
-flags.DEFINE_enum("optimizer", None, ["muon", "adamw"], "muon (Per-Head Muon on matrices + "
-                  "AdamW on the rest) | adamw (default: the preset's)")
-flags.DEFINE_float("learning_rate", None, "peak AdamW learning rate (the whole model with "
-                   "--optimizer=adamw; the non-matrix parameters with --optimizer=muon)")
-flags.DEFINE_float("muon_lr", None, "peak Muon learning rate (matrix parameters, "
-                   "--optimizer=muon)")
-flags.DEFINE_enum("remat", None, ["none", "block", "layer", "dots"], "none | block "
-                  "(recompute each scanned unit) | layer (block, and each layer on its own "
-                  "within it) | dots (keep matmuls)")
-flags.DEFINE_integer("eval_every", None, "evaluate every N steps")
-flags.DEFINE_integer("checkpoint_every", None, "checkpoint every N steps")
-flags.DEFINE_integer("seed", None, "random seed (train: init and data order; generate: "
-                     "sampling, default 0)")
-flags.DEFINE_enum("init", None, ["auto", "host", "sharded"], "how a fresh run creates its "
-                  "parameters: host (numpy on the host, then placed) | sharded (one jitted "
-                  "program creating every shard on its device) | auto (default: sharded off "
-                  "CPU or when the train state exceeds a quarter of host memory)")
+# every TrainConfig field (k3_jax/config.py), None = the preset's value
+TRAIN_CONFIG_FLAGS = _define_fields(TrainConfig, default_none=True)
 flags.DEFINE_string("profile_steps", None, "A:B: write a jax.profiler trace of steps A..B "
                     "to <workdir>/profile (TensorBoard / Perfetto)")
-flags.DEFINE_string("dataset", None, "stdlib (default) | mqar | shapes (synthetic images + "
-                    "captions; attaches the preset's vision tower) | path to .txt/.jsonl/folder")
 flags.DEFINE_integer("caption_eval_images", 192, "--dataset=shapes: held-out images captioned "
                      "greedily after training to measure accuracy (0: skip)")
-flags.DEFINE_string("tokenizer", None, "byte | path to a tiktoken BPE file (train default: "
-                    "byte; generate default: the run's)")
 flags.DEFINE_string("mesh", "", "mesh axes, e.g. data:2,fsdp:4 (default: fsdp over all devices)")
 flags.DEFINE_float("ep_capacity", None, "expert-parallel capacity factor c (rows per "
                    "source-destination bounded at c*n*k/P; default dropless)")
@@ -143,27 +141,14 @@ flags.DEFINE_string("max_shard_size", "5GB", "largest safetensors shard (5GB, 50
 flags.DEFINE_boolean("dry_run", False, "list what would be written (from the abstract model; "
                      "with --config alone for a preset); write nothing")
 flags.DEFINE_boolean("force", False, "replace an existing output")
-# serve: the OpenAI-compatible server (k3_jax/serve/)
-flags.DEFINE_string("host", "127.0.0.1", "address to listen on (loopback by default: the API "
-                    "has no authentication)")
-flags.DEFINE_integer("port", 8000, "TCP port")
-flags.DEFINE_integer("max_batch", 8, "sequence slots decoded together")
-flags.DEFINE_integer("max_len", None, "tokens per sequence, prompt + generated (default: the "
-                     "model's max_seq_len)")
-flags.DEFINE_integer("prefill_chunk", 512, "prefill chunk in tokens (a multiple of 512), "
-                     "interleaved with decode steps")
-flags.DEFINE_integer("prefix_cache_bytes", 1 << 30, "prefix cache budget (cached MLA pages + "
-                     "KDA checkpoints); 0 disables it")
-flags.DEFINE_integer("max_queue", 64, "waiting requests before new ones get HTTP 429")
+# serve: the OpenAI-compatible server (k3_jax/serve/); every ServeConfig field, its default
+SERVE_CONFIG_FLAGS = _define_fields(ServeConfig, default_none=False)
 flags.DEFINE_string("served_model_name", None, "model id in /v1/models (default: the config "
                     "name)")
 flags.DEFINE_boolean("random_weights", False, "serve random weights of --config instead of a "
                      "checkpoint (smoke tests only)")
 
 MODEL_FLAGS = ("config", "override")
-TRAIN_CONFIG_FLAGS = ("steps", "batch_size", "seq_len", "grad_accum", "optimizer",
-                      "learning_rate", "muon_lr", "remat", "eval_every", "checkpoint_every",
-                      "seed", "init", "dataset", "tokenizer")
 MULTIHOST_FLAGS = ("coordinator_address", "num_processes", "process_id")
 
 
@@ -457,14 +442,13 @@ def cmd_convert() -> None:
 def cmd_serve() -> None:
   """The OpenAI-compatible server over the batched engine (k3_jax/serve/)."""
   from k3_jax.serve.loader import ServeOptions, run_server
+  serve = ServeConfig(**{n: getattr(FLAGS, n) for n in SERVE_CONFIG_FLAGS})
   run_server(ServeOptions(
       workdir=None if (FLAGS.random_weights or FLAGS.hf_dir) else FLAGS.workdir,
       hf_dir=FLAGS.hf_dir, config=FLAGS.config if FLAGS.random_weights else None,
       overrides=tuple(FLAGS.override), seed=FLAGS.seed or 0, tokenizer=FLAGS.tokenizer,
-      expert_format=_expert_format(), max_batch=FLAGS.max_batch, max_len=FLAGS.max_len,
-      prefill_chunk=FLAGS.prefill_chunk, prefix_cache_bytes=FLAGS.prefix_cache_bytes,
-      max_queue=FLAGS.max_queue, mesh=FLAGS.mesh, model_name=FLAGS.served_model_name,
-      host=FLAGS.host, port=FLAGS.port))
+      expert_format=_expert_format(), serve=serve, mesh=FLAGS.mesh,
+      model_name=FLAGS.served_model_name))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -500,9 +484,7 @@ COMMANDS: dict[str, Command] = {
     "serve": Command(cmd_serve, "serve --workdir's model (or --hf_dir's) behind an "
                      "OpenAI-compatible HTTP API with continuous batching and a prefix cache",
                      ("workdir", "hf_dir", "random_weights", *MODEL_FLAGS, "seed", "tokenizer",
-                      "expert_format", "mesh", "host", "port", "max_batch", "max_len",
-                      "prefill_chunk", "prefix_cache_bytes", "max_queue",
-                      "served_model_name")),
+                      "expert_format", "mesh", *SERVE_CONFIG_FLAGS, "served_model_name")),
 }
 _OUR_FLAGS = {name for cmd in COMMANDS.values() for name in cmd.flags}
 

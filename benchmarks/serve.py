@@ -37,6 +37,7 @@ import configs  # noqa: E402
 from k3_jax import train  # noqa: E402
 from k3_jax.config import apply_overrides, validate  # noqa: E402
 from k3_jax.model import create_model  # noqa: E402
+from k3_jax.config import SINGLE_STREAM  # noqa: E402
 from k3_jax.serve.engine import Engine, SamplingParams  # noqa: E402
 
 
@@ -53,7 +54,7 @@ def ttft(eng, prompt):
 
 def bench_ttft(config):
   cfg, g, p, r = weights(config, ["max_seq_len=8192"])
-  eng = Engine(cfg, g, p, r, max_batch=1, max_len=4096 + 512, prefix_cache_bytes=64 << 20)
+  eng = Engine(cfg, g, p, r, SINGLE_STREAM, max_len=4096 + 512, prefix_cache_bytes=64 << 20)
   rng = np.random.default_rng(0)
   tok = lambda n: rng.integers(1, cfg.vocab_size, n).astype(np.int32)
   warm = tok(3584)
@@ -97,7 +98,7 @@ def bench_decode(config, runs):
   all_mla = "mla_layers=(" + ",".join(str(i + 1) for i in range(base.num_layers)) + ",)"
   for name, ov in (("hybrid", []), ("all_mla", [all_mla])):
     cfg, g, p, r = weights(config, ["max_seq_len=32768"] + ov)
-    eng = Engine(cfg, g, p, r, max_batch=1, max_len=32768)
+    eng = Engine(cfg, g, p, r, SINGLE_STREAM, max_len=32768)
     short = decode_step_time(eng, 1024, runs)
     long = decode_step_time(eng, 32768 - 8, runs)
     res[name] = {"decode_1k_s": short, "decode_32k_s": long, "ratio": long / short}
@@ -110,7 +111,7 @@ def bench_throughput(config, new_tokens):
   prompts = [rng.integers(1, cfg.vocab_size, 128).astype(np.int32) for _ in range(8)]
   res = {}
   for slots in (1, 8):
-    eng = Engine(cfg, g, p, r, max_batch=slots, max_len=512)
+    eng = Engine(cfg, g, p, r, SINGLE_STREAM, max_batch=slots, max_len=512)
     warm = eng.submit(prompts[0], SamplingParams(max_tokens=4))
     eng.run_until_done([warm])                                # compiles
     t0 = time.perf_counter()

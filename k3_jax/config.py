@@ -198,32 +198,94 @@ class ModelConfig:
 INIT_MODES = ("auto", "host", "sharded")     # TrainConfig.init
 
 
+def option(default, help: str, *, step: bool = True, choices: tuple[str, ...] | None = None):
+  """A field of TrainConfig / ServeConfig with its declaration: the command line defines a
+  flag --<field name> from it (type from the default, an enum when `choices`, `help` as its
+  help), and `step` says whether the value shapes the compiled train / eval steps (part of
+  their cache key, k3_jax/train.py build_steps: a False field never recompiles them)."""
+  return field(default=default, metadata={"help": help, "step": step, "choices": choices})
+
+
+def flag_fields(cls) -> tuple[dataclasses.Field, ...]:
+  """The fields of TrainConfig / ServeConfig, each with its `option` declaration."""
+  return dataclasses.fields(cls)
+
+
 @dataclass(frozen=True)
 class TrainConfig:
-  steps: int = 300
-  batch_size: int = 8
-  seq_len: int = 256
-  grad_accum: int = 1
-  optimizer: str = "adamw"          # "muon" (Per-Head Muon + AdamW, k3_jax/optim) | "adamw"
-  learning_rate: float = 3e-3       # AdamW peak lr (all params with adamw, non-matrices with muon)
-  muon_lr: float = 3e-3             # Muon peak lr (matrix params; optimizer="muon" only)
-  qk_clip_tau: float = 100.0        # QK-Clip threshold on MLA max logits; 0 disables
-  warmup_frac: float = 0.01
-  min_lr_ratio: float = 0.1
-  weight_decay: float = 0.1
-  b1: float = 0.9
-  b2: float = 0.95
-  grad_clip: float = 1.0
-  remat: str = "none"               # "none" | "block" (recompute each scanned unit) | "layer" (and each layer within it) | "dots" (keep matmuls)
-  seed: int = 0
-  init: str = "auto"                # "host" | "sharded" | "auto" (k3_jax/train.py init_mode)
-  eval_every: int = 100
-  eval_batches: int = 4
-  checkpoint_every: int = 100
-  keep_checkpoints: int = 2
-  log_every: int = 10
-  dataset: str = "stdlib"           # "stdlib" | "mqar" | path to a .txt/.jsonl file or folder
-  tokenizer: str = "byte"           # "byte" | path to a tiktoken BPE file
+  """A training job. Every field is a flag of `train` (None there: the preset's value)."""
+  steps: int = option(300, "training steps (default: the preset's)")
+  batch_size: int = option(8, "global batch size in sequences")
+  seq_len: int = option(256, "sequence length in tokens")
+  grad_accum: int = option(1, "micro-batches per step")
+  optimizer: str = option("adamw", "muon (Per-Head Muon on matrices + AdamW on the rest) | "
+                          "adamw (default: the preset's)", choices=("muon", "adamw"))
+  learning_rate: float = option(3e-3, "peak AdamW learning rate (the whole model with "
+                                "--optimizer=adamw; the non-matrix parameters with "
+                                "--optimizer=muon)")
+  muon_lr: float = option(3e-3, "peak Muon learning rate (matrix parameters, "
+                          "--optimizer=muon)")
+  qk_clip_tau: float = option(100.0, "QK-Clip threshold on the MLA max logits; 0 disables")
+  warmup_frac: float = option(0.01, "fraction of the steps of linear learning-rate warmup")
+  min_lr_ratio: float = option(0.1, "final learning rate of the cosine decay, as a fraction "
+                               "of the peak")
+  weight_decay: float = option(0.1, "decoupled weight decay (matrices only)")
+  b1: float = option(0.9, "Adam / Muon first-moment decay")
+  b2: float = option(0.95, "Adam second-moment decay")
+  grad_clip: float = option(1.0, "clip gradients to this global norm")
+  remat: str = option("none", "none | block (recompute each scanned unit) | layer (block, and "
+                      "each layer on its own within it) | dots (keep matmuls)",
+                      choices=("none", "block", "layer", "dots"))
+  # the step's host init (k3_jax/train.py Steps.init) draws with the seed
+  seed: int = option(0, "random seed (train: init and data order; generate: sampling, "
+                     "default 0)")
+  init: str = option("auto", "how a fresh run creates its parameters (the same values "
+                     "either way): host (drawn on the host, then placed) | sharded (one jitted "
+                     "program creating every shard on its device) | auto (default: sharded off "
+                     "CPU or when the train state exceeds a quarter of host memory)",
+                     step=False, choices=INIT_MODES)
+  eval_every: int = option(100, "evaluate every N steps", step=False)
+  eval_batches: int = option(4, "held-out batches per evaluation", step=False)
+  checkpoint_every: int = option(100, "checkpoint every N steps", step=False)
+  keep_checkpoints: int = option(2, "checkpoints kept in the workdir", step=False)
+  log_every: int = option(10, "write metrics every N steps", step=False)
+  dataset: str = option("stdlib", "stdlib (default) | mqar | shapes (synthetic images + "
+                        "captions; attaches the preset's vision tower) | path to "
+                        ".txt/.jsonl/folder", step=False)
+  tokenizer: str = option("byte", "byte | path to a tiktoken BPE file (train default: byte; "
+                          "generate default: the run's)", step=False)
+
+
+SERVE_PAGE = 512        # tokens per KV page (k3_jax/serve/kv_pages.PAGE)
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+  """The serving engine's settings (k3_jax/serve/engine.py Engine), the flags of `serve`
+  and the defaults of serve/loader.py ServeOptions: their one home."""
+  max_batch: int = option(8, "sequence slots decoded together")
+  max_len: int | None = option(None, "tokens per sequence, prompt + generated (default: the "
+                               "model's max_seq_len)")
+  prefill_chunk: int = option(SERVE_PAGE, f"prefill chunk in tokens (a multiple of "
+                              f"{SERVE_PAGE}), interleaved with decode steps")
+  prefix_cache_bytes: int = option(1 << 30, "prefix cache budget (cached MLA pages + KDA "
+                                   "checkpoints); 0 disables it")
+  max_queue: int = option(64, "waiting requests before new ones get HTTP 429")
+  host: str = option("127.0.0.1", "address to listen on (loopback by default: the API has no "
+                     "authentication)")
+  port: int = option(8000, "TCP port")
+
+  def __post_init__(self):
+    _require(self.max_batch >= 1, "max_batch", self.max_batch, "must be >= 1")
+    _require(self.max_len is None or self.max_len >= 1, "max_len", self.max_len,
+             "must be positive (or None: the model's max_seq_len)")
+    _require(self.prefill_chunk >= SERVE_PAGE and self.prefill_chunk % SERVE_PAGE == 0,
+             "prefill_chunk", self.prefill_chunk,
+             f"must be a positive multiple of {SERVE_PAGE}")
+    _require(self.prefix_cache_bytes >= 0, "prefix_cache_bytes", self.prefix_cache_bytes,
+             "must be >= 0 (0 disables the prefix cache)")
+    _require(self.max_queue >= 0, "max_queue", self.max_queue, "must be >= 0")
+    _require(0 <= self.port < 65536, "port", self.port, "must lie in [0, 65535]")
 
 
 @dataclass(frozen=True)
@@ -364,6 +426,10 @@ def validate_train(tc: TrainConfig, cfg: ModelConfig) -> TrainConfig:
   return tc
 
 
+# generate (k3_jax/serve/restore.py): one stream, nothing cached between requests
+SINGLE_STREAM = ServeConfig(max_batch=1, prefix_cache_bytes=0)
+
+
 # ----- overrides ----------------------------------------------------------
 
 def _parse_value(raw: str, current: Any, name: str) -> Any:
@@ -452,5 +518,6 @@ def jnp_dtype(name: str):
 __all__ = ["ConfigError", "KDAConfig", "MLAConfig", "MoEConfig", "AttnResConfig", "PodLayout", "QuantConfig",
            "QAT_MODES", "KDA_BACKENDS", "GMM_KINDS", "EXECUTION_FIELDS", "ModelConfig",
            "VisionConfig", "validate_vision",
-           "TrainConfig", "MeshConfig", "validate", "validate_train", "apply_overrides",
+           "TrainConfig", "ServeConfig", "SINGLE_STREAM", "SERVE_PAGE", "option", "flag_fields",
+           "MeshConfig", "validate", "validate_train", "apply_overrides",
            "to_dict", "without_execution_fields", "from_dict", "jnp_dtype"]

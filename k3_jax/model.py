@@ -156,11 +156,14 @@ class Unit(nnx.Module):
 
 
 def _stacked_units(cfg: ModelConfig, kinds, reps: int, init: Init) -> Unit:
-  """One Unit whose variables hold `reps` units' values stacked on a leading "layers" axis."""
+  """One Unit whose variables hold `reps` units' values stacked on a leading "layers" axis.
+  Row i is drawn from init.children()(i) in every mode, so the traced (vmapped) and the host
+  (row by row) construction give the same values."""
+  child = init.children()
   if init.mode == "jax":
     # Traced (the sharded init): each leaf is drawn once as [reps, ...] under vmap, so the
     # program holds one draw per unit parameter, not reps, and no stacking copy.
-    child, out = init.children(), {}
+    out = {}
 
     def one(i):
       out["graphdef"], state = nnx.split(Unit(cfg, kinds, init=child(i)))
@@ -168,8 +171,8 @@ def _stacked_units(cfg: ModelConfig, kinds, reps: int, init: Init) -> Unit:
     stacked = jax.vmap(one)(jnp.arange(reps))
     graphdef = out["graphdef"]
   else:
-    graphdef, first = nnx.split(Unit(cfg, kinds, init=init))
-    states = [first] + [nnx.split(Unit(cfg, kinds, init=init))[1] for _ in range(reps - 1)]
+    graphdef, first = nnx.split(Unit(cfg, kinds, init=child(0)))
+    states = [first] + [nnx.split(Unit(cfg, kinds, init=child(i)))[1] for i in range(1, reps)]
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
   units = nnx.merge(graphdef, stacked)
   for _, node in nnx.iter_graph(units):
@@ -358,8 +361,9 @@ class K3Model(nnx.Module):
 
 # ----- construction and entry points --------------------------------------------
 
-def create_model(cfg: ModelConfig, seed: int = 0, mode: str = "numpy") -> K3Model:
-  """A freshly initialised model (values drawn on the host by default; see layers/init.py)."""
+def create_model(cfg: ModelConfig, seed: int = 0, mode: str = "host") -> K3Model:
+  """A freshly initialised model (drawn on the host by default; layers/init.py: the "jax"
+  mode, traced, gives the same values)."""
   return K3Model(cfg, init=Init(seed, mode))
 
 

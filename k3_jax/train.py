@@ -79,7 +79,7 @@ def split_model(model: K3Model):
   return graphdef, params, rest
 
 
-def init_state(cfg: ModelConfig, tc: TrainConfig, optimizer, mode: str = "numpy",
+def init_state(cfg: ModelConfig, tc: TrainConfig, optimizer, mode: str = "host",
                seed=None) -> tuple[Any, dict]:
   """(graphdef, state) for a freshly initialised model (see layers/init.py for `mode`);
   seed: tc.seed by default (a traced int under the sharded init)."""
@@ -106,9 +106,10 @@ def abstract_state(cfg: ModelConfig, tc: TrainConfig, optimizer):
 def sharded_init(cfg: ModelConfig, tc: TrainConfig, optimizer, state_shardings):
   """The sharded initialisation: one jitted program, seed (int32 scalar) -> train state,
   whose outputs are laid out by `state_shardings` (out_shardings). Every parameter is drawn
-  with jax.random inside the program (layers/init.py "jax" mode; stacked layers as one
-  vmapped draw), so each device computes its own shard: no full array exists on any host
-  or device, and (threefry being partitionable) the values do not depend on the mesh.
+  inside the program (layers/init.py "jax" mode; stacked layers as one vmapped draw) from
+  the counters of its elements, so each device computes its own shard: no full array exists
+  on any host or device, and the values do not depend on the mesh. They are bit for bit
+  those of the host init (Steps.init).
   The optimizer state is created in the same program.
 
   On CPU devices the program is compiled at XLA's lowest backend optimisation level: it
@@ -130,8 +131,9 @@ def host_memory_bytes() -> int:
 def init_mode(requested: str, abstract, devices) -> str:
   """"host" or "sharded" for TrainConfig.init `requested`. "auto" is "sharded" when the
   devices are not CPUs (any TPU / GPU mesh) or the train state `abstract` (parameters and
-  optimizer state) needs more than a quarter of this host's memory; "host" otherwise: the
-  numpy draws of layers/init.py, whose exact values small CPU runs and tests rely on."""
+  optimizer state) needs more than a quarter of this host's memory; "host" otherwise
+  (nothing to compile). Both give the same values (layers/init.py), so the choice is one
+  of speed and memory only."""
   if requested != "auto":
     return requested
   accelerator = any(d.platform != "cpu" for d in devices)
@@ -277,7 +279,7 @@ class Steps:
   abstract_state: Any          # ShapeDtypeStructs of the train state (e.g. to restore into)
   state_shardings: Any
   batch_sharding: NamedSharding
-  init: Callable               # () -> state: numpy host init, placed into the shardings
+  init: Callable               # () -> state: host init, placed into the shardings
   train: Callable
   eval: Callable
   init_sharded: Callable | None = None   # seed -> state, jit into the shardings
@@ -291,9 +293,10 @@ def build_steps(cfg: ModelConfig, tc: TrainConfig, mesh: Mesh) -> Steps:
 
 
 def _step_relevant(tc: TrainConfig) -> TrainConfig:
-  return dataclasses.replace(tc, eval_every=1, eval_batches=1, checkpoint_every=1,
-                             keep_checkpoints=1, log_every=1, dataset="", tokenizer="",
-                             init="auto")
+  """tc with every field declared step=False (k3_jax/config.py `option`) at its default: the
+  steps' cache key."""
+  return dataclasses.replace(tc, **{f.name: f.default for f in dataclasses.fields(tc)
+                                    if not f.metadata["step"]})
 
 
 @functools.lru_cache(maxsize=8)

@@ -34,7 +34,11 @@ def decay_bias_init(init: Init, shape, g_min: float | None) -> jax.Array:
   Kimi Linear (softplus): b = softplus^-1(dt). K3 (lower bound; a project choice mirroring
   it): g_min sigmoid(b) = -dt, so b = logit(dt / |g_min|).
   """
-  dt = jnp.exp(init.uniform(shape, math.log(1e-3), math.log(0.1)))
+  return init.uniform(shape, math.log(1e-3), math.log(0.1), then=_decay_bias, g_min=g_min)
+
+
+def _decay_bias(log_dt, g_min):
+  dt = jnp.exp(log_dt)
   if g_min is None:
     return jnp.log(jnp.expm1(dt))
   p = dt / abs(g_min)
@@ -69,7 +73,7 @@ class KDA(nnx.Module):
     softplus = c.decay == "softplus"
     self.dt_bias = nnx.Param(decay_bias_init(init, (h, k), None if softplus else c.g_min),
                              logical_axes=("heads", "head_dim"))
-    a_init = (jnp.log(init.uniform((h,), 1.0, 16.0))
+    a_init = (init.uniform((h,), 1.0, 16.0, then=jnp.log)
               if softplus else jnp.zeros((h,), jnp.float32))
     self.a_log = nnx.Param(a_init, logical_axes=("heads",))
     if c.gate_rank:

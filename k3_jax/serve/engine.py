@@ -22,6 +22,7 @@ two images of one size never share KV or KDA state.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 import threading
 import time
@@ -33,7 +34,7 @@ import numpy as np
 from flax import nnx
 
 from k3_jax.cache import PagedMLACache
-from k3_jax.config import ModelConfig, UserError
+from k3_jax.config import ModelConfig, ServeConfig, UserError
 from k3_jax.data import images as im
 from k3_jax.model import check_tokens
 from k3_jax.partitioning import SINGLE
@@ -50,21 +51,22 @@ DECODE_MIN_PAGES = 8      # smallest decode attention window: 8 pages = 4,096 to
 
 
 class Engine:
-  def __init__(self, cfg: ModelConfig, graphdef, params, rest, *, max_batch: int = 1,
-               max_len: int | None = None, prefill_chunk: int = PAGE,
-               prefix_cache_bytes: int = 0, max_queue: int = 256, tokenizer=None,
-               mesh=None):
-    """max_len: tokens per sequence (prompt + generated), default the model's max_seq_len.
+  def __init__(self, cfg: ModelConfig, graphdef, params, rest, serve: ServeConfig | None = None,
+               *, tokenizer=None, mesh=None, **settings):
+    """serve: the engine's settings (k3_jax/config.py ServeConfig, whose defaults are the
+    server's), with `settings` (ServeConfig fields, e.g. max_batch=2) replacing some.
+    max_len: tokens per sequence (prompt + generated), default the model's max_seq_len.
     prefill_chunk: tokens per prefill chunk, a multiple of 512. prefix_cache_bytes: the
     prefix cache's budget for cached MLA pages + KDA checkpoints (0 disables it). mesh:
     the steps run under its parallel setup (sharding.install.parallel_for) with params
     placed by their logical axes; None: the single-device program."""
-    if prefill_chunk < PAGE or prefill_chunk % PAGE:
-      raise ValueError(f"prefill_chunk={prefill_chunk} must be a positive multiple of {PAGE}")
-    if max_batch < 1:
-      raise ValueError(f"max_batch={max_batch} must be >= 1")
+    serve = dataclasses.replace(serve or ServeConfig(), **settings)
+    max_batch, max_len, prefix_cache_bytes = (serve.max_batch, serve.max_len,
+                                              serve.prefix_cache_bytes)
+    self.serve = serve
     self.cfg, self.tokenizer, self.mesh = cfg, tokenizer, mesh
-    self.max_batch, self.prefill_chunk, self.max_queue = max_batch, prefill_chunk, max_queue
+    self.max_batch, self.prefill_chunk, self.max_queue = (max_batch, serve.prefill_chunk,
+                                                          serve.max_queue)
     self.max_len = max_len or cfg.max_seq_len
     if self.max_len > cfg.max_seq_len:
       raise ValueError(f"max_len={self.max_len} exceeds the model's max_seq_len={cfg.max_seq_len}")

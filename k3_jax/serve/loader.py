@@ -7,7 +7,7 @@ import dataclasses
 
 import jax
 
-from k3_jax.config import ModelConfig, UserError, apply_overrides, validate
+from k3_jax.config import ModelConfig, ServeConfig, UserError, apply_overrides, validate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,15 +20,9 @@ class ServeOptions:
   seed: int = 0
   tokenizer: str | None = None        # default: the workdir's (train_config.json), else byte
   expert_format: str = "dense"        # "mxfp4": routed experts packed to MXFP4
-  max_batch: int = 8
-  max_len: int | None = None          # tokens per sequence (default the model's max_seq_len)
-  prefill_chunk: int = 512
-  prefix_cache_bytes: int = 1 << 30
-  max_queue: int = 64
+  serve: ServeConfig = dataclasses.field(default_factory=ServeConfig)   # engine and address
   mesh: str = ""                      # e.g. "expert:4" (default: one device)
   model_name: str | None = None       # the id /v1/models reports (default: the config name)
-  host: str = "127.0.0.1"
-  port: int = 8000
 
 
 def load_checkpoint(workdir: str, step: int | None = None):
@@ -90,22 +84,21 @@ def build_engine(opts: ServeOptions):
   if opts.mesh:
     from sharding.mesh import make_mesh, parse_mesh
     mesh = make_mesh(parse_mesh(opts.mesh))
-  engine = Engine(cfg, graphdef, params, rest, max_batch=opts.max_batch, max_len=opts.max_len,
-                  prefill_chunk=opts.prefill_chunk, prefix_cache_bytes=opts.prefix_cache_bytes,
-                  max_queue=opts.max_queue, tokenizer=tok, mesh=mesh)
+  engine = Engine(cfg, graphdef, params, rest, opts.serve, tokenizer=tok, mesh=mesh)
   return engine, tok, opts.model_name or cfg.name
 
 
 def run_server(opts: ServeOptions) -> None:
   """Builds the engine and serves the OpenAI-compatible API until interrupted."""
   from k3_jax.serve.server import build_app, serve
-  if opts.host not in ("127.0.0.1", "localhost", "::1"):
-    print(f"warning: serving on {opts.host}: the API has no authentication", flush=True)
+  host, port = opts.serve.host, opts.serve.port
+  if host not in ("127.0.0.1", "localhost", "::1"):
+    print(f"warning: serving on {host}: the API has no authentication", flush=True)
   engine, tok, name = build_engine(opts)
   app = build_app(engine, tok, name)
-  print(f"serving {name} on http://{opts.host}:{opts.port}/v1 ({opts.max_batch} slots, "
+  print(f"serving {name} on http://{host}:{port}/v1 ({engine.max_batch} slots, "
         f"context {engine.max_len})", flush=True)
-  serve(app, opts.host, opts.port)
+  serve(app, host, port)
 
 
 __all__ = ["ServeOptions", "load_checkpoint", "load_hf", "random_weights", "build_engine",

@@ -9,7 +9,7 @@ from typing import Callable, Iterator, Sequence
 import jax
 
 from k3_jax.checkpoint.inference import load_for_inference, trained_tokenizer
-from k3_jax.config import EXPERT_FORMATS, ModelConfig, UserError
+from k3_jax.config import EXPERT_FORMATS, SINGLE_STREAM, ModelConfig, UserError
 from k3_jax.data import images as im
 from k3_jax.data import tokenizers
 from k3_jax.serve.pack import pack_state
@@ -44,7 +44,8 @@ def restore_for_inference(workdir: str, expert_format: str = "dense",
   graphdef, params, rest = loaded.graphdef, loaded.params, loaded.rest
   if expert_format == "mxfp4":
     graphdef, params, rest = pack_state(graphdef, params, rest)
-  return Restored(loaded.cfg, Engine(loaded.cfg, graphdef, params, rest), tok, loaded.step)
+  return Restored(loaded.cfg, Engine(loaded.cfg, graphdef, params, rest, SINGLE_STREAM), tok,
+                  loaded.step)
 
 
 def restore_from_hf(hf_dir: str, expert_format: str = "dense",
@@ -62,7 +63,7 @@ def restore_from_hf(hf_dir: str, expert_format: str = "dense",
   if expert_format == "mxfp4":
     graphdef, params, rest = pack_state(graphdef, params, rest)
   tok = tokenizers.get_tokenizer(tokenizer or "byte")
-  return Restored(cfg, Engine(cfg, graphdef, params, rest), tok, 0)
+  return Restored(cfg, Engine(cfg, graphdef, params, rest, SINGLE_STREAM), tok, 0)
 
 
 def parse_token_ids(text: str) -> list[int]:

@@ -42,6 +42,7 @@ def test_generate_from_hf_dir_with_prompt_ids_json(tmp_path):
   """generate --hf_dir --prompt_ids --json gives exactly the tokens of an in-process greedy
   decode of the same weights """
   from flax import nnx
+  from k3_jax.config import SINGLE_STREAM
   from k3_jax.serve.engine import Engine
   cfg = kimi_linear_small()                       # 4 layers: quick to compile
   model = create_model(cfg, seed=11)
@@ -51,7 +52,7 @@ def test_generate_from_hf_dir_with_prompt_ids_json(tmp_path):
             "--json")
   assert r.returncode == 0, r.stderr[-3000:]
   out = json.loads(r.stdout.strip().splitlines()[-1])
-  ref = list(Engine(cfg, *nnx.split(model, nnx.Param, ...)).generate([5, 6, 7, 8, 9], 6))
+  ref = list(Engine(cfg, *nnx.split(model, nnx.Param, ...), SINGLE_STREAM).generate([5, 6, 7, 8, 9], 6))
   assert out["token_ids"] == ref and out["prompt_ids"] == [5, 6, 7, 8, 9]
 
 

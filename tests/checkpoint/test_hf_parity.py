@@ -102,6 +102,7 @@ def test_logits_match_transformers(pair, hf64):
 
 def test_greedy_generation_matches_transformers(pair):
   """Prefill 70 tokens (> one chunk), then 32 greedy decode steps with each side's cache."""
+  from k3_jax.config import SINGLE_STREAM
   from k3_jax.serve.engine import Engine
   hf, _, cfg, ours = pair
   prompt = _tokens(1, 70, 2)
@@ -110,7 +111,7 @@ def test_greedy_generation_matches_transformers(pair):
                       use_cache=True, min_new_tokens=32)
   ref = out[0, prompt.shape[1]:].tolist()
   graphdef, params, rest = nnx.split(ours, nnx.Param, ...)
-  got = list(Engine(cfg, graphdef, params, rest).generate(prompt[0], 32))
+  got = list(Engine(cfg, graphdef, params, rest, SINGLE_STREAM).generate(prompt[0], 32))
   print("greedy tokens:", got)
   assert got == ref
   assert len(set(got)) > 3                                   # not a degenerate repetition

@@ -22,6 +22,7 @@ from k3_jax.layers.init import Init
 from k3_jax.layers.moe import MoE
 from k3_jax.model import create_model
 from k3_jax.ops.mx import MXArray
+from k3_jax.config import SINGLE_STREAM
 from k3_jax.serve.engine import Engine
 
 WIDE = ["moe.latent_dim=32", "moe.expert_intermediate=32"]
@@ -34,8 +35,8 @@ def _cfg(qat="none", *extra):
 @functools.lru_cache(maxsize=None)
 def layers():
   """The same MoE layer (same initial values) plain and with QAT; a jitted loss+grad."""
-  plain = MoE(_cfg(), init=Init(0, "numpy"))
-  qat = MoE(_cfg("mxfp4_mxfp8"), init=Init(0, "numpy"))
+  plain = MoE(_cfg(), init=Init(0, "host"))
+  qat = MoE(_cfg("mxfp4_mxfp8"), init=Init(0, "host"))
   x = jax.random.normal(jax.random.key(1), (2, 32, 32), jnp.float32)      # [B, T, D]
 
   def loss(g, p, r, x):
@@ -108,8 +109,8 @@ def test_generate_from_packed_weights_matches_fake_quant():
   qat = _cfg("mxfp4_mxfp8")
   qg, qp, qr = nnx.split(create_model(qat, seed=0), nnx.Param, ...)
   prompt = [5, 17, 99, 3, 250, 8]
-  ref = list(Engine(qat, qg, qp, qr).generate(prompt, 6))
-  out = list(Engine(qat, *pack.pack_state(qg, qp, qr)).generate(prompt, 6))
+  ref = list(Engine(qat, qg, qp, qr, SINGLE_STREAM).generate(prompt, 6))
+  out = list(Engine(qat, *pack.pack_state(qg, qp, qr), SINGLE_STREAM).generate(prompt, 6))
   assert out == ref and len(out) == 6
 
 
@@ -136,7 +137,7 @@ def test_packed_moe_on_tpu_expert_mesh_lowers_to_the_mxfp4_kernel():
   from sharding.topology import topology_devices
   wide = ["moe.latent_dim=256", "moe.expert_intermediate=256", "dtype=bfloat16"]
   cfg = validate(apply_overrides(configs.get("k3_tiny"), wide))
-  layer = MoE(cfg, init=Init(0, "numpy"))
+  layer = MoE(cfg, init=Init(0, "host"))
   pack.pack_moe(layer)
   g, p, r = nnx.split(layer, nnx.Param, ...)
   x = jax.ShapeDtypeStruct((4, 16, cfg.d_model), jnp.bfloat16)

@@ -22,6 +22,7 @@ from k3_jax import train
 from k3_jax.config import apply_overrides, validate
 from k3_jax.data.tokenizers import ByteTokenizer
 from k3_jax.model import create_model, decode_step, prefill
+from k3_jax.config import SINGLE_STREAM
 from k3_jax.serve.engine import Engine, QueueFull, RequestError, SamplingParams
 from k3_jax.serve.kv_pages import PAGE
 from k3_jax.serve.prefix_cache import block_hashes
@@ -41,7 +42,7 @@ def setup():
   cfg = tiny_serving_config()
   model = create_model(cfg, seed=3)
   g, p, r = train.split_model(model)
-  probe = Engine(cfg, g, p, r, max_batch=1, max_len=PAGE)      # sizes only (no step runs)
+  probe = Engine(cfg, g, p, r, SINGLE_STREAM, max_len=PAGE)      # sizes only (no step runs)
   budget = 4 * (probe.page_bytes + probe.ckpt_bytes) + 100
   eng = Engine(cfg, g, p, r, max_batch=2, prefix_cache_bytes=budget,
                tokenizer=ByteTokenizer())
@@ -228,7 +229,7 @@ def test_sharded_engine_matches_one_device(setup):
   cfg, model, eng = setup
   assert len(jax.devices()) == 8
   g, p, r = train.split_model(model)
-  sharded = Engine(cfg, g, p, r, max_batch=2, mesh=make_mesh(parse_mesh("expert:8")))
+  sharded = Engine(cfg, g, p, r, SINGLE_STREAM, max_batch=2, mesh=make_mesh(parse_mesh("expert:8")))
   prompts = [prompt_of(30, 256), prompt_of(31, 256)]       # both in the batch at once
   ref = [run(eng, q, 4, use_prefix_cache=False) for q in prompts]
   reqs = [sharded.submit(q, SamplingParams(max_tokens=4), record_logits=True) for q in prompts]

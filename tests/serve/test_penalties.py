@@ -6,6 +6,7 @@ from flax import nnx
 
 import configs
 from k3_jax.model import create_model
+from k3_jax.config import SINGLE_STREAM
 from k3_jax.serve.engine import Engine
 
 
@@ -14,7 +15,7 @@ def test_a_huge_frequency_penalty_never_repeats_a_token():
   # is applied to the logits, whatever the depth; 4 layer bodies to compile instead of 9.
   cfg = dataclasses.replace(configs.get("k3_tiny"), num_layers=6, mla_layers=(3, 5, 6),
                             scan_period=2)
-  engine = Engine(cfg, *nnx.split(create_model(cfg, seed=0), nnx.Param, ...))
+  engine = Engine(cfg, *nnx.split(create_model(cfg, seed=0), nnx.Param, ...), SINGLE_STREAM)
   prompt, n = [5, 17, 99, 3], 40
   plain = list(engine.generate(prompt, n))
   penalized = list(engine.generate(prompt, n, frequency_penalty=1e4))

@@ -29,9 +29,11 @@ MAX_LEN = 2048
 OVERRIDES = ("max_seq_len=2048", "num_layers=5", "mla_layers=(4,5)")
 LAUNCH = """
 from k3_jax.serve.loader import ServeOptions, run_server
+from k3_jax.config import ServeConfig
 run_server(ServeOptions(config="k3_tiny", overrides={overrides}, vision=True,
-           seed=3, max_batch=4, max_queue=16, model_name="{model}",
-           prefix_cache_bytes=1 << 22, host="127.0.0.1", port={port}))
+           seed=3, model_name="{model}",
+           serve=ServeConfig(max_batch=4, max_queue=16, prefix_cache_bytes=1 << 22,
+                             host="127.0.0.1", port={port})))
 """
 
 

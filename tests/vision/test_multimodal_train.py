@@ -125,11 +125,12 @@ def test_generate_with_images_matches_a_full_forward(tmp_path):
   pass over the prompt + generated tokens with the same images."""
   from PIL import Image
   from k3_jax.config import UserError
+  from k3_jax.config import SINGLE_STREAM
   from k3_jax.serve.engine import Engine
   from k3_jax.serve.restore import Restored, prompt_ids
   model = create_model(MM1, seed=1)
   graphdef, params, rest = train.split_model(model)
-  restored = Restored(MM1, Engine(MM1, graphdef, params, rest), TOK, 0)
+  restored = Restored(MM1, Engine(MM1, graphdef, params, rest, SINGLE_STREAM), TOK, 0)
   paths = []
   for i, (h, w) in enumerate(((2, 4), (4, 2))):
     img = np.random.default_rng(i).integers(0, 256, (h * 14, w * 14, 3), dtype=np.uint8)
