@@ -53,7 +53,7 @@ class MLAConfig:
   v_head_dim: int = 32
   output_gate: bool = True      # sigmoid(W_g x) gate before W_o (K3); False for Kimi Linear
   latent_norm_eps: float = 0.0  # eps of the q / kv latent RMSNorms; 0 = norm_eps. transformers'
-                                # Kimi Linear uses 1e-6 there (K3_SPEC s11), vLLM norm_eps
+                                # Kimi Linear uses 1e-6 there (docs/architecture.md section 11), vLLM norm_eps
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ EXECUTION_FIELDS = ("kda.backend", "kda.chunk_size", "moe.gmm", "moe.ep_capacity
 
 @dataclass(frozen=True)
 class VisionConfig:
-  """The vision tower (MoonViT, K3_SPEC section 8) and its projector into the LM width.
+  """The vision tower (MoonViT, docs/architecture.md section 8) and its projector into the LM width.
 
   The defaults are the released K3 tower (MoonViT-V2). The earlier MoonViT of Kimi K2.5 is
   the same mechanism with norm="layernorm", bias=True, projector_norm="pre"."""

@@ -24,7 +24,7 @@ Kernels (grid (B, H, N chunks); batch and heads "parallel", chunks
                 q, k, v, G, beta and the chunk's incoming state, and writes
                 dq, dk, dv, dG, dbeta and, at the end, d initial_state.
 
-Per chunk (q scaled; see K3_SPEC.md section 2 and the reference's docstring):
+Per chunk (q scaled; see docs/architecture.md section 2 and the reference's docstring):
   Aqk[r,s] = sum_c q_r k_s exp(G_r - G_s) (s <= r),  Akk likewise (s < r)
   L = beta * Akk,  A = (I + L)^-1,  W = A (beta exp(G) K),  U = A (beta V)
   Vn = U - W S,  O = (q exp(G)) S + Aqk Vn,

@@ -6,7 +6,7 @@ Same signature and result as the reference `k3_jax.ops.kda.kda_decode_step`, plu
     q, k, g [B, H, K]; v [B, H, V]; beta [B, H]; state [B, H, K, V] float32
     -> (o [B, H, V] in v.dtype, new_state [B, H, K, V] float32)
 
-Per head (K3_SPEC section 2):  S <- Diag(e^g) S;  S <- S + beta k (v - k^T S)^T;  o = S^T q.
+Per head (docs/architecture.md section 2):  S <- Diag(e^g) S;  S <- S + beta k (v - k^T S)^T;  o = S^T q.
 
 Decode is memory bound: every step reads and writes the whole FP32 state (64 KiB per head
 at K = V = 128) for a few FLOPs per element. So the kernel touches the state exactly once:

@@ -1,5 +1,5 @@
 """Context parallelism: KDA, its short convolution and MLA with the sequence split over the
-mesh axes that "seq" resolves to (K3_SPEC sections 2 and 10): the `sequence` axis, and in a
+mesh axes that "seq" resolves to (docs/architecture.md sections 2 and 10): the `sequence` axis, and in a
 batch too small for the batch axes (one 1M-token prompt) also the axes the batch left
 (rules "seq"). The split of an array is always read from its resolved PartitionSpec.
 

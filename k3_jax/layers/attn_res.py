@@ -1,4 +1,4 @@
-"""Attention Residuals, block form (K3_SPEC section 4).
+"""Attention Residuals, block form (docs/architecture.md section 4).
 
 Instead of one running residual sum, the model keeps a bank of sources:
   b_0      the token embedding output,

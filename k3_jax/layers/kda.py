@@ -1,4 +1,4 @@
-"""Kimi Delta Attention layer (K3_SPEC section 2), K3 and Kimi-Linear variants.
+"""Kimi Delta Attention layer (docs/architecture.md section 2), K3 and Kimi-Linear variants.
 
     q, k, v = SiLU(conv4(W x)); q, k L2-normalised per head
     beta    = sigmoid(W_beta x)                       one per head

@@ -1,4 +1,4 @@
-"""Gated Multi-head Latent Attention (K3_SPEC section 3), NoPE.
+"""Gated Multi-head Latent Attention (docs/architecture.md section 3), NoPE.
 
     c_q  = RMSNorm(W_qa x);   q = W_qb c_q            (or q = W_q x without q_lora)
     ckv  = W_kva x;  c_kv = RMSNorm(ckv[:R]);  k_r = ckv[R:]   (k_r shared by all heads)

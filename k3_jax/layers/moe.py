@@ -1,4 +1,4 @@
-"""Stable LatentMoE (K3_SPEC section 5) and the plain MoE of Kimi Linear.
+"""Stable LatentMoE (docs/architecture.md section 5) and the plain MoE of Kimi Linear.
 
     s = sigmoid(W_r x)                (full-width router, FP32)
     T = top_k(s + b)                  (b: balancing bias, non-trainable state)

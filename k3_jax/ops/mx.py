@@ -2,7 +2,7 @@
 
 A tensor is cut into blocks of 32 consecutive elements along one axis (the contraction
 axis of the matmul that consumes it). Each block shares one E8M0 scale X = 2^s and each
-element is stored in the narrow element format (K3_SPEC section 7):
+element is stored in the narrow element format (docs/architecture.md section 7):
 
     s     = clamp(floor(log2(max_i |v_i|)) - emax, -127, 127)      scale byte = s + 127
     p_i   = saturate(round_to_nearest_even(v_i / 2^s))              element code

@@ -1,4 +1,4 @@
-"""Grouped matmuls with MX-format routed experts (K3_SPEC section 7): the plain-JAX
+"""Grouped matmuls with MX-format routed experts (docs/architecture.md section 7): the plain-JAX
 reference of the MXFP4 kernel, and the MoE layer's QAT / packed grouped-matmul hooks.
 
 What is quantized (everything else stays in the model's dtype):

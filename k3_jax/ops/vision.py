@@ -1,4 +1,4 @@
-"""Vision encoder math (MoonViT, K3_SPEC section 8), in plain JAX / numpy.
+"""Vision encoder math (MoonViT, docs/architecture.md section 8), in plain JAX / numpy.
 
 Packed layout: the patches of several images of different sizes are concatenated into one
 sequence of N patches (raster order within each image, images one after another). Per-patch

@@ -1,4 +1,4 @@
-"""Per-Head Muon (K3_SPEC section 6): the optax chain K3 trains with.
+"""Per-Head Muon (docs/architecture.md section 6): the optax chain K3 trains with.
 
     Muon   Nesterov momentum 0.95 -> 5 quintic Newton-Schulz steps (after Frobenius
            normalization) -> x 0.2 sqrt(max(fan_in, fan_out)) (Moonlight: update RMS ~ AdamW's)

@@ -1,4 +1,4 @@
-"""QK-Clip for the MLA layers (K3_SPEC section 6, from Kimi K2).
+"""QK-Clip for the MLA layers (docs/architecture.md section 6, from Kimi K2).
 
 The attention op already reports each head's maximum pre-softmax logit over the batch
 (aux['max_logit'] [n_mla_layers, H], free: a max over logits it computes anyway). After the

@@ -1,6 +1,6 @@
 """Chat templates: messages -> prompt token ids, and generated ids -> (reasoning, content).
 
-K3 format (K3_SPEC section 9), used when the tokenizer has the special tokens `<|open|>`,
+K3 format (docs/architecture.md section 9), used when the tokenizer has the special tokens `<|open|>`,
 `<|sep|>`, `<|close|>` and an end-of-message token (`<|eom|>`, else the tokenizer's EOS):
 
     [<|open|>system<|sep|>reasoning_effort: {low|high|max}<|close|>]      (thinking only)
@@ -15,7 +15,7 @@ without its think channel (its reasoning is dropped); assistant turns after the 
 message (an agentic turn still in progress: assistant -> tool -> assistant) keep theirs.
 In instant mode no think channel is rendered at all.
 
-Plain format (byte-level presets, no special tokens), documented in the README:
+Plain format (byte-level presets, no special tokens), documented in docs/serving.md:
 
     <|system|>\n{content}\n<|user|>\n{content}\n<|assistant|>\n{content}\n ... <|assistant|>\n
 

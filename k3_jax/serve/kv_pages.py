@@ -21,7 +21,7 @@ from k3_jax.cache import KDAState, ModelCache, PagedMLACache, replace
 from k3_jax.stack import map_cache
 from sharding import aot
 
-PAGE = 512          # tokens per MLA page = one prefix-cache hash block (K3_SPEC section 9)
+PAGE = 512          # tokens per MLA page = one prefix-cache hash block (docs/architecture.md section 9)
 NULL_PAGE = 0
 
 

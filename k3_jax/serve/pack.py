@@ -1,5 +1,5 @@
 """Serving weights with MXFP4 routed experts: pack a model's experts once, and count the
-bytes a served model holds (K3_SPEC section 7).
+bytes a served model holds (docs/architecture.md section 7).
 
 The per-weight format and the grouped matmuls that read packed weights are layer-level and
 live beside the MX ops (k3_jax/ops/mx_gmm.py); this module works on whole models.

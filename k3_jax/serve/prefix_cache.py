@@ -1,4 +1,4 @@
-"""The KDA-aware prefix cache (K3_SPEC section 9): host-side bookkeeping.
+"""The KDA-aware prefix cache (docs/architecture.md section 9): host-side bookkeeping.
 
 - Prompts are cut into hash blocks of 512 tokens with chained hashes (block i's hash covers
   every token before its end, and the content of the images whose placeholders it holds),

@@ -1,5 +1,5 @@
 """Released tensor names of the vision tower and projector, with the transforms to and from
-this project's arrays: the piece a checkpoint converter plugs in (K3_SPEC sections 8, 11).
+this project's arrays: the piece a checkpoint converter plugs in (docs/architecture.md sections 8, 11).
 
 Two layouts:
   "k3"        the K3 release: `vision_tower.patch_embed.proj`, `vision_tower.patch_embed.pos_emb`,

@@ -1,6 +1,6 @@
 """MoonViT as Flax NNX modules: patch embedding + interpolated position table, pre-norm blocks
 (fused qkv with 2-D RoPE, block-diagonal attention per image, tanh-GELU MLP), final norm,
-2 x 2 merge, and the projector into the language model width (K3_SPEC section 8).
+2 x 2 merge, and the projector into the language model width (docs/architecture.md section 8).
 
 Input: the packed-images dict of k3_jax/ops/vision.py (several images of different sizes in
 one sequence of N patches, no padding to a common size). Output: [M, d_model], one row per

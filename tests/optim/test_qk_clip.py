@@ -1,4 +1,4 @@
-"""QK-Clip: rescales exactly the MLA heads whose max logit exceeded tau, as K3_SPEC section 6
+"""QK-Clip: rescales exactly the MLA heads whose max logit exceeded tau, as docs/architecture.md section 6
 says, and a re-run of the forward on the same batch then shows no head above tau."""
 
 import dataclasses

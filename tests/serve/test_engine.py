@@ -1,4 +1,4 @@
-"""The batched engine and its KDA-aware prefix cache (K3_SPEC section 9).
+"""The batched engine and its KDA-aware prefix cache (docs/architecture.md section 9).
 
 One engine (module fixture) on a 5-layer k3_tiny variant (KDA, KDA, KDA, MLA, MLA with MoE
 and Attention Residuals), 2 slots, a prefix-cache budget of about four 512-token blocks with

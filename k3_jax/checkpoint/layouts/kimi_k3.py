@@ -1,4 +1,4 @@
-"""The Kimi K3 release layout (K3_SPEC section 11): `model_type` kimi_k3,
+"""The Kimi K3 release layout (docs/architecture.md section 11): `model_type` kimi_k3,
 architectures ["KimiK3ForConditionalGeneration"], the text model under `text_config` and its
 tensors under `language_model.`. Beyond the Kimi-Linear names:
 

@@ -1,4 +1,4 @@
-"""The Kimi-Linear-48B-A3B layout (K3_SPEC section 11): `model_type` kimi_linear.
+"""The Kimi-Linear-48B-A3B layout (docs/architecture.md section 11): `model_type` kimi_linear.
 
 Tensor names, `model.layers.{i}.` with i 0-based (linear weights [out, in]):
   KDA   self_attn.{q,k,v}_proj, {q,k,v}_conv1d [H*K, 1, W], f_a_proj [K, d], f_b_proj
@@ -30,7 +30,7 @@ from k3_jax.config import (AttnResConfig, KDAConfig, MLAConfig, ModelConfig, MoE
 MODEL_TYPE = "kimi_linear"
 PREFIX = ""
 # transformers builds the MLA latent norms with its RMSNorm default eps, not rms_norm_eps
-# (K3_SPEC section 11); the importer follows the reference implementation.
+# (docs/architecture.md section 11); the importer follows the reference implementation.
 HF_LATENT_NORM_EPS = 1e-6
 
 

@@ -7,7 +7,7 @@ Layout:
   beta  [B, T, H]      delta-rule write strength in [0, 1]
   state [B, H, K, V]   float32
 
-Per head and per token (see K3_SPEC.md section 2):
+Per head and per token (see docs/architecture.md section 2):
   S   <- Diag(exp(g_t)) S                     (decay the state rows)
   S   <- S + beta_t k_t (v_t - k_t^T S)^T      (delta-rule write)
   o_t  = S^T (q_t * scale)

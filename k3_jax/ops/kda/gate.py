@@ -1,4 +1,4 @@
-"""KDA's gates and input normalization (K3_SPEC section 2): the per-channel log decay
+"""KDA's gates and input normalization (docs/architecture.md section 2): the per-channel log decay
 g <= 0 of K3 (lower bound) and of Kimi Linear (softplus), and the q / k L2 normalization.
 """
 
