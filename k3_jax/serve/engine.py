@@ -155,11 +155,14 @@ class Engine:
       counts = counts.at[jnp.arange(nxt.shape[0]), nxt].add(active.astype(jnp.int32))
       return nxt, logits, out, counts
 
-    def first_token(logits, seed, temp, top_p):
+    def first_token(logits, counts, slot, seed, temp, top_p):
+      """The token sampled from the prompt's last logits (nothing generated yet, so no
+      penalty applies), counted in the slot's generated-token counts like every later one."""
       zeros = jnp.zeros((1, logits.shape[-1]), jnp.int32)
       z = jnp.zeros((1,), jnp.float32)
-      return sample_rows(logits[None], zeros, seed[None], jnp.zeros((1,), jnp.int32),
-                         temp[None], top_p[None], z, z)[0]
+      tok = sample_rows(logits[None], zeros, seed[None], jnp.zeros((1,), jnp.int32),
+                        temp[None], top_p[None], z, z)[0]
+      return tok, counts.at[slot, tok].add(1)
 
     def load_slot(cache, ckpts, slot, c):
       states = kv.put_rows(kv.kda_states(cache), slot[None], kv.take_rows(ckpts, c[None]))
@@ -179,7 +182,7 @@ class Engine:
 
     self._prefill = jax.jit(prefill, donate_argnums=(2,))
     self._decode = jax.jit(decode, donate_argnums=(2, 3))
-    self._first_token = jax.jit(first_token)
+    self._first_token = jax.jit(first_token, donate_argnums=(1,))
     self._load_slot = jax.jit(load_slot, donate_argnums=(0,))
     self._zero_slot = jax.jit(zero_slot, donate_argnums=(0, 1))
     self._save_ckpt = jax.jit(save_ckpt, donate_argnums=(0,))
@@ -334,8 +337,9 @@ class Engine:
         self._register(r)
     if r.pos == n:
       r.features = r.images = None                    # the prompt is in the cache now
-      tok = self._first_token(logits, jnp.int32(r.seed), jnp.float32(r.params.temperature),
-                              jnp.float32(r.params.top_p))
+      tok, self.counts = self._first_token(logits, self.counts, jnp.int32(r.slot),
+                                           jnp.int32(r.seed), jnp.float32(r.params.temperature),
+                                           jnp.float32(r.params.top_p))
       if r.record_logits:
         r.logits.append(np.asarray(logits))
       r.state = "decode"
