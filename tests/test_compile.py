@@ -115,7 +115,7 @@ def test_compile_train_k3_tiny_v5p():
 
 @pytest.mark.slow   # two lowerings of the k3_tiny train step: ~45 s on 2 idle cores
 def test_lowered_train_step_does_not_grow_with_the_sequence_split():
-  """Guards the compile-memory finding (README, Compile host memory): the program handed to
+  """Guards the compile-memory finding (docs/results.md, compile host memory): the program handed to
   XLA is the same size whatever the sequence split (no per-shard Python loops beyond the
   KCP chain's p small matmuls; collectives counted, not unrolled). k3_tiny's train step on
   the 8 CPU devices, lowered only: sequence 2 vs 4 (fsdp 4 vs 2, same 32 x 64 batch). The

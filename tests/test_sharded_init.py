@@ -134,7 +134,7 @@ def test_compile_init_for_tpu_reports_the_state_shards():
   assert rep["expected_state_bytes_per_chip"] == (rep["expected_params_bytes_per_chip"]
                                                   + rep["expected_opt_state_bytes_per_chip"])
   # The TPU lays arrays out in tiles; tiny arrays are padded, so at this size the outputs
-  # are up to a few times the exact bytes (for k3 the two agree within 1%, see README).
+  # are up to a few times the exact bytes (for k3 the two agree within 1%, see docs/pod-scale.md).
   assert rep["expected_state_bytes_per_chip"] <= rep["output_bytes"] \
       <= 8 * rep["expected_state_bytes_per_chip"]
   assert rep["expected_state_bytes_per_chip"] < rep["state_bytes"]       # really split
