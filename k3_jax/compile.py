@@ -18,7 +18,7 @@ from k3_jax import train
 from k3_jax.cache import MLACache, ModelCache
 from k3_jax.config import (EXPERT_FORMATS, ConfigError, ModelConfig, PodLayout, TrainConfig,
                            validate, validate_train)
-from k3_jax.model import create_model, decode_step, prefill
+from k3_jax.model import create_model, decode_step, param_counts, prefill
 from k3_jax.serve.pack import pack_routed_experts
 from k3_jax.stack import map_cache
 from sharding import aot
@@ -103,15 +103,35 @@ def compile_step(cfg: ModelConfig, tc: TrainConfig, target: Target, step: str,
     tc = validate_train(dataclasses.replace(tc, batch_size=batch, seq_len=seq), cfg)
     fn, args = train_program(cfg, tc, mesh)
     report.update(remat=tc.remat, grad_accum=tc.grad_accum, optimizer=tc.optimizer)
-    _, rep = aot.compile_report(fn, args, target.chip_hbm_bytes)
-    return {**report, **rep}
+    _, rep = aot.compile_report(fn, args, target.chip_hbm_bytes, target.generation,
+                                model_flops(cfg, step, batch * seq, target.chips))
+    return {**report, **_with_rates(rep, batch * seq, target.chips)}
   length = cache_len or seq
   if step == "decode" and length > cfg.max_seq_len:
     raise ConfigError(f"cache_len={length} exceeds max_seq_len={cfg.max_seq_len}")
   fn, args = _serving_program(cfg, mesh, step, batch, seq, length, expert_format)
   report.update(cache_len=length, expert_format=expert_format)
-  _, rep = aot.compile_report(fn, args, target.chip_hbm_bytes)
-  return {**report, **rep}
+  tokens = batch if step == "decode" else batch * seq
+  _, rep = aot.compile_report(fn, args, target.chip_hbm_bytes, target.generation,
+                              model_flops(cfg, step, tokens, target.chips))
+  return {**report, **_with_rates(rep, tokens, target.chips)}
+
+
+def model_flops(cfg: ModelConfig, step: str, tokens: int, chips: int) -> float:
+  """Useful FLOPs per chip of one step, for the MFU: 2 per activated parameter per token
+  forward, 6 with the backward pass (attention's own FLOPs left out, as MFU usually does)."""
+  per_token = (6 if step == "train" else 2) * param_counts(cfg)["active_params"]
+  return per_token * tokens / chips
+
+
+def _with_rates(rep: dict, tokens: int, chips: int) -> dict:
+  """The roofline's tokens per second (the whole program, and per chip) at its step time."""
+  r = rep.get("roofline")
+  if r and r.get("step_time_s"):
+    r["tokens_per_step"] = tokens
+    r["tokens_per_s"] = tokens / r["step_time_s"]
+    r["tokens_per_s_per_chip"] = tokens / r["step_time_s"] / chips
+  return rep
 
 
 def init_report(cfg: ModelConfig, tc: TrainConfig, target: Target, mesh) -> dict:

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from sharding import roofline
 from sharding.rules import logical_to_spec
 from sharding.topology import GiB
 
@@ -117,10 +118,14 @@ def flops(compiled) -> float | None:
   return float(cost["flops"])
 
 
-def compile_report(jitted, args: tuple, chip_hbm_bytes: int) -> tuple[Any, dict]:
+def compile_report(jitted, args: tuple, chip_hbm_bytes: int, generation: str | None = None,
+                   model_flops: float | None = None) -> tuple[Any, dict]:
   """Lower `jitted` with abstract `args` (ShapeDtypeStructs with shardings), compile, and
   measure. -> (compiled, report dict with the memory numbers, flops, chip_hbm_bytes, fits,
-  headroom_bytes, lower_seconds, compile_seconds)."""
+  headroom_bytes, lower_seconds, compile_seconds, and with `generation` (v5e | v5p | v6e) a
+  `roofline` (sharding/roofline.py; model_flops: the useful FLOPs per chip, for the MFU)).
+  flops_per_chip counts every loop iteration (roofline.program_costs); xla_flops_per_chip is
+  XLA's cost analysis, which counts a loop body once."""
   t0 = time.time()
   lowered = jitted.lower(*args)
   t1 = time.time()
@@ -141,7 +146,11 @@ def compile_report(jitted, args: tuple, chip_hbm_bytes: int) -> tuple[Any, dict]
     return None, rep
   t2 = time.time()
   rep = memory_numbers(compiled)
-  rep["flops_per_chip"] = flops(compiled)
+  costs = roofline.program_costs(compiled.as_text())
+  rep["flops_per_chip"] = costs.flops
+  rep["xla_flops_per_chip"] = flops(compiled)
+  if generation is not None:
+    rep["roofline"] = roofline.roofline(costs, generation, model_flops)
   rep["chip_hbm_bytes"] = int(chip_hbm_bytes)
   rep["headroom_bytes"] = int(chip_hbm_bytes) - rep["per_chip_total_bytes"]
   rep["fits"] = rep["headroom_bytes"] >= 0
@@ -192,6 +201,8 @@ def format_report(rep: dict) -> str:
   ]
   if rep.get("flops_per_chip") is not None:
     lines.append(f"flops/chip    {rep['flops_per_chip']:.4g}")
+  if rep.get("roofline"):
+    lines.append(roofline.format_roofline(rep["roofline"]))
   lines.append(f"compile       {rep['lower_seconds']:.1f} s lowering + "
                f"{rep['compile_seconds']:.1f} s compiling")
   lines.append(verdict(rep))

@@ -45,6 +45,10 @@ def test_compile_decode_k3_tiny_v5p():
   assert rep["global_batch"] == 8 and rep["cache_len"] == 64
   assert rep["fits"] and rep["step"] == "decode"
   assert rep["flops_per_chip"] > 0
+  r = rep["roofline"]                  # sharding/roofline.py, tested on its own there
+  assert r["bound"] in ("compute", "hbm", "ici", "dcn") and r["step_time_s"] > 0
+  assert r["tokens_per_step"] == 8 and r["tokens_per_s"] == 8 / r["step_time_s"]
+  assert 0 < r["mfu"] < 1 and r["hbm_bytes_per_chip"] > 0
   # The donated cache comes back in place: outputs alias it.
   assert rep["alias_bytes"] > 0
 
