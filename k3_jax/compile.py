@@ -114,7 +114,36 @@ def compile_step(cfg: ModelConfig, tc: TrainConfig, target: Target, step: str,
   tokens = batch if step == "decode" else batch * seq
   _, rep = aot.compile_report(fn, args, target.chip_hbm_bytes, target.generation,
                               model_flops(cfg, step, tokens, target.chips))
+  if step == "decode" and rep.get("roofline"):
+    low = decode_min_bytes(cfg, expert_format, batch, length) / target.chips
+    rep["roofline"]["analytic_min_bytes_per_chip"] = low
+    rep["roofline"]["hbm_bytes_vs_min"] = rep["roofline"]["hbm_bytes_per_chip"] / low
   return {**report, **_with_rates(rep, tokens, target.chips)}
+
+
+ROUTED = ("w_gate", "w_up", "w_down")     # the routed experts' weights (layers/moe.py)
+
+
+def decode_min_bytes(cfg: ModelConfig, expert_format: str, batch: int, length: int) -> float:
+  """The least a decode step must read, over all chips: every weight but the routed
+  experts and the embedding table (which gives only `batch` rows), the routed experts a
+  batch of `batch` tokens can touch (min(E, batch * top_k) of E per MoE layer), and the
+  cache (every MLA latent of `length` positions, every KDA state) of `batch` sequences."""
+  _, params, rest = serving_params(cfg, expert_format)
+  total = routed = table = 0.0
+  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+    names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+    n = leaf.size * leaf.dtype.itemsize
+    total += n
+    if any(x in ROUTED for x in names):
+      routed += n
+    elif names[:2] == ["embed", "table"]:
+      table += n
+  touched = min(1.0, batch * cfg.moe.top_k / cfg.moe.num_experts)
+  cache = jax.eval_shape(lambda: create_model(cfg, mode="abstract").init_cache(batch, length))
+  cache_bytes = aot.tree_bytes(cache)
+  rows = table / cfg.vocab_size * batch
+  return total - routed - table + rows + routed * touched + cache_bytes
 
 
 def model_flops(cfg: ModelConfig, step: str, tokens: int, chips: int) -> float:

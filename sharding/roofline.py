@@ -16,9 +16,10 @@ loop body by its trip count, and adds up per chip:
   lowers the cross-slice part of a collective to `send`/`recv` pairs handled by the
   megascale runtime; each send's buffer is counted against the collective it came from.
 
-What it cannot count is listed in the result: custom calls (Pallas kernels) are opaque to
-XLA (their count and output bytes are given; callers add their cost analytically), and a
-loop whose trip count the text does not determine is counted once.
+What it cannot count is listed in the result: the FLOPs of custom calls (Pallas kernels)
+are opaque to XLA (their count and output bytes are given; their operands and outputs are
+counted as HBM bytes), and a loop whose trip count the text does not determine is counted
+once.
 
 `roofline()` turns the counts into times at a chip's peak rates (CHIPS, with sources) and
 names the bound: step time = the largest of compute, HBM, ICI and DCN time (perfect

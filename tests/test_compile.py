@@ -49,6 +49,8 @@ def test_compile_decode_k3_tiny_v5p():
   assert r["bound"] in ("compute", "hbm", "ici", "dcn") and r["step_time_s"] > 0
   assert r["tokens_per_step"] == 8 and r["tokens_per_s"] == 8 / r["step_time_s"]
   assert 0 < r["mfu"] < 1 and r["hbm_bytes_per_chip"] > 0
+  # a decode step reads at least its analytic minimum (weights, touched experts, the cache)
+  assert r["hbm_bytes_vs_min"] >= 1 and r["analytic_min_bytes_per_chip"] > 0
   # The donated cache comes back in place: outputs alias it.
   assert rep["alias_bytes"] > 0
 
