@@ -166,6 +166,10 @@ class PreparedIterator(Iterator[Batch]):
     per = self.streams // process_count
     self.mine = list(range(process_index * per, (process_index + 1) * per))
     rows = batch_size // self.streams
+    self._rows, self._seq_len = rows, seq_len
+    names = self.manifest["splits"]["train"]["shards"]
+    self.shard_files = [os.path.join(path, names[i]) for s in self.mine
+                        for i in range(s, shards, self.streams)]   # what this process opens
     self._iters = {s: iter(_stream(path, self.manifest, s, self.streams, seq_len, rows, seed,
                                    shuffle, num_epochs, shuffle_window, read_threads))
                    for s in self.mine}
@@ -181,7 +185,19 @@ class PreparedIterator(Iterator[Batch]):
     return self
 
   def __next__(self) -> Batch:
-    parts = [next(self._iters[s]) for s in self.mine]
+    # With a finite num_epochs a stream that has run out gives empty rows (segment 0, no
+    # loss) until the last one ends; training runs forever (num_epochs None).
+    parts, live = [], 0
+    for s in self.mine:
+      try:
+        parts.append(next(self._iters[s]))
+        live += 1
+      except StopIteration:
+        parts.append({k: np.zeros((self._rows, self._seq_len),
+                                  np.float32 if k == "loss_mask" else np.int32)
+                      for k in pipeline.BATCH_KEYS})
+    if not live:
+      raise StopIteration
     return {k: np.concatenate([p[k] for p in parts]) for k in pipeline.BATCH_KEYS}
 
   def get_state(self) -> dict[str, Any]:
