@@ -163,6 +163,12 @@ class PreparedIterator(Iterator[Batch]):
                       f"{batch_size} give {self.streams} reading streams (their gcd), which "
                       f"{process_count} processes cannot share evenly; prepare it with "
                       f"more shards (e.g. --num_shards={batch_size})")
+    counts = self.manifest["splits"]["train"]["documents"]
+    empty = [s for s in range(self.streams) if not sum(counts[s::self.streams])]
+    if empty:
+      raise UserError(f"--dataset={path}: {sum(counts)} train documents in {shards} shards "
+                      f"leave reading stream(s) {empty} of {self.streams} without a document; "
+                      f"prepare it with fewer shards (--num_shards)")
     per = self.streams // process_count
     self.mine = list(range(process_index * per, (process_index + 1) * per))
     rows = batch_size // self.streams

@@ -21,6 +21,7 @@ from k3_jax.data import datasets, prepare, prepared, records, tokenizers
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOK = tokenizers.ByteTokenizer()
 SEQ, BATCH = 32, 8
+WIN = 64          # a smaller window-shuffle buffer than training's: a faster first batch
 
 
 def _docs(n=120, seed=0):
@@ -68,7 +69,8 @@ def test_prepare_writes_every_document_once_with_a_manifest(corpus, fmt):
 @pytest.mark.parametrize("fmt", records.FORMATS)
 def test_one_epoch_reads_every_transition_once(corpus, fmt):
   m = prepared.load_manifest(corpus[fmt])
-  it = prepared.PreparedIterator(corpus[fmt], SEQ, BATCH, seed=0, num_epochs=1)
+  it = prepared.PreparedIterator(corpus[fmt], SEQ, BATCH, seed=0, shuffle_window=WIN,
+                                 num_epochs=1)
   assert it.streams == 8
   total = sum(float(b["loss_mask"].sum()) for b in it)
   train = m["splits"]["train"]
@@ -77,9 +79,9 @@ def test_one_epoch_reads_every_transition_once(corpus, fmt):
 
 @pytest.mark.parametrize("fmt", records.FORMATS)
 def test_two_processes_read_their_shards_and_make_the_same_global_batches(corpus, fmt):
-  one = prepared.PreparedIterator(corpus[fmt], SEQ, BATCH, seed=5)
-  two = [prepared.PreparedIterator(corpus[fmt], SEQ, BATCH, seed=5, process_index=p,
-                                   process_count=2) for p in range(2)]
+  one = prepared.PreparedIterator(corpus[fmt], SEQ, BATCH, seed=5, shuffle_window=WIN)
+  two = [prepared.PreparedIterator(corpus[fmt], SEQ, BATCH, seed=5, shuffle_window=WIN,
+                                   process_index=p, process_count=2) for p in range(2)]
   files = [{os.path.basename(f) for f in it.shard_files} for it in two]
   assert not files[0] & files[1] and len(files[0]) == len(files[1]) == 4
   for _ in range(5):
@@ -93,14 +95,15 @@ def test_two_processes_read_their_shards_and_make_the_same_global_batches(corpus
 
 def test_resume_is_exact_on_the_same_or_another_process_count(corpus):
   d = corpus["arrayrecord"]
-  one = prepared.PreparedIterator(d, SEQ, BATCH, seed=1)
+  one = prepared.PreparedIterator(d, SEQ, BATCH, seed=1, shuffle_window=WIN)
   for _ in range(3):
     next(one)
   state = json.loads(json.dumps(one.get_state()))      # as a checkpoint stores it
   want = [next(one) for _ in range(3)]
-  again = prepared.PreparedIterator(d, SEQ, BATCH, seed=1)
+  again = prepared.PreparedIterator(d, SEQ, BATCH, seed=1, shuffle_window=WIN)
   again.set_state(state)
-  half = prepared.PreparedIterator(d, SEQ, BATCH, seed=1, process_index=1, process_count=2)
+  half = prepared.PreparedIterator(d, SEQ, BATCH, seed=1, shuffle_window=WIN,
+                                   process_index=1, process_count=2)
   half.set_state(state)
   for w in want:
     g = next(again)
@@ -108,15 +111,23 @@ def test_resume_is_exact_on_the_same_or_another_process_count(corpus):
     for k in w:
       np.testing.assert_array_equal(w[k], g[k])
       np.testing.assert_array_equal(w[k][BATCH // 2:], h[k])
-  other = prepared.PreparedIterator(d, SEQ, BATCH, seed=2)
+  other = prepared.PreparedIterator(d, SEQ, BATCH, seed=2, shuffle_window=WIN)
   with pytest.raises(ValueError, match="different pipeline"):
     other.set_state(state)
 
 
 def test_too_few_streams_for_the_processes_is_refused(corpus):
-  with pytest.raises(UserError, match="cannot share evenly"):
-    prepared.PreparedIterator(corpus["parquet"], SEQ, 6, seed=0, process_index=0,
-                              process_count=3)   # gcd(8 shards, 6 rows) = 2 streams
+  with pytest.raises(UserError, match="cannot share evenly"):   # gcd(8 shards, 6 rows) = 2
+    prepared.PreparedIterator(corpus["parquet"], SEQ, 6, seed=0, shuffle_window=WIN,
+                              process_index=0, process_count=3)
+
+
+def test_a_stream_without_documents_is_refused(tmp_path):
+  path = tmp_path / "one.txt"
+  path.write_text("a single document")
+  prepare.prepare(str(path), str(tmp_path / "ds"), num_shards=2, progress=False)
+  with pytest.raises(UserError, match=r"stream\(s\) \[1\] of 2 without a document"):
+    prepared.PreparedIterator(str(tmp_path / "ds"), SEQ, BATCH, seed=0)
 
 
 def test_train_data_reads_a_prepared_dir_and_refuses_another_tokenizer(corpus, tmp_path):
