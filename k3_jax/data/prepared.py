@@ -6,7 +6,8 @@ s * B/S ... (s+1) * B/S - 1). A stream visits its shards one at a time, in a shu
 each epoch, and its documents in a shuffled order within each shard (a block shuffle: Parquet
 decodes a shard once, ArrayRecord reads stay local); the pipeline's window shuffle then mixes
 windows across documents before packing (k3_jax/data/pipeline.py, the same packing and batch
-format as the text path).
+format as the text path), in a buffer of shuffle_window / S windows per stream (at least 32),
+so all streams together hold about what the text path's one buffer holds.
 
 Multi-host: process p of P runs the streams p * S/P ... (p+1) * S/P - 1 only, so it opens
 only its share of the shards, and its rows are its contiguous slice of the global batch (the
@@ -138,7 +139,7 @@ def _stream(path: str, manifest: dict, stream: int, streams: int, seq_len: int, 
   examples = pipeline.pack_token_documents(
       docs, seq_len, seed=(seed + stream) % 2**32, shuffle=shuffle,
       num_packing_bins=4 * rows, shuffle_window=shuffle_window,
-      read_options=grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=256))
+      read_options=grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=64))
   return examples.batch(rows, drop_remainder=False).map(
       lambda b: pipeline._pad_batch(b, rows))  # pylint: disable=protected-access
 
@@ -149,7 +150,7 @@ class PreparedIterator(Iterator[Batch]):
   def __init__(self, path: str, seq_len: int, batch_size: int, seed: int,
                shuffle: bool = True, num_epochs: int | None = None,
                process_index: int = 0, process_count: int = 1,
-               shuffle_window: int = 1024, read_threads: int = 2,
+               shuffle_window: int = 1024, read_threads: int | None = None,
                allgather: Callable[[str], list[str]] | None = None,
                manifest: dict | None = None):
     self.manifest = manifest or load_manifest(path)
@@ -176,8 +177,12 @@ class PreparedIterator(Iterator[Batch]):
     names = self.manifest["splits"]["train"]["shards"]
     self.shard_files = [os.path.join(path, names[i]) for s in self.mine
                         for i in range(s, shards, self.streams)]   # what this process opens
+    # The window-shuffle buffer is shared out over the streams (the text path's one buffer
+    # of shuffle_window windows), at least 32 each; reading threads do not change the order.
+    window = max(32, shuffle_window // self.streams)
+    threads = read_threads or (2 if per <= 8 else 1)
     self._iters = {s: iter(_stream(path, self.manifest, s, self.streams, seq_len, rows, seed,
-                                   shuffle, num_epochs, shuffle_window, read_threads))
+                                   shuffle, num_epochs, window, threads))
                    for s in self.mine}
     self._allgather = allgather
     self._fingerprint = {"dataset": self.manifest["tokenizer"]["fingerprint"],
