@@ -126,7 +126,7 @@ class _Progress:
 
   def __init__(self, total_bytes: int, stream=None, every: float = 0.5):
     self.total, self.done, self.docs, self.tokens = max(total_bytes, 1), 0, 0, 0
-    self.stream = stream if stream is not None else sys.stderr
+    self.stream = stream            # None: no bar
     self.t0 = self.last = time.time()
     self.every = every
 
@@ -135,7 +135,7 @@ class _Progress:
 
   def update(self, force: bool = False) -> None:
     now = time.time()
-    if not force and now - self.last < self.every:
+    if self.stream is None or (not force and now - self.last < self.every):
       return
     self.last = now
     frac = min(self.done / self.total, 1.0)
@@ -147,7 +147,8 @@ class _Progress:
 
   def close(self) -> None:
     self.update(force=True)
-    self.stream.write("\n")
+    if self.stream is not None:
+      self.stream.write("\n")
 
 
 def _tokenized(tok: tokenizers.Tokenizer, text: str) -> np.ndarray:
@@ -186,7 +187,7 @@ def prepare(input: str, output: str, tokenizer: str = "byte", fmt: str = "arrayr
   tmp = output + ".partial"
   shutil.rmtree(tmp, ignore_errors=True)
   bar = _Progress(sum(os.path.getsize(f) for f in files),
-                  stream=None if progress is None else (progress or open(os.devnull, "w")))
+                  stream=sys.stderr if progress is None else (progress or None))
   t0 = time.time()
   kind, writers, n_seen = None, {}, 0
   tokens = {"train": [0] * num_shards, "eval": [0]}
