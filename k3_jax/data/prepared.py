@@ -6,8 +6,9 @@ s * B/S ... (s+1) * B/S - 1). A stream visits its shards one at a time, in a shu
 each epoch, and its documents in a shuffled order within each shard (a block shuffle: Parquet
 decodes a shard once, ArrayRecord reads stay local); the pipeline's window shuffle then mixes
 windows across documents before packing (k3_jax/data/pipeline.py, the same packing and batch
-format as the text path), in a buffer of shuffle_window / S windows per stream (at least 32),
-so all streams together hold about what the text path's one buffer holds.
+format as the text path), in a buffer of shuffle_window windows per stream: a process holds
+S/P x shuffle_window x (seq_len + 1) int32 tokens in these buffers (8 streams at seq_len 8192:
+256 MiB).
 
 Multi-host: process p of P runs the streams p * S/P ... (p+1) * S/P - 1 only, so it opens
 only its share of the shards, and its rows are its contiguous slice of the global batch (the
@@ -177,10 +178,11 @@ class PreparedIterator(Iterator[Batch]):
     names = self.manifest["splits"]["train"]["shards"]
     self.shard_files = [os.path.join(path, names[i]) for s in self.mine
                         for i in range(s, shards, self.streams)]   # what this process opens
-    # The window-shuffle buffer is shared out over the streams (the text path's one buffer
-    # of shuffle_window windows), at least 32 each; reading threads do not change the order.
-    window = max(32, shuffle_window // self.streams)
-    threads = read_threads or (2 if per <= 8 else 1)
+    # Each stream has its own window-shuffle buffer of shuffle_window windows: grain's window
+    # shuffle costs ~25 ms a window whatever its size, so small windows would bound the
+    # rate. Reading threads do not change the order.
+    window = shuffle_window
+    threads = read_threads if read_threads is not None else (2 if per <= 8 else 1)
     self._iters = {s: iter(_stream(path, self.manifest, s, self.streams, seq_len, rows, seed,
                                    shuffle, num_epochs, window, threads))
                    for s in self.mine}
