@@ -8,6 +8,8 @@
   python main.py convert   --from=SRC --to=DST [--checkpoint_step=N] [--max_shard_size=5GB]
                            [--dry_run] [--force] [--json]
   python main.py serve     --workdir=runs/default [--host=127.0.0.1 --port=8000 --max_batch=8]
+  python main.py prepare   --input=corpus.jsonl --output=DIR [--format=arrayrecord|parquet]
+                           [--num_shards=8] [--tokenizer=byte] [--force]
 
 `python main.py <command> --help` lists that command's flags. Installed (`pip install .`),
 the same CLI is the `k3` script. A new command: write its library function, a `cmd_<name>`

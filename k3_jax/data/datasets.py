@@ -44,7 +44,7 @@ def train_data(cfg: ModelConfig, tc: TrainConfig, process_index: int = 0,
     raise UserError(f"tokenizer vocabulary {tok.vocab_size} exceeds the model's "
                     f"vocab_size={cfg.vocab_size}")
   if prepared.is_prepared(tc.dataset):   # a `python main.py prepare` directory
-    return prepared_data(tc, tok, per_host, process_index, process_count)
+    return prepared_data(tc, tok, process_index, process_count)
   if tc.dataset == "stdlib":
     train_docs, eval_docs = sources.stdlib_documents("train"), sources.stdlib_documents("eval")
   else:
@@ -61,7 +61,7 @@ def train_data(cfg: ModelConfig, tc: TrainConfig, process_index: int = 0,
   return train_iter, evals
 
 
-def prepared_data(tc: TrainConfig, tok, per_host: int, process_index: int, process_count: int):
+def prepared_data(tc: TrainConfig, tok, process_index: int, process_count: int):
   """(train iterator, eval batches) of a prepared directory (k3_jax/data/prepared.py); it must
   have been tokenized by `tok`. On a multi-host job the iterator's state is gathered over
   the processes at every checkpoint."""
@@ -73,5 +73,4 @@ def prepared_data(tc: TrainConfig, tok, per_host: int, process_index: int, proce
       allgather=prepared.jax_allgather if process_count > 1 else None)
   evals = prepared.eval_batches(tc.dataset, manifest, tc.seq_len, tc.batch_size,
                                 tc.eval_batches, process_index, process_count)
-  assert all(b["inputs"].shape[0] == per_host for b in evals)
   return train_iter, evals
