@@ -8,6 +8,8 @@
   python main.py convert   --from=SRC --to=DST [--checkpoint_step=N] [--max_shard_size=5GB]
                            [--dry_run] [--force] [--json]
   python main.py serve     --workdir=runs/default [--host=127.0.0.1 --port=8000 --max_batch=8]
+  python main.py prepare   --input=corpus.jsonl --output=DIR [--format=arrayrecord|parquet]
+                           [--num_shards=8] [--tokenizer=byte] [--force]
 
 `python main.py <command> --help` lists that command's flags. Installed (`pip install .`),
 the same CLI is the `k3` script. A new command: write its library function, a `cmd_<name>`
@@ -141,6 +143,12 @@ flags.DEFINE_string("max_shard_size", "5GB", "largest safetensors shard (5GB, 50
 flags.DEFINE_boolean("dry_run", False, "list what would be written (from the abstract model; "
                      "with --config alone for a preset); write nothing")
 flags.DEFINE_boolean("force", False, "replace an existing output")
+# prepare: tokenize a corpus into shards (k3_jax/data/prepare.py)
+flags.DEFINE_string("input", None, "prepare: a .txt / .jsonl file, a folder or a glob of them")
+flags.DEFINE_string("output", None, "prepare: the directory to write (shards + manifest.json)")
+flags.DEFINE_enum("format", "arrayrecord", ["arrayrecord", "parquet"], "prepare: shard format")
+flags.DEFINE_integer("num_shards", 8, "prepare: train shards (a multiple of the processes "
+                     "that will read them)")
 # serve: the OpenAI-compatible server (k3_jax/serve/); every ServeConfig field, its default
 SERVE_CONFIG_FLAGS = _define_fields(ServeConfig, default_none=False)
 flags.DEFINE_string("served_model_name", None, "model id in /v1/models (default: the config "
@@ -451,6 +459,23 @@ def cmd_serve() -> None:
       model_name=FLAGS.served_model_name))
 
 
+def cmd_prepare() -> None:
+  """Tokenize --input into --format shards under --output (k3_jax/data/prepare.py)."""
+  from k3_jax.config import UserError
+  from k3_jax.data.prepare import prepare
+  if not FLAGS.input or not FLAGS.output:
+    raise UserError("prepare needs --input=CORPUS and --output=DIR")
+  m = prepare(FLAGS.input, FLAGS.output, tokenizer=FLAGS.tokenizer or "byte",
+              fmt=FLAGS.format, num_shards=FLAGS.num_shards, force=FLAGS.force)
+  if FLAGS.json:
+    print(json.dumps(m))
+    return
+  print(f"wrote {m['documents']:,} documents, {m['tokens']:,} tokens in {m['num_shards']} "
+        f"{m['format']} train shards{' + eval' if 'eval' in m['splits'] else ''} to "
+        f"{FLAGS.output} in {m['seconds']:.1f}s (tokenizer {m['tokenizer']['spec']}, "
+        f"fingerprint {m['tokenizer']['fingerprint']}); train with --dataset={FLAGS.output}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Command:
   run: Callable[[], None]
@@ -481,6 +506,9 @@ COMMANDS: dict[str, Command] = {
                        "back (the direction from what --from holds)",
                        (*MODEL_FLAGS, "from", "to", "checkpoint_step", "max_shard_size",
                         "dry_run", "force", "expert_format", "json")),
+    "prepare": Command(cmd_prepare, "tokenize a text corpus into ArrayRecord / Parquet shards "
+                       "with a manifest, for train --dataset=DIR",
+                       ("input", "output", "tokenizer", "format", "num_shards", "force", "json")),
     "serve": Command(cmd_serve, "serve --workdir's model (or --hf_dir's) behind an "
                      "OpenAI-compatible HTTP API with continuous batching and a prefix cache",
                      ("workdir", "hf_dir", "random_weights", *MODEL_FLAGS, "seed", "tokenizer",

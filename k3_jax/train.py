@@ -359,20 +359,33 @@ def put_batch(batch: dict, sharding: NamedSharding | dict) -> dict:
 class MetricsWriter:
   """metrics.jsonl: one strict-JSON line per logged step (non-finite values as null, named
   in "nonfinite"); `resume_at(step)` drops lines past the step a run resumes from, so a
-  resumed run never repeats a step."""
+  resumed run never repeats a step. With `tensorboard` (a directory) the scalars also go
+  there as TensorBoard event files (k3_jax/summaries.py)."""
 
-  def __init__(self, path: str):
+  def __init__(self, path: str, tensorboard: str | None = None):
     self.path = path
+    self.tensorboard = None
+    if tensorboard is not None and not jax.process_index():
+      from k3_jax.summaries import TensorBoardWriter
+      self.tensorboard = TensorBoardWriter(tensorboard)
 
   def write(self, record: dict) -> None:
     if jax.process_index():       # multi-host: the primary writes
       return
     with open(self.path, "a") as f:
       f.write(json.dumps(faults.json_record(record), allow_nan=False) + "\n")
+    if self.tensorboard is not None:
+      self.tensorboard.write(record)
+
+  def close(self) -> None:
+    if self.tensorboard is not None:
+      self.tensorboard.close()
 
   def resume_at(self, step: int) -> int:
     """Drops the lines past `step`; returns how many kept lines are skipped (non-finite)
     steps, the run's `skipped_steps` so far (each skipped step is always logged)."""
+    if self.tensorboard is not None:
+      self.tensorboard.resume_at(step)
     if jax.process_index() or not os.path.exists(self.path):
       return 0
     with open(self.path) as f:
@@ -454,7 +467,8 @@ def run(cfg: ModelConfig, tc: TrainConfig, workdir: str, mesh: Mesh,
     state = fresh_state(steps, tc, log) if init_state is None else init_state(steps)
   start = int(state["step"])
   clock.charge("init", init_mark)
-  writer = MetricsWriter(os.path.join(workdir, "metrics.jsonl"))
+  writer = MetricsWriter(os.path.join(workdir, "metrics.jsonl"),
+                         tensorboard=os.path.join(workdir, "tensorboard"))
   bad.total = writer.resume_at(start)         # skipped_steps carries across resumes
   tokens_per_step = tc.batch_size * tc.seq_len
   last: dict = {"step": start}
@@ -542,6 +556,7 @@ def run(cfg: ModelConfig, tc: TrainConfig, workdir: str, mesh: Mesh,
           break
   finally:
     trace.close()
+    writer.close()
     if ckpt is not None:
       with clock.span("checkpoint"):
         ckpt.wait()                  # a save in flight finishes before the process goes on

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Callable
 
 from k3_jax.config import ModelConfig, TrainConfig, UserError
-from k3_jax.data import mqar, pipeline, shapes, sources, tokenizers
+from k3_jax.data import mqar, pipeline, prepared, shapes, sources, tokenizers
 
 MQAR_KV_PAIRS = 8
 EVAL_SEED_OFFSET = 10_000          # MQAR eval draws from a seed the train stream never uses
@@ -43,6 +43,8 @@ def train_data(cfg: ModelConfig, tc: TrainConfig, process_index: int = 0,
   if tok.vocab_size > cfg.vocab_size:
     raise UserError(f"tokenizer vocabulary {tok.vocab_size} exceeds the model's "
                     f"vocab_size={cfg.vocab_size}")
+  if prepared.is_prepared(tc.dataset):   # a `python main.py prepare` directory
+    return prepared_data(tc, tok, process_index, process_count)
   if tc.dataset == "stdlib":
     train_docs, eval_docs = sources.stdlib_documents("train"), sources.stdlib_documents("eval")
   else:
@@ -56,4 +58,19 @@ def train_data(cfg: ModelConfig, tc: TrainConfig, process_index: int = 0,
   evals = (pipeline.eval_batches(eval_docs, tok, tc.seq_len, per_host, tc.eval_batches,
                                  process_index=process_index, process_count=process_count)
            if eval_docs else [])
+  return train_iter, evals
+
+
+def prepared_data(tc: TrainConfig, tok, process_index: int, process_count: int):
+  """(train iterator, eval batches) of a prepared directory (k3_jax/data/prepared.py); it must
+  have been tokenized by `tok`. On a multi-host job the iterator's state is gathered over
+  the processes at every checkpoint."""
+  manifest = prepared.load_manifest(tc.dataset)
+  prepared.check_tokenizer(tc.dataset, manifest, tok, tc.tokenizer)
+  train_iter = prepared.PreparedIterator(
+      tc.dataset, tc.seq_len, tc.batch_size, seed=tc.seed, process_index=process_index,
+      process_count=process_count, manifest=manifest,
+      allgather=prepared.jax_allgather if process_count > 1 else None)
+  evals = prepared.eval_batches(tc.dataset, manifest, tc.seq_len, tc.batch_size,
+                                tc.eval_batches, process_index, process_count)
   return train_iter, evals

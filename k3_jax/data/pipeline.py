@@ -144,8 +144,18 @@ def _packed_rows(documents: Sequence[str], tokenizer: Tokenizer, seq_len: int,
   if shuffle:
     docs = docs.shuffle(seed=seed)
   docs = docs.repeat(num_epochs).map(_Tokenize(tokenizer))
+  return pack_token_documents(docs, seq_len, seed=seed, shuffle=shuffle,
+                              num_packing_bins=num_packing_bins, shuffle_window=shuffle_window)
+
+
+def pack_token_documents(docs: grain.MapDataset, seq_len: int, *, seed: int, shuffle: bool,
+                         num_packing_bins: int, shuffle_window: int,
+                         read_options: grain.ReadOptions | None = None) -> grain.IterDataset:
+  """Token documents (int32 [T] each, in reading order) -> unbatched packed examples: split
+  into windows, shuffled within `shuffle_window`, first-fit packed (`_row_to_example`)."""
   windows = grain.experimental.FlatMapIterDataset(
-      docs.to_iter_dataset(grain.ReadOptions(num_threads=4, prefetch_buffer_size=64)),
+      docs.to_iter_dataset(read_options or grain.ReadOptions(num_threads=4,
+                                                             prefetch_buffer_size=64)),
       _SplitIntoWindows(seq_len))
   if shuffle and shuffle_window > 1:
     # A long document yields many consecutive windows; without mixing them a batch holds
@@ -212,9 +222,17 @@ def eval_batches(documents: Sequence[str], tokenizer: Tokenizer, seq_len: int,
   """
   _check_args(documents, seq_len, batch_size, process_index, process_count)
   tok = _Tokenize(tokenizer)
+  return eval_batches_from_tokens([tok.map(d) for d in documents[process_index::process_count]],
+                                  seq_len, batch_size, num_batches)
+
+
+def eval_batches_from_tokens(token_docs: Sequence[np.ndarray], seq_len: int, batch_size: int,
+                             num_batches: int) -> list[Batch]:
+  """`eval_batches` of already tokenized documents ([BOS] + ids + [EOS] each)."""
   split = _SplitIntoWindows(seq_len)
-  windows = [w["tokens"] for doc in documents[process_index::process_count]
-             for w in split.flat_map(tok.map(doc))]
+  windows = [w["tokens"] for doc in token_docs for w in split.flat_map(doc)]
+  if not windows:
+    return []
   rows = min(num_batches * batch_size, len(windows))
   picked = [windows[i] for i in np.linspace(0, len(windows) - 1, rows).round().astype(int)]
   examples = []
