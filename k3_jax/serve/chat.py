@@ -513,8 +513,16 @@ class MessageParser:
         break
 
   def flush(self) -> Delta:
+    """The rest of the text; a call still open (the output was cut off by max_tokens) is
+    closed with the arguments complete so far, so a forced call always comes back."""
     d = Delta()
     self._text(d, self.decoder.flush())
+    if self.call is not None:
+      while self.stack:
+        top, top_attrs = self.stack.pop()
+        self._closed(d, top, top_attrs)
+        if top == "call":
+          break
     return d
 
 
