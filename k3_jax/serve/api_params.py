@@ -59,8 +59,8 @@ _REFUSED = {
 def refuse_unsupported(body: dict, endpoint: str) -> None:
   """ParamError naming every parameter of `body` the endpoint ("completions" | "chat") does
   not support with the value given."""
-  bad = [(k, msg) for k, (asks, msg) in _REFUSED[endpoint].items() if k in body and
-         asks(body[k])]
+  table = _REFUSED[endpoint]
+  bad = [(k, table[k][1]) for k in body if k in table and table[k][0](body[k])]
   if bad:
     raise ParamError("; ".join(m for _, m in bad) + " (unsupported: "
                      + ", ".join(k for k, _ in bad) + ")", bad[0][0])

@@ -245,3 +245,26 @@ def test_image_parts_render_in_place(k3_tokenizer):
             for x in (r.images, r.images, other)]
   assert salted[0] == salted[1] and salted[0][0] == block_hashes(r.ids, 16)[0]   # no image
   assert salted[0][-1] != salted[2][-1] and salted[0][-1] != block_hashes(r.ids, 16)[-1]
+
+
+def test_api_params_refusals_and_tool_calls():
+  from k3_jax.serve.api_params import ParamError, ToolCalls, refuse_unsupported, render_kwargs
+  from k3_jax.serve.chat import Delta
+  refuse_unsupported({"logprobs": False, "response_format": {"type": "text"}, "n": 1}, "chat")
+  with pytest.raises(ParamError, match="unsupported: logprobs, logit_bias") as e:
+    refuse_unsupported({"logprobs": True, "logit_bias": {"5": 1}}, "chat")
+  assert e.value.param == "logprobs"
+  for body, name in (({"echo": True}, "echo"), ({"suffix": ""}, "suffix"),
+                     ({"best_of": 2}, "best_of"), ({"logprobs": 0}, "logprobs")):
+    with pytest.raises(ParamError, match=name):
+      refuse_unsupported(body, "completions")
+  with pytest.raises(ParamError, match="tools"):
+    render_kwargs({"tools": "get_weather"})
+  with pytest.raises(ParamError, match="parallel_tool_calls"):
+    render_kwargs({"parallel_tool_calls": "yes"})
+  calls = ToolCalls({"parallel_tool_calls": False})
+  one = {"index": 0, "id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+  assert calls.add(Delta(tool_calls=[one, {**one, "id": "b"}])) == [one]
+  assert calls.message() == [{k: v for k, v in one.items() if k != "index"}]
+  assert (calls.finish_reason("stop"), calls.finish_reason("length")) == ("tool_calls", "length")
+  assert ToolCalls({}).finish_reason("stop") == "stop"
