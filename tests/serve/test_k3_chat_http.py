@@ -11,11 +11,11 @@ import pytest
 from k3_jax.serve.chat import K3Template, template_for
 
 MODEL = "k3-chat-test"
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                   "required": ["city"]}}}]
-ASK = [{"role": "user", "content": "Weather in Paris?"}]
+# The prompts are 160 and 224 tokens with the test tokenizer: pieces of 64 and 16 tokens
+# only, so the engine compiles two prefill piece lengths (docs/serving.md) and no more.
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}]
+ASK = [{"role": "user", "content": "Weather in Paris now?"}]
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,7 @@ def test_k3_tool_calls_over_http(served):
       {"role": "assistant", "content": "", "tool_calls": [{
           "id": "call_1", "type": "function",
           "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-      {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 degrees"}]
+      {"role": "tool", "tool_call_id": "call_1", "content": "sunny 21"}]
   r = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS,
                                      max_tokens=3, temperature=0)
   assert r.usage.prompt_tokens == len(template_for(tok).render(messages, tools=TOOLS).ids)
