@@ -60,15 +60,18 @@ def hf_tokenizer_spec(hf_dir: str) -> str:
   return hf_dir if has_tokenizer(hf_dir) else "byte"
 
 
-def load_checked_tokenizer(spec: str, vocab_size: int):
+def load_checked_tokenizer(spec: str, vocab_size: int, check_byte: bool = True):
   """The tokenizer `spec` names, refused in one line (UserError) when the model's vocabulary
-  and it disagree (tokenizers.check_covers). The byte fallback is only checked for ids past
-  the model's vocabulary: ids it has no byte for decode to placeholders."""
+  and it disagree (tokenizers.check_covers). The byte tokenizer is only checked for ids past
+  the model's vocabulary (ids it has no byte for decode to placeholders), and not at all
+  without check_byte (generate: prompts given as ids, output shown as ids)."""
   from k3_jax.data import tokenizers
   try:
     tok = tokenizers.get_tokenizer(spec)
   except (OSError, ValueError) as e:
     raise UserError(f"tokenizer {spec!r}: {e}") from None
+  if spec == "byte" and not check_byte:
+    return tok
   try:
     tokenizers.check_covers(tok, vocab_size)
   except ValueError as e:

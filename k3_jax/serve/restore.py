@@ -64,7 +64,8 @@ def restore_from_hf(hf_dir: str, expert_format: str = "dense",
   if expert_format == "mxfp4":
     graphdef, params, rest = pack_state(graphdef, params, rest)
   from k3_jax.serve.loader import hf_tokenizer_spec, load_checked_tokenizer
-  tok = load_checked_tokenizer(tokenizer or hf_tokenizer_spec(hf_dir), cfg.vocab_size)
+  tok = load_checked_tokenizer(tokenizer or hf_tokenizer_spec(hf_dir), cfg.vocab_size,
+                               check_byte=False)
   return Restored(cfg, Engine(cfg, graphdef, params, rest, SINGLE_STREAM), tok, 0)
 
 
