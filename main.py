@@ -205,6 +205,10 @@ def _train_config(cfg):
   import configs
   from k3_jax.config import validate_train
   given = {n: getattr(FLAGS, n) for n in TRAIN_CONFIG_FLAGS if getattr(FLAGS, n) is not None}
+  if getattr(FLAGS, "init_from", None) and "tokenizer" not in given:
+    from k3_jax.data.tokenizers import has_tokenizer     # the released weights' own tokenizer
+    if has_tokenizer(FLAGS.init_from):
+      given["tokenizer"] = FLAGS.init_from
   return validate_train(dataclasses.replace(configs.get_train(FLAGS.config), **given), cfg)
 
 

@@ -252,8 +252,9 @@ class TrainConfig:
   dataset: str = option("stdlib", "stdlib (default) | mqar | shapes (synthetic images + "
                         "captions; attaches the preset's vision tower) | path to "
                         ".txt/.jsonl/folder", step=False)
-  tokenizer: str = option("byte", "byte | path to a tiktoken BPE file (train default: byte; "
-                          "generate default: the run's)", step=False)
+  tokenizer: str = option("byte", "byte | path to a tiktoken BPE file | a model directory "
+                          "(tiktoken.model or tokenizer.json; train default: byte, or "
+                          "--init_from's; generate default: the run's)", step=False)
 
 
 SERVE_PAGE = 512        # tokens per KV page (k3_jax/serve/kv_pages.PAGE)

@@ -24,3 +24,33 @@ def env(tmp_path_factory):
   for k in ("K3_TEST_HOLD_AFTER_STEP", "K3_TEST_HOLD_SIGNALS", "K3_TEST_SIGKILL_IN_SAVE"):
     e.pop(k, None)
   return e
+
+
+# The K3-format test tokenizer (k3_jax/data/bpe.py): merges learned from this fixed text (so
+# its ids, which tests pin, never change), the K3 pre-tokenizer regex, the K3 special tokens
+# at their released ids.
+K3_TOKENIZER_TEXT = """\
+<|open|>message role="user"<|sep|> <|close|>message<|sep|> role="assistant" role="system"
+role="tool" think response tools call tool="get_weather" index="1" argument key="city"
+type="string" type="number" type="object" type="array" type="boolean" type="null"
+The quick brown fox jumps over the lazy dog. What is the weather in Paris today? It is sunny
+and 21 degrees. Let me think about the question step by step before I call a tool.
+def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n
+{"city": "Paris", "unit": "celsius", "days": [1, 2, 3], "verbose": true}
+Kimi K3 is a hybrid model: Kimi Delta Attention layers and gated MLA layers, with latent
+mixture-of-experts feed-forward blocks. 你好，世界。天气很好。 Ünïcode façade naïve café.
+"""
+
+
+@pytest.fixture(scope="session")
+def k3_tokenizer_dir(tmp_path_factory):
+  """A directory in Kimi's tokenizer format (tiktoken.model + tokenizer_config.json)."""
+  from k3_jax.data import bpe
+  ranks = bpe.learn_ranks([K3_TOKENIZER_TEXT] * 4, num_merges=400)
+  return bpe.write_kimi_dir(tmp_path_factory.mktemp("k3_tokenizer"), ranks)
+
+
+@pytest.fixture(scope="session")
+def k3_tokenizer(k3_tokenizer_dir):
+  from k3_jax.data.tokenizers import get_tokenizer
+  return get_tokenizer(str(k3_tokenizer_dir))

@@ -122,11 +122,14 @@ def _row_source(source):
 
 def export_state(cfg: ModelConfig, get_value, out_dir: str, max_shard_size="5GB",
                  force: bool = False, expert_format: str = "auto",
-                 metadata: dict | None = None) -> dict:
+                 metadata: dict | None = None, tokenizer=None) -> dict:
   """Writes a Hugging Face directory. get_value: a dict path -> array, a callable
   path -> that variable's full host array, or a streamed source with .read(path, idx) ->
   variable[idx] (OrbaxVariables): then only one entry's row (a layer's slice, an expert's
-  matrix) is held at a time. Returns the plan plus timing."""
+  matrix) is held at a time. tokenizer (data/tokenizers.Tokenizer): written beside the
+  weights in the form transformers' AutoTokenizer loads (tokenizers.save_hf_tokenizer);
+  generation_config.json is always written (generation_config). Returns the plan plus
+  timing."""
   row, whole = _row_source(get_value)
   p = plan(cfg, max_shard_size, expert_format)
   entries, shards = p.pop("_entries"), p.pop("_shards")
@@ -160,6 +163,18 @@ def export_state(cfg: ModelConfig, get_value, out_dir: str, max_shard_size="5GB"
     with open(os.path.join(tmp, "config.json"), "w") as f:
       json.dump(p["config"], f, indent=2, sort_keys=True)
       f.write("\n")
+    if tokenizer is not None:
+      from k3_jax.data.tokenizers import check_covers, save_hf_tokenizer
+      try:
+        check_covers(tokenizer, cfg.vocab_size)
+      except ValueError as e:              # a vocabulary the tokenizer does not fit: the
+        p["tokenizer_skipped"] = str(e)    # weights are still exported, without it
+        tokenizer = None
+      else:
+        p["tokenizer_files"] = save_hf_tokenizer(tokenizer, tmp)
+    with open(os.path.join(tmp, "generation_config.json"), "w") as f:
+      json.dump(generation_config(cfg, tokenizer), f, indent=2)
+      f.write("\n")
     _finish_out_dir(tmp, out_dir)
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
@@ -167,6 +182,28 @@ def export_state(cfg: ModelConfig, get_value, out_dir: str, max_shard_size="5GB"
   p["seconds"] = time.time() - t0
   p["out_dir"] = out_dir
   return p
+
+
+def generation_config(cfg: ModelConfig, tokenizer=None) -> dict:
+  """generation_config.json: the ids generation stops at. A K3 chat tokenizer (one with
+  `<|end_of_msg|>`) stops at the end of a message first, then its EOS (docs/architecture.md
+  section 9); otherwise the tokenizer's EOS, else the model config's eos_id."""
+  special = getattr(tokenizer, "special_tokens", None) or {}
+  eos = []
+  if "<|end_of_msg|>" in special:
+    eos.append(special["<|end_of_msg|>"])
+  if tokenizer is not None and tokenizer.eos_id is not None:
+    eos.append(tokenizer.eos_id)
+  elif cfg.eos_id >= 0:
+    eos.append(cfg.eos_id)
+  out = {"_from_model_config": False, "transformers_version": "5.23.0"}
+  if tokenizer is not None and tokenizer.bos_id is not None:
+    out["bos_token_id"] = tokenizer.bos_id
+  if eos:
+    out["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+  if tokenizer is not None and tokenizer.pad_id is not None:
+    out["pad_token_id"] = tokenizer.pad_id
+  return out
 
 
 def export_model(model, out_dir: str, **kw) -> dict:
@@ -328,8 +365,12 @@ def export_workdir(workdir: str, out_dir: str, step: int | None = None, **kw) ->
   """Orbax checkpoint -> Hugging Face directory, streamed: each output tensor is read from
   the checkpoint (one layer's slice, one expert's matrix) when its shard is written, so host
   memory holds about one row and one shard's buffers, never the model."""
+  from k3_jax.checkpoint.inference import trained_tokenizer
+  from k3_jax.data.tokenizers import get_tokenizer
   src = OrbaxVariables(workdir, step)
   layout_entries(src.cfg, kw.get("expert_format", "auto"))   # fail before touching out_dir
+  if "tokenizer" not in kw:                    # the run's tokenizer goes with its weights
+    kw["tokenizer"] = get_tokenizer(trained_tokenizer(workdir))   # (missing: a clear error)
   out = export_state(src.cfg, src, out_dir, metadata={"source_step": src.step}, **kw)
   out["step"] = src.step
   return out
@@ -380,7 +421,8 @@ def import_to_workdir(hf_dir: str, workdir: str, force: bool = False,
   t0 = time.time()
   src = HFVariables(hf_dir)                    # every check before anything is written
   try:
-    tc = TrainConfig(optimizer=optimizer)
+    from k3_jax.data.tokenizers import has_tokenizer   # the directory's own tokenizer
+    tc = TrainConfig(optimizer=optimizer, tokenizer=hf_dir if has_tokenizer(hf_dir) else "byte")
     state = streamed_train_state(src, tc)
     if os.path.exists(ck) and force:
       shutil.rmtree(ck)

@@ -67,7 +67,7 @@ def trained_tokenizer(workdir: str, override: str | None = None) -> str:
     return override
   saved = saved_train_config(workdir) or {}
   spec = saved.get("tokenizer") or "byte"
-  if spec != "byte" and not os.path.isfile(spec):
+  if spec != "byte" and not os.path.exists(spec):
     raise FileNotFoundError(
         f"{workdir} was trained with tokenizer {spec!r} (train_config.json), which no longer "
         f"exists; pass --tokenizer=PATH to the same BPE file")

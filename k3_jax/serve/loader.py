@@ -54,6 +54,32 @@ def random_weights(config: str, overrides=(), seed: int = 0, vision: bool = Fals
   return (cfg, *nnx.split(create_model(cfg, seed=seed), nnx.Param, ...))
 
 
+def hf_tokenizer_spec(hf_dir: str) -> str:
+  """A Hugging Face directory's own tokenizer (tiktoken.model or tokenizer.json), else byte."""
+  from k3_jax.data.tokenizers import has_tokenizer
+  return hf_dir if has_tokenizer(hf_dir) else "byte"
+
+
+def load_checked_tokenizer(spec: str, vocab_size: int, check_byte: bool = True):
+  """The tokenizer `spec` names, refused in one line (UserError) when the model's vocabulary
+  and it disagree (tokenizers.check_covers). The byte tokenizer is only checked for ids past
+  the model's vocabulary (ids it has no byte for decode to placeholders), and not at all
+  without check_byte (generate: prompts given as ids, output shown as ids)."""
+  from k3_jax.data import tokenizers
+  try:
+    tok = tokenizers.get_tokenizer(spec)
+  except (OSError, ValueError) as e:
+    raise UserError(f"tokenizer {spec!r}: {e}") from None
+  if spec == "byte" and not check_byte:
+    return tok
+  try:
+    tokenizers.check_covers(tok, vocab_size)
+  except ValueError as e:
+    if spec != "byte" or tok.vocab_size > vocab_size:
+      raise UserError(str(e)) from None
+  return tok
+
+
 def build_engine(opts: ServeOptions):
   """(engine, tokenizer, model name) for the options."""
   from k3_jax.checkpoint.inference import trained_tokenizer
@@ -68,7 +94,7 @@ def build_engine(opts: ServeOptions):
     tok_spec = trained_tokenizer(opts.workdir, opts.tokenizer)
   elif opts.hf_dir is not None:
     cfg, graphdef, params, rest = load_hf(opts.hf_dir)
-    tok_spec = opts.tokenizer or "byte"
+    tok_spec = opts.tokenizer or hf_tokenizer_spec(opts.hf_dir)
   else:
     cfg, graphdef, params, rest = random_weights(opts.config, opts.overrides, opts.seed,
                                                  opts.vision)
@@ -76,10 +102,7 @@ def build_engine(opts: ServeOptions):
   if opts.expert_format == "mxfp4":
     from k3_jax.serve.pack import pack_state
     graphdef, params, rest = pack_state(graphdef, params, rest)
-  tok = tokenizers.get_tokenizer(tok_spec)
-  if tok.vocab_size > cfg.vocab_size:
-    raise UserError(f"tokenizer vocabulary {tok.vocab_size} exceeds the model's "
-                    f"vocab_size={cfg.vocab_size}")
+  tok = load_checked_tokenizer(tok_spec, cfg.vocab_size)
   mesh = None
   if opts.mesh:
     from sharding.mesh import make_mesh, parse_mesh

@@ -51,8 +51,9 @@ def restore_for_inference(workdir: str, expert_format: str = "dense",
 def restore_from_hf(hf_dir: str, expert_format: str = "dense",
                     tokenizer: str | None = None) -> Restored:
   """A Hugging Face directory's model (config.json + safetensors) on one device, read slice by
-  slice straight into place (k3_jax.checkpoint.sharded_load), ready to generate; the byte
-  tokenizer unless `tokenizer` names another."""
+  slice straight into place (k3_jax.checkpoint.sharded_load), ready to generate; the
+  directory's own tokenizer (tiktoken.model or tokenizer.json), else byte, unless
+  `tokenizer` names another."""
   from flax import nnx
   from k3_jax.checkpoint.sharded_load import load_model_sharded
   if expert_format not in EXPERT_FORMATS:
@@ -62,7 +63,9 @@ def restore_from_hf(hf_dir: str, expert_format: str = "dense",
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   if expert_format == "mxfp4":
     graphdef, params, rest = pack_state(graphdef, params, rest)
-  tok = tokenizers.get_tokenizer(tokenizer or "byte")
+  from k3_jax.serve.loader import hf_tokenizer_spec, load_checked_tokenizer
+  tok = load_checked_tokenizer(tokenizer or hf_tokenizer_spec(hf_dir), cfg.vocab_size,
+                               check_byte=False)
   return Restored(cfg, Engine(cfg, graphdef, params, rest, SINGLE_STREAM), tok, 0)
 
 

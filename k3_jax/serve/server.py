@@ -20,6 +20,7 @@ import uuid
 
 from fastapi import Request as HttpRequest   # at module level: FastAPI resolves annotations
 
+from k3_jax.serve import api_params
 from k3_jax.serve.chat import ChatError, template_for
 from k3_jax.serve.engine import Engine
 from k3_jax.serve.scheduler import QueueFull, RequestError, SamplingParams
@@ -185,6 +186,10 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, start_loop: bool = 
   async def _api_error(_, e: ApiError):
     return JSONResponse(e.body(), status_code=e.status)
 
+  @app.exception_handler(api_params.ParamError)
+  async def _param_error(_, e: api_params.ParamError):
+    return JSONResponse(ApiError(400, str(e), e.param).body(), status_code=400)
+
   @app.on_event("shutdown")
   def _stop():
     if loop_runner is not None:
@@ -264,6 +269,7 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, start_loop: bool = 
   @app.post("/v1/completions")
   async def completions(http: HttpRequest):
     body = await read_body(http)
+    api_params.refuse_unsupported(body, "completions")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
       prompt = prompt[0]
@@ -301,33 +307,37 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, start_loop: bool = 
   @app.post("/v1/chat/completions")
   async def chat(http: HttpRequest):
     body = await read_body(http)
+    api_params.refuse_unsupported(body, "chat")
     kwargs = body.get("chat_template_kwargs") or {}
     thinking = bool(kwargs.get("thinking", True))
     try:           # in a worker thread: image parts are decoded and resized here
       rendered = await asyncio.to_thread(template.render, body.get("messages"),
-                                         thinking=thinking, effort=body.get("reasoning_effort"))
+                                         thinking=thinking, effort=body.get("reasoning_effort"),
+                                         **api_params.render_kwargs(body))
     except ChatError as e:
       raise ApiError(400, str(e), "messages") from None
     params = sampling_from(body, engine, len(rendered.ids), stop_extra=rendered.stop,
                            stop_ids=tuple(rendered.stop_ids) + eos)
     req, queue = submit(rendered.ids, params, rendered.images)
-    parser = template.parser(rendered.thinking)
+    parser = template.parser(rendered)
+    tools = api_params.ToolCalls(body)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     head = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
             "model": model_name}
     seen = [0]
 
     def split(delta, done):
-      """(reasoning delta, content delta) of the new output."""
+      """(reasoning delta, content delta, completed tool calls) of the new output."""
       if parser is None:
-        return "", delta
+        return "", delta, []
       ids = req.output_ids[seen[0]:]
       seen[0] += len(ids)
-      r, c = parser.add(ids)
+      d = parser.add(ids)
+      r, c, calls = d.reasoning, d.content, tools.add(d)
       if done:
-        fr, fc = parser.flush()
-        r, c = r + fr, c + fc
-      return r, c
+        f = parser.flush()
+        r, c, calls = r + f.reasoning, c + f.content, calls + tools.add(f)
+      return r, c, calls
 
     if body.get("stream"):
       include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -337,29 +347,35 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, start_loop: bool = 
                                                               "content": ""},
                                         "finish_reason": None}]})
         async for delta, done in events(req, queue, http):
-          r, c = split(delta, done)
+          r, c, calls = split(delta, done)
           d = {}
           if r:
             d["reasoning_content"] = r
           if c:
             d["content"] = c
+          if calls:
+            d["tool_calls"] = calls
           if d or done:
             yield sse({**head, "choices": [{"index": 0, "delta": d, "finish_reason":
-                                            finish_reason(req) if done else None}]})
+                                            tools.finish_reason(finish_reason(req)) if done
+                                            else None}]})
         if include_usage:
           yield sse({**head, "choices": [], "usage": usage(req)})
         yield "data: [DONE]\n\n"
       return StreamingResponse(gen(), media_type="text/event-stream")
     reasoning, content = "", ""
     async for delta, done in events(req, queue, http):
-      r, c = split(delta, done)
+      r, c, _ = split(delta, done)
       reasoning, content = reasoning + r, content + c
     message = {"role": "assistant", "content": content}
     if parser is not None and rendered.thinking:
       message["reasoning_content"] = reasoning
+    if tools.calls:
+      message["tool_calls"] = tools.message()
     return {"id": rid, "object": "chat.completion", "created": int(time.time()),
             "model": model_name, "choices": [{"index": 0, "message": message,
-                                              "finish_reason": finish_reason(req)}],
+                                              "finish_reason": tools.finish_reason(
+                                                  finish_reason(req))}],
             "usage": usage(req)}
 
   # ----- the rest ------------------------------------------------------------------------

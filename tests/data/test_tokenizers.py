@@ -52,8 +52,10 @@ def test_byte_special_ids():
   tok = tokenizers.get_tokenizer("byte")
   assert isinstance(tok, tokenizers.ByteTokenizer)
   assert (tok.vocab_size, tok.eos_id, tok.bos_id, tok.pad_id) == (256, 0, None, None)
+  # an id past the table (a model with a larger vocabulary sampled it) is a placeholder
+  assert tok.decode([104, 300]) == "h<|reserved_token_300|>"
   with pytest.raises(ValueError):
-    tok.decode([300])
+    tok.decode([-1])
 
 
 def test_byte_decode_replaces_invalid_utf8():
