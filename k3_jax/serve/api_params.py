@@ -31,9 +31,6 @@ _COMMON = {
 _REFUSED = {
     "completions": {
         **_COMMON,
-        "echo": (_set, "echo is not supported"),
-        "logprobs": (lambda v: v is not None, "logprobs is not supported (responses carry "
-                     "\"logprobs\": null)"),
         "suffix": (lambda v: v is not None, "suffix (insertion) is not supported"),
     },
     "chat": {

@@ -12,6 +12,7 @@ that goes away cancels its request, which frees its slot at the engine's next st
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import threading
@@ -20,7 +21,8 @@ import uuid
 
 from fastapi import Request as HttpRequest   # at module level: FastAPI resolves annotations
 
-from k3_jax.serve import api_params
+from k3_jax.serve import api_params, logprobs
+from k3_jax.serve import completions as cmpl
 from k3_jax.serve.chat import ChatError, template_for
 from k3_jax.serve.engine import Engine
 from k3_jax.serve.scheduler import QueueFull, RequestError, SamplingParams
@@ -122,7 +124,10 @@ def _number(body, name, default, kind=float):
   return kind(v)
 
 
-def sampling_from(body, engine: Engine, prompt_len: int, stop_extra=(), stop_ids=()):
+def sampling_from(body, engine: Engine, prompt_len: int, stop_extra=(), stop_ids=(),
+                  allow_n: bool = False):
+  """The request's SamplingParams (ApiError naming a bad field). allow_n: the caller runs
+  `n` choices itself (completions); otherwise n other than 1 is refused."""
   max_tokens = _number(body, "max_completion_tokens", None, int)
   if max_tokens is None:
     max_tokens = _number(body, "max_tokens", 16, int)
@@ -153,8 +158,8 @@ def sampling_from(body, engine: Engine, prompt_len: int, stop_extra=(), stop_ids
   if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
     raise ApiError(400, f"seed must be an integer, got {seed!r}", "seed")
   n = body.get("n", 1)
-  if n != 1:
-    raise ApiError(400, "only n=1 is supported", "n")
+  if n not in (1, None) and not allow_n:
+    raise ApiError(400, "only n=1 is supported here", "n")
   try:
     params = SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p,
@@ -214,7 +219,7 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, start_loop: bool = 
             "total_tokens": int(req.prompt.size) + len(req.output_ids),
             "prompt_tokens_details": {"cached_tokens": int(req.cached_tokens)}}
 
-  def submit(ids, params, images=None):
+  def submit(ids, params, images=None, **kw):
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -222,7 +227,7 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, start_loop: bool = 
       loop.call_soon_threadsafe(queue.put_nowait, (delta, r.state == "done"))
 
     try:
-      req = engine.submit(ids, params, on_update=on_update, images=images)
+      req = engine.submit(ids, params, on_update=on_update, images=images, **kw)
     except QueueFull as e:
       raise ApiError(429, str(e), type_="rate_limit_error", code="queue_full") from None
     except RequestError as e:
@@ -266,42 +271,150 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, start_loop: bool = 
     return f"data: {json.dumps(obj)}\n\n"
 
   # ----- /v1/completions ---------------------------------------------------------------
+  def completion_logprobs(ids, rows, k, start=0):
+    lps, tops = logprobs.entries(tokenizer, rows, ids, k)
+    return logprobs.assemble(tokenizer, ids, lps, tops, k, start)
+
+  def prompt_rows(ids):
+    """The rows that predict each prompt token (the first has none), teacher-forced."""
+    scores = logprobs.scorer_for(engine).logits(ids)
+    return [None] + list(scores[:-1])
+
+  def merge_logprobs(a, b):
+    """The echoed prompt's logprobs object followed by the completion's."""
+    tops = (None if a["top_logprobs"] is None and b["top_logprobs"] is None
+            else (a["top_logprobs"] or []) + (b["top_logprobs"] or []))
+    return {"tokens": a["tokens"] + b["tokens"],
+            "token_logprobs": a["token_logprobs"] + b["token_logprobs"],
+            "top_logprobs": tops, "text_offset": a["text_offset"] + b["text_offset"]}
+
+  def take_rows(req, start, stop):
+    """The recorded logits rows of output tokens [start, stop), released once read."""
+    rows = req.logits[start:stop]
+    for i in range(start, min(stop, len(req.logits))):
+      req.logits[i] = None
+    return rows
+
   @app.post("/v1/completions")
   async def completions(http: HttpRequest):
     body = await read_body(http)
     api_params.refuse_unsupported(body, "completions")
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-      prompt = prompt[0]
-    if isinstance(prompt, str):
-      ids = tokenizer.encode(prompt)
-    elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-      ids = prompt
-    else:
-      raise ApiError(400, "prompt must be a string or a list of token ids", "prompt")
-    if not ids:
-      raise ApiError(400, "the prompt is empty", "prompt")
-    params = sampling_from(body, engine, len(ids), stop_ids=eos)
-    req, queue = submit(ids, params)
+    opts = cmpl.options(body)
+    prompts = cmpl.prompt_list(body.get("prompt"), tokenizer)
+    k = opts.logprobs
     rid = f"cmpl-{uuid.uuid4().hex}"
     head = {"id": rid, "object": "text_completion", "created": int(time.time()),
             "model": model_name}
+    prompt_tokens = sum(len(ids) for ids in prompts)
+    decode = (lambda ids: tokenizer.decode(ids)) if tokenizer is not None else (lambda ids: "")
+
+    async def echoed(ids):
+      """(prompt text, its logprobs object or None) for echo."""
+      if len(ids) > engine.max_len:
+        raise ApiError(400, f"the prompt has {len(ids)} tokens; this model's context is "
+                       f"{engine.max_len} tokens", "prompt", code="context_length_exceeded")
+      text = decode(ids)
+      if k is None:
+        return text, None
+      rows = await asyncio.to_thread(prompt_rows, ids)
+      return text, completion_logprobs(ids, rows, k)
+
+    if opts.score_only:                 # max_tokens=0 with echo: score the prompts alone
+      choices = []
+      for i, ids in enumerate(prompts):
+        text, lp = await echoed(ids)
+        choices += [{"index": i * opts.n + j, "text": text, "logprobs": lp,
+                     "finish_reason": "length"} for j in range(opts.n)]
+      return {**head, "choices": choices,
+              "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 0,
+                        "total_tokens": prompt_tokens}}
+    runs = []                           # (choice index, prompt ids, request, queue)
+    try:
+      for i, ids in enumerate(prompts):
+        params = sampling_from(body, engine, len(ids), stop_ids=eos, allow_n=True)
+        for j in range(opts.n):
+          p = params if params.seed is None else dataclasses.replace(
+              params, seed=(params.seed + j) % (1 << 31))
+          req, queue = submit(ids, p, record_logits=k is not None)
+          runs.append((i * opts.n + j, ids, req, queue))
+    except BaseException:
+      for *_, req, _ in runs:
+        req.cancel()
+      raise
+
+    def run_usage():
+      return {"prompt_tokens": prompt_tokens,
+              "completion_tokens": sum(len(r.output_ids) for _, _, r, _ in runs),
+              "total_tokens": prompt_tokens + sum(len(r.output_ids) for _, _, r, _ in runs),
+              "prompt_tokens_details": {"cached_tokens": sum(int(r.cached_tokens)
+                                                             for _, _, r, _ in runs)}}
+
     if body.get("stream"):
       include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+      out: asyncio.Queue = asyncio.Queue()
+
+      async def pump(index, ids, req, queue):
+        try:
+          if opts.echo:
+            text, lp = await echoed(ids)
+            await out.put((index, req, text, lp, False))
+          sent = 0
+          async for delta, done in events(req, queue, http):
+            lp = None
+            if k is not None:
+              new = req.output_ids[sent:]
+              lp = completion_logprobs(new, take_rows(req, sent, sent + len(new)), k)
+              sent += len(new)
+            await out.put((index, req, delta, lp, done))
+        except BaseException as e:       # the stream ends with this run's error
+          await out.put((index, req, e, None, True))
 
       async def gen():
-        async for delta, done in events(req, queue, http):
-          if delta or done:
-            yield sse({**head, "choices": [{"index": 0, "text": delta, "logprobs": None,
-                                            "finish_reason": finish_reason(req) if done
-                                            else None}]})
-        if include_usage:
-          yield sse({**head, "choices": [], "usage": usage(req)})
-        yield "data: [DONE]\n\n"
+        tasks = [asyncio.create_task(pump(*r)) for r in runs]
+        try:
+          left = len(runs)
+          while left:
+            index, req, delta, lp, done = await out.get()
+            if isinstance(delta, BaseException):
+              raise delta
+            if delta or done or lp:
+              yield sse({**head, "choices": [{"index": index, "text": delta, "logprobs": lp,
+                                              "finish_reason": finish_reason(req) if done
+                                              else None}]})
+            left -= bool(done)
+          if include_usage:
+            yield sse({**head, "choices": [], "usage": run_usage()})
+          yield "data: [DONE]\n\n"
+        finally:
+          for t in tasks:
+            t.cancel()
+          for *_, req, _ in runs:
+            if req.state != "done":
+              req.cancel()
       return StreamingResponse(gen(), media_type="text/event-stream")
-    text = "".join([d async for d, _ in events(req, queue, http)])
-    return {**head, "choices": [{"index": 0, "text": text, "logprobs": None,
-                                 "finish_reason": finish_reason(req)}], "usage": usage(req)}
+
+    async def finish(index, ids, req, queue):
+      text = "".join([d async for d, _ in events(req, queue, http)])
+      lp = None
+      if k is not None:
+        lp = await asyncio.to_thread(completion_logprobs, req.output_ids,
+                                     take_rows(req, 0, len(req.output_ids)), k)
+      if opts.echo:
+        ptext, plp = await echoed(ids)
+        text = ptext + text
+        if lp is not None:
+          lp = merge_logprobs(plp, {**lp, "text_offset": [o + len(ptext)
+                                                          for o in lp["text_offset"]]})
+      return {"index": index, "text": text, "logprobs": lp,
+              "finish_reason": finish_reason(req)}
+
+    try:
+      choices = await asyncio.gather(*[finish(*r) for r in runs])
+    except BaseException:
+      for *_, req, _ in runs:
+        req.cancel()
+      raise
+    return {**head, "choices": sorted(choices, key=lambda c: c["index"]), "usage": run_usage()}
 
   # ----- /v1/chat/completions ----------------------------------------------------------
   @app.post("/v1/chat/completions")

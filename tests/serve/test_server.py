@@ -346,3 +346,67 @@ def test_bad_images_are_400(server):
                  json={"model": MODEL, "prompt": [65, 255, 66], "max_tokens": 2})
   assert r.status_code == 400 and "no images" in error_of(r)["message"]
   assert health(server)["status"] == "ok"                   # still up
+
+
+def test_logprobs_echo_n_and_prompt_forms(server, client):
+  """logprobs are the log-softmax of the model's own logits: the echoed prompt's (scored
+  teacher-forced) to 1e-5 against an independent full forward pass, the completion's (the
+  engine's paged decode) to 1e-4 (its summation order differs: test_engine's REF_TOL). A
+  greedy token is its row's argmax, so it tops its top_logprobs."""
+  import jax
+  from k3_jax.data.tokenizers import ByteTokenizer
+  from k3_jax.serve.loader import random_weights
+  from flax import nnx
+
+  prompt = "The quick brown fox"
+  ids = list(prompt.encode())
+  scored = complete(client, prompt, 0, echo=True, logprobs=3)
+  c = scored.choices[0]
+  assert c.text == prompt and scored.usage.completion_tokens == 0
+  lp = c.logprobs
+  assert lp.tokens == list(prompt) and lp.text_offset == list(range(len(prompt)))
+  assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+  cfg, g, p, r = random_weights("k3_tiny", OVERRIDES, seed=3, vision=True)
+  model = nnx.merge(g, p, r)
+  gen = complete(client, ids, 4, echo=True, logprobs=2)
+  out = gen.choices[0]
+  # the greedy continuation by the model's own full forward (padded: causal), as the
+  # image test does
+  forward = jax.jit(lambda t: model(t)[0][0])
+  seq = np.zeros((1, len(ids) + 4), np.int32)
+  seq[0, :len(ids)] = ids
+  for at in range(len(ids), len(ids) + 4):
+    seq[0, at] = int(np.argmax(forward(seq)[at - 1]))
+  full = [int(t) for t in seq[0]]
+  assert out.text == ByteTokenizer().decode(full) and len(out.logprobs.tokens) == len(full)
+  logits = np.asarray(forward(seq), np.float64)
+  want = logits - logits.max(-1, keepdims=True)
+  want = want - np.log(np.exp(want).sum(-1, keepdims=True))
+  ref = [None] + [want[i - 1, t] for i, t in enumerate(full) if i]
+  np.testing.assert_allclose(lp.token_logprobs[1:], ref[1:len(ids)], atol=1e-5, rtol=0)
+  np.testing.assert_allclose(out.logprobs.token_logprobs[1:], ref[1:], atol=1e-4, rtol=0)
+  for i in range(len(ids), len(full)):
+    top = out.logprobs.top_logprobs[i]
+    assert len(top) == 2 and max(top.values()) == out.logprobs.token_logprobs[i]
+    assert out.logprobs.text_offset[i] == sum(len(t) for t in out.logprobs.tokens[:i])
+  # n samples with a seed: reproducible, distinct; a list of prompts: one choice per prompt
+  # and sample, prompt-major; token-id lists alike
+  kw = dict(model=MODEL, max_tokens=4, temperature=1.0, seed=11, n=2)
+  a = client.completions.create(prompt=[prompt, "Hello"], **kw)
+  b = client.completions.create(prompt=[ids, list(b"Hello")], **kw)
+  assert [ch.index for ch in a.choices] == list(range(4))
+  assert [ch.text for ch in a.choices] == [ch.text for ch in b.choices]
+  assert a.choices[0].text != a.choices[1].text
+  assert a.usage.prompt_tokens == len(ids) + 5
+  # streamed: the chunks' tokens and logprobs add up to the non-streamed choice
+  chunks = list(client.completions.create(model=MODEL, prompt=ids, max_tokens=4,
+                                          temperature=0, logprobs=1, stream=True))
+  toks = [t for ch in chunks if ch.choices and ch.choices[0].logprobs
+          for t in ch.choices[0].logprobs.token_logprobs]
+  np.testing.assert_allclose(toks, out.logprobs.token_logprobs[len(ids):], atol=1e-6)
+  for body, needle in (({"logprobs": 6}, "logprobs"), ({"n": 0}, "n"),
+                       ({"max_tokens": 0}, "max_tokens"), ({"prompt": [[]]}, "empty"),
+                       ({"prompt": [1, "a"]}, "prompt")):
+    r = httpx.post(f"{server}/v1/completions", json={"model": MODEL, "prompt": "hi",
+                                                      "max_tokens": 2, **body}, timeout=60)
+    assert r.status_code == 400 and needle in error_of(r)["message"]

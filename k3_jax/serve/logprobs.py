@@ -1,0 +1,117 @@
+"""Log-probabilities for the completions API (`logprobs`, `echo`).
+
+A token's log-probability is the log-softmax of the model's own logits at the position that
+predicts it (before temperature, top-p and penalties, which only shape sampling), computed on
+the host in float64 from the float32 rows the engine records (`Request.record_logits`). The
+prompt's own tokens (`echo`) are scored teacher-forced by `Scorer`: one forward pass over the
+whole prompt, without the paged cache, padded on the right to a bucket length (the model is
+causal, so padding changes no earlier position). The first prompt token has no predicting
+position: its log-probability is null, as in OpenAI's API.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+MAX_LOGPROBS = 5          # OpenAI's bound on `logprobs` for completions
+
+
+def log_softmax(row) -> np.ndarray:
+  x = np.asarray(row, np.float64)
+  m = x.max()
+  return x - m - np.log(np.exp(x - m).sum())
+
+
+def entries(tokenizer, rows, ids, k: int) -> tuple[list, list]:
+  """(token_logprobs, top_logprobs) of `ids`, each predicted by the matching row of `rows`
+  (None rows: no predicting position -> null entries). top_logprobs: the k most likely
+  tokens' text -> log-probability (the chosen token is always among them, as OpenAI does);
+  a text two of them share (partial UTF-8 bytes) is written "<|token_id:N|>" for the later."""
+  lps, tops = [], []
+  for row, tok in zip(rows, ids):
+    if row is None:
+      lps.append(None)
+      tops.append(None)
+      continue
+    lp = log_softmax(row)
+    lps.append(float(lp[tok]))
+    if k <= 0:
+      tops.append(None)
+      continue
+    best = np.argsort(-lp, kind="stable")[:k]
+    if tok not in best:
+      best = np.append(best, tok)
+    top = {}
+    for t in best:
+      key = _piece(tokenizer, int(t))
+      if key in top:                 # e.g. two partial UTF-8 bytes, both "\ufffd"
+        key = f"<|token_id:{int(t)}|>"
+      top[key] = float(lp[t])
+    tops.append(top)
+  return lps, tops
+
+
+def _piece(tokenizer, tok: int) -> str:
+  return tokenizer.decode([tok]) if tokenizer is not None else str(tok)
+
+
+def assemble(tokenizer, ids, lps, tops, k: int, start: int = 0) -> dict:
+  """OpenAI's completions `logprobs` object for `ids`: tokens (each token's text), their
+  log-probabilities, the top-k alternatives (null with logprobs=0) and each token's character
+  offset in the returned text, counting from `start`."""
+  tokens, offsets, pos = [], [], start
+  for t in ids:
+    piece = _piece(tokenizer, int(t))
+    tokens.append(piece)
+    offsets.append(pos)
+    pos += len(piece)
+  return {"tokens": tokens, "token_logprobs": lps,
+          "top_logprobs": tops if k > 0 else None, "text_offset": offsets}
+
+
+class Scorer:
+  """Teacher-forced logits of a prompt: `logits(ids)` -> [T, V] float32 rows, row i the
+  logits after token i (so row i - 1 predicts token i). One compile per bucket length (a
+  power of two, at least 64); calls are serialised (one scoring forward at a time)."""
+
+  def __init__(self, graphdef, params, rest, par, max_len: int):
+    self.max_len = max_len
+    self._lock = threading.Lock()
+
+    def fwd(params, rest, tokens):
+      logits, _, _ = nnx.merge(graphdef, params, rest)(tokens[None], par=par)
+      return logits[0].astype(jnp.float32)
+
+    self._fwd = jax.jit(fwd)
+    self._params, self._rest = params, rest
+
+  def bucket(self, n: int) -> int:
+    b = 64
+    while b < n:
+      b *= 2
+    return b
+
+  def logits(self, ids) -> np.ndarray:
+    ids = np.asarray(ids, np.int32).reshape(-1)
+    padded = np.zeros((self.bucket(ids.size),), np.int32)
+    padded[:ids.size] = ids
+    with self._lock:
+      out = self._fwd(self._params, self._rest, jnp.asarray(padded))
+      return np.asarray(out[:ids.size])
+
+
+def scorer_for(engine) -> Scorer:
+  """The engine's Scorer, made on first use (its parameters and parallel setup)."""
+  s = getattr(engine, "_scorer", None)
+  if s is None:
+    s = Scorer(engine.graphdef, engine.params, engine.rest, engine.par, engine.max_len)
+    engine._scorer = s
+  return s
+
+
+__all__ = ["MAX_LOGPROBS", "log_softmax", "entries", "assemble", "Scorer", "scorer_for"]
