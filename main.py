@@ -200,6 +200,57 @@ def _train_config(cfg):
   return validate_train(dataclasses.replace(configs.get_train(FLAGS.config), **given), cfg)
 
 
+def _check_workdir(path: str, flag: str = "workdir") -> None:
+  """A workdir to write: refused when it names a file (before anything is created)."""
+  from k3_jax.config import UserError
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise UserError(f"--{flag}={path}: is a file, not a directory")
+
+
+def _check_tokenizer(spec: str | None) -> None:
+  """--tokenizer names 'byte' or an existing file: checked before any model is loaded."""
+  from k3_jax.config import UserError
+  if spec and spec != "byte" and not os.path.isfile(spec):
+    raise UserError(f"tokenizer {spec!r}: no such file (use 'byte' or the path of a "
+                    "tiktoken BPE file)")
+
+
+def _check_listen(host: str, port: int) -> None:
+  """serve: the address resolves and the port can be bound now, before the model loads
+  (SO_REUSEADDR as uvicorn binds, so a port in TIME_WAIT passes as it would there)."""
+  import socket
+  from k3_jax.config import UserError
+  try:
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+  except socket.gaierror as e:
+    raise UserError(f"--host={host}: cannot resolve it ({e.strerror})") from None
+  family, kind, proto, _, addr = infos[0]
+  with socket.socket(family, kind, proto) as sock:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+      sock.bind(addr)
+    except OSError as e:
+      why = "already in use" if e.errno == 98 else e.strerror
+      raise UserError(f"--port={port}: cannot listen on {host}:{port}: {why} (choose another "
+                      f"--port, or stop the process that holds it)") from None
+
+
+def _check_sampling() -> None:
+  """generate: the sampling flags, before the checkpoint is read."""
+  import math
+  from k3_jax.config import UserError
+  if not FLAGS.temperature >= 0:
+    raise UserError(f"--temperature={FLAGS.temperature}: must be >= 0 (0 = greedy)")
+  if not 0.0 < FLAGS.top_p <= 1.0:
+    raise UserError(f"--top_p={FLAGS.top_p}: must lie in (0, 1]")
+  for name in ("frequency_penalty", "presence_penalty"):
+    if not math.isfinite(getattr(FLAGS, name)):
+      raise UserError(f"--{name}={getattr(FLAGS, name)}: must be finite")
+  for path in FLAGS.image:
+    if not os.path.isfile(path):
+      raise UserError(f"--image={path}: no such file")
+
+
 def _human(n: float) -> str:
   for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
     if n >= div:
@@ -235,6 +286,7 @@ def _train_job(stop) -> None:
   from sharding.distributed import maybe_initialize
   from sharding.mesh import make_mesh, parse_mesh, validate_mesh
 
+  _check_workdir(FLAGS.workdir)
   maybe_initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
   shapes_run = FLAGS.dataset == "shapes"     # the tower only when the data has images
   cfg = _execution_overrides(_hf_model_config(FLAGS.init_from) if FLAGS.init_from
@@ -275,6 +327,10 @@ def cmd_generate() -> None:
   if FLAGS.image and FLAGS.prompt_ids:
     raise UserError("--image puts the images before the --prompt text; it cannot be combined "
                     "with --prompt_ids")
+  _check_sampling()
+  if FLAGS.prompt_ids:
+    restore.parse_token_ids(FLAGS.prompt_ids)     # a UserError naming it, before the load
+  _check_tokenizer(FLAGS.tokenizer)
   if FLAGS.hf_dir:                    # released weights, read straight into place
     restored = restore.restore_from_hf(FLAGS.hf_dir, _expert_format(), FLAGS.tokenizer)
   else:
@@ -419,7 +475,8 @@ def cmd_convert() -> None:
   cfg = (_vision_model_config() or _model_config()) if (FLAGS.dry_run and not src) else None
   out = convert.run(src, dst, cfg=cfg, step=FLAGS.checkpoint_step,
                     max_shard_size=FLAGS.max_shard_size, dry_run=FLAGS.dry_run,
-                    force=FLAGS.force, expert_format=FLAGS.expert_format)
+                    force=FLAGS.force, expert_format=FLAGS.expert_format,
+                    log=lambda m: print(f"note: {m}", file=sys.stderr))
   if FLAGS.json:
     print(json.dumps(out))
     return
@@ -443,6 +500,8 @@ def cmd_serve() -> None:
   """The OpenAI-compatible server over the batched engine (k3_jax/serve/)."""
   from k3_jax.serve.loader import ServeOptions, run_server
   serve = ServeConfig(**{n: getattr(FLAGS, n) for n in SERVE_CONFIG_FLAGS})
+  _check_tokenizer(FLAGS.tokenizer)
+  _check_listen(serve.host, serve.port)          # before the model loads (seconds, GBs)
   run_server(ServeOptions(
       workdir=None if (FLAGS.random_weights or FLAGS.hf_dir) else FLAGS.workdir,
       hf_dir=FLAGS.hf_dir, config=FLAGS.config if FLAGS.random_weights else None,

@@ -75,7 +75,8 @@ def make_batch(rng_seed: int, start: int, batch_size: int, seq_len: int, v: Visi
   """Examples start .. start+batch_size-1 of the stream `rng_seed` -> (batch, labels)."""
   need = min_seq_len(v, tokenizer)
   if seq_len < need:
-    raise ValueError(f"seq_len={seq_len} is too short for the shapes dataset: an example "
+    from k3_jax.config import UserError
+    raise UserError(f"seq_len={seq_len} is too short for the shapes dataset: an example "
                      f"needs {need} (the image's {len(prompt_ids(v, tokenizer))} tokens and "
                      "the caption)")
   prefix = prompt_ids(v, tokenizer)
