@@ -235,6 +235,27 @@ def _check_listen(host: str, port: int) -> None:
                       f"--port, or stop the process that holds it)") from None
 
 
+def _check_train_flags() -> None:
+  """train: the flags that are not TrainConfig fields, before the mesh or data are touched."""
+  from k3_jax.config import UserError
+  multihost = [FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id]
+  if any(v is not None for v in multihost) and any(v is None for v in multihost):
+    raise UserError("multi-host: give all of --coordinator_address, --num_processes and "
+                    "--process_id, or none of them (auto-detection on a TPU pod)")
+  if FLAGS.max_bad_steps < 1:
+    raise UserError(f"--max_bad_steps={FLAGS.max_bad_steps}: must be at least 1")
+  if FLAGS.caption_eval_images < 0:
+    raise UserError(f"--caption_eval_images={FLAGS.caption_eval_images}: must be >= 0 "
+                    "(0 skips the caption eval)")
+  _check_checkpoint_step()
+
+
+def _check_checkpoint_step() -> None:
+  from k3_jax.config import UserError
+  if FLAGS.checkpoint_step is not None and FLAGS.checkpoint_step < 0:
+    raise UserError(f"--checkpoint_step={FLAGS.checkpoint_step}: must be >= 0")
+
+
 def _check_sampling() -> None:
   """generate: the sampling flags, before the checkpoint is read."""
   import math
@@ -287,11 +308,15 @@ def _train_job(stop) -> None:
   from sharding.mesh import make_mesh, parse_mesh, validate_mesh
 
   _check_workdir(FLAGS.workdir)
+  _check_train_flags()
   maybe_initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
   shapes_run = FLAGS.dataset == "shapes"     # the tower only when the data has images
   cfg = _execution_overrides(_hf_model_config(FLAGS.init_from) if FLAGS.init_from
                              else _model_config(vision=shapes_run))
   tc = _train_config(cfg)
+  if shapes_run and cfg.vision is not None:   # the data's own check, before the mesh
+    from k3_jax.data import shapes, tokenizers
+    shapes.check_seq_len(tc.seq_len, cfg.vision, tokenizers.get_tokenizer(tc.tokenizer))
   profile = parse_steps(FLAGS.profile_steps)
   mesh = make_mesh(parse_mesh(FLAGS.mesh))
   validate_mesh(cfg, mesh, tc.batch_size, tc.seq_len)
@@ -328,6 +353,7 @@ def cmd_generate() -> None:
     raise UserError("--image puts the images before the --prompt text; it cannot be combined "
                     "with --prompt_ids")
   _check_sampling()
+  _check_checkpoint_step()
   if FLAGS.prompt_ids:
     restore.parse_token_ids(FLAGS.prompt_ids)     # a UserError naming it, before the load
   _check_tokenizer(FLAGS.tokenizer)
@@ -432,6 +458,9 @@ def cmd_compile() -> None:
   from sharding.topology import resolve_target
   if not FLAGS.topology:
     raise ConfigError("compile needs --topology, e.g. --topology=v5p-128 or v5p:4x4x4")
+  for name in ("global_batch", "cache_len"):
+    if getattr(FLAGS, name) is not None and getattr(FLAGS, name) < 1:
+      raise ConfigError(f"--{name}={getattr(FLAGS, name)}: must be positive")
   aot.limit_malloc_arenas()        # less host memory for the TPU compiler's threads
   target = resolve_target(FLAGS.topology, FLAGS.slices)
   cfg = _execution_overrides(_model_config(), gmm=FLAGS.gmm)
@@ -470,6 +499,7 @@ def cmd_convert() -> None:
   """Orbax workdir <-> Hugging Face safetensors (k3_jax/checkpoint/convert.py)."""
   from k3_jax.checkpoint import convert
   src, dst = FLAGS["from"].value, FLAGS["to"].value
+  _check_checkpoint_step()
   # a preset's plan is the release's inventory: with the preset's vision tower when it has
   # one (as `info` reports it), the text model alone otherwise
   cfg = (_vision_model_config() or _model_config()) if (FLAGS.dry_run and not src) else None
