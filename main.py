@@ -476,23 +476,30 @@ def cmd_compile() -> None:
   if FLAGS.json:
     print(json.dumps(rep))
     return
-  slices = f" x {target.num_slices} slices" if target.num_slices > 1 else ""
+  print(_compile_header(cfg.name, target, rep, layout is not None))
+  print(aot.format_report(rep))
   if rep["step"] == "init":
     from k3_jax.compile import init_lines
-    print(f"{cfg.name} sharded init (parameters + {rep['optimizer']} optimizer state) on "
-          f"{target.name} ({target.topology}{slices}, {target.chips} chips), mesh {rep['mesh']}")
-    print(aot.format_report(rep))
     print(init_lines(rep))
-    return
-  print(f"{cfg.name} {rep['step']} step on {target.name} ({target.topology}{slices}, "
-        f"{target.chips} chips), mesh {rep['mesh']}, batch {rep['global_batch']} x "
-        f"{rep['seq_len']} tokens" + (f", cache {rep['cache_len']}" if rep.get("cache_len")
-                                      else "") + (f", remat {rep['remat']}" if rep.get("remat")
-                                                  else ""))
-  if layout is not None:
-    print(f"(the {FLAGS.config} preset's pod layout for {layout.topology} {layout.step} "
-          f"filled the flags not given)")
-  print(aot.format_report(rep))
+
+
+def _compile_header(name: str, target, rep: dict, from_layout: bool) -> str:
+  """compile's first line: each thing once (the model, the step, the target, the mesh in
+  --mesh syntax, the shapes, and whether the preset's pod layout filled flags)."""
+  topo = target.topology + (f" x {target.num_slices} slices" if target.num_slices > 1 else "")
+  mesh = ",".join(f"{k}:{v}" for k, v in rep["mesh"].items() if v != 1) or "single device"
+  what = (f"sharded init (parameters + {rep['optimizer']} optimizer state)"
+          if rep["step"] == "init" else f"{rep['step']} step")
+  parts = [f"mesh {mesh}"]
+  if rep["step"] != "init":
+    parts.append(f"batch {rep['global_batch']} x {rep['seq_len']} tokens")
+    if rep.get("cache_len"):
+      parts.append(f"cache {rep['cache_len']}")
+    if rep.get("remat"):
+      parts.append(f"remat {rep['remat']}")
+  if from_layout:
+    parts.append("the preset's pod layout filled the flags not given")
+  return f"{name} {what} on {target.name} ({topo}, {target.chips} chips): {', '.join(parts)}"
 
 
 def cmd_convert() -> None:
