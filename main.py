@@ -538,6 +538,9 @@ def cmd_serve() -> None:
   from k3_jax.serve.loader import ServeOptions, run_server
   serve = ServeConfig(**{n: getattr(FLAGS, n) for n in SERVE_CONFIG_FLAGS})
   _check_tokenizer(FLAGS.tokenizer)
+  if FLAGS.mesh:
+    from sharding.mesh import parse_mesh
+    parse_mesh(FLAGS.mesh)                       # its syntax; the devices when it is built
   _check_listen(serve.host, serve.port)          # before the model loads (seconds, GBs)
   run_server(ServeOptions(
       workdir=None if (FLAGS.random_weights or FLAGS.hf_dir) else FLAGS.workdir,
