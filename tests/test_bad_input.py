@@ -267,3 +267,15 @@ def test_serve_port_in_use_exits_before_loading(env, busy_port, tmp_path):
       f"(choose another --port, or stop the process that holds it)"]
   assert "serving" not in r.stdout and not os.listdir(tmp_path)
   print(f"serve on a busy port refused in {seconds:.1f}s")
+
+
+@pytest.mark.parametrize("fmt,noted", [("auto", True), ("dense", False), ("mxfp4", False)])
+def test_convert_says_when_it_packs_experts_lossily(cli, fmt, noted):
+  """An export left at --expert_format=auto packs k3_small's experts in MXFP4: it says so
+  (lossy) and names the flag that keeps them exact; asked for explicitly, it says nothing."""
+  code, err, out = cli(["convert", "--dry_run", "--config=k3_small", f"--expert_format={fmt}"])
+  assert code is None and out, err
+  note = ("note: the export packs the routed experts in MXFP4 (4.25 bits per weight, lossy: "
+          "the exported model differs from the checkpoint); --expert_format=dense keeps them "
+          "exact")
+  assert (err.strip().splitlines() == [note]) if noted else note not in err

@@ -332,8 +332,8 @@ def expert_format_note(cfg: ModelConfig, expert_format: str = "auto") -> str | N
     return None
   if lay.resolve_expert_format(cfg, expert_format) != "mxfp4":
     return None
-  return ("packing the routed experts in MXFP4 (4.25 bits per weight, lossy: the exported "
-          "model differs from the checkpoint); --expert_format=dense keeps them exact")
+  return ("the export packs the routed experts in MXFP4 (4.25 bits per weight, lossy: the "
+          "exported model differs from the checkpoint); --expert_format=dense keeps them exact")
 
 
 def export_workdir(workdir: str, out_dir: str, step: int | None = None, log=None,
