@@ -212,6 +212,78 @@ def _train_config(cfg):
   return validate_train(dataclasses.replace(configs.get_train(FLAGS.config), **given), cfg)
 
 
+def _check_workdir(path: str, flag: str = "workdir") -> None:
+  """A workdir to write: refused when it names a file (before anything is created)."""
+  from k3_jax.config import UserError
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise UserError(f"--{flag}={path}: is a file, not a directory")
+
+
+def _check_tokenizer(spec: str | None) -> None:
+  """--tokenizer names 'byte' or an existing file: checked before any model is loaded."""
+  from k3_jax.config import UserError
+  if spec and spec != "byte" and not os.path.isfile(spec):
+    raise UserError(f"tokenizer {spec!r}: no such file (use 'byte' or the path of a "
+                    "tiktoken BPE file)")
+
+
+def _check_listen(host: str, port: int) -> None:
+  """serve: the address resolves and the port can be bound now, before the model loads
+  (SO_REUSEADDR as uvicorn binds, so a port in TIME_WAIT passes as it would there)."""
+  import socket
+  from k3_jax.config import UserError
+  try:
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+  except socket.gaierror as e:
+    raise UserError(f"--host={host}: cannot resolve it ({e.strerror})") from None
+  family, kind, proto, _, addr = infos[0]
+  with socket.socket(family, kind, proto) as sock:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+      sock.bind(addr)
+    except OSError as e:
+      why = "already in use" if e.errno == 98 else e.strerror
+      raise UserError(f"--port={port}: cannot listen on {host}:{port}: {why} (choose another "
+                      f"--port, or stop the process that holds it)") from None
+
+
+def _check_train_flags() -> None:
+  """train: the flags that are not TrainConfig fields, before the mesh or data are touched."""
+  from k3_jax.config import UserError
+  multihost = [FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id]
+  if any(v is not None for v in multihost) and any(v is None for v in multihost):
+    raise UserError("multi-host: give all of --coordinator_address, --num_processes and "
+                    "--process_id, or none of them (auto-detection on a TPU pod)")
+  if FLAGS.max_bad_steps < 1:
+    raise UserError(f"--max_bad_steps={FLAGS.max_bad_steps}: must be at least 1")
+  if FLAGS.caption_eval_images < 0:
+    raise UserError(f"--caption_eval_images={FLAGS.caption_eval_images}: must be >= 0 "
+                    "(0 skips the caption eval)")
+  _check_checkpoint_step()
+
+
+def _check_checkpoint_step() -> None:
+  from k3_jax.config import UserError
+  if FLAGS.checkpoint_step is not None and FLAGS.checkpoint_step < 0:
+    raise UserError(f"--checkpoint_step={FLAGS.checkpoint_step}: must be >= 0")
+
+
+def _check_sampling() -> None:
+  """generate: the sampling flags, before the checkpoint is read."""
+  import math
+  from k3_jax.config import UserError
+  if not FLAGS.temperature >= 0:
+    raise UserError(f"--temperature={FLAGS.temperature}: must be >= 0 (0 = greedy)")
+  if not 0.0 < FLAGS.top_p <= 1.0:
+    raise UserError(f"--top_p={FLAGS.top_p}: must lie in (0, 1]")
+  for name in ("frequency_penalty", "presence_penalty"):
+    if not math.isfinite(getattr(FLAGS, name)):
+      raise UserError(f"--{name}={getattr(FLAGS, name)}: must be finite")
+  for path in FLAGS.image:
+    if not os.path.isfile(path):
+      raise UserError(f"--image={path}: no such file")
+
+
 def _human(n: float) -> str:
   for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
     if n >= div:
@@ -247,11 +319,16 @@ def _train_job(stop) -> None:
   from sharding.distributed import maybe_initialize
   from sharding.mesh import make_mesh, parse_mesh, validate_mesh
 
+  _check_workdir(FLAGS.workdir)
+  _check_train_flags()
   maybe_initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
   shapes_run = FLAGS.dataset == "shapes"     # the tower only when the data has images
   cfg = _execution_overrides(_hf_model_config(FLAGS.init_from) if FLAGS.init_from
                              else _model_config(vision=shapes_run))
   tc = _train_config(cfg)
+  if shapes_run and cfg.vision is not None:   # the data's own check, before the mesh
+    from k3_jax.data import shapes, tokenizers
+    shapes.check_seq_len(tc.seq_len, cfg.vision, tokenizers.get_tokenizer(tc.tokenizer))
   profile = parse_steps(FLAGS.profile_steps)
   mesh = make_mesh(parse_mesh(FLAGS.mesh))
   validate_mesh(cfg, mesh, tc.batch_size, tc.seq_len)
@@ -287,6 +364,11 @@ def cmd_generate() -> None:
   if FLAGS.image and FLAGS.prompt_ids:
     raise UserError("--image puts the images before the --prompt text; it cannot be combined "
                     "with --prompt_ids")
+  _check_sampling()
+  _check_checkpoint_step()
+  if FLAGS.prompt_ids:
+    restore.parse_token_ids(FLAGS.prompt_ids)     # a UserError naming it, before the load
+  _check_tokenizer(FLAGS.tokenizer)
   if FLAGS.hf_dir:                    # released weights, read straight into place
     restored = restore.restore_from_hf(FLAGS.hf_dir, _expert_format(), FLAGS.tokenizer)
   else:
@@ -388,6 +470,9 @@ def cmd_compile() -> None:
   from sharding.topology import resolve_target
   if not FLAGS.topology:
     raise ConfigError("compile needs --topology, e.g. --topology=v5p-128 or v5p:4x4x4")
+  for name in ("global_batch", "cache_len"):
+    if getattr(FLAGS, name) is not None and getattr(FLAGS, name) < 1:
+      raise ConfigError(f"--{name}={getattr(FLAGS, name)}: must be positive")
   aot.limit_malloc_arenas()        # less host memory for the TPU compiler's threads
   target = resolve_target(FLAGS.topology, FLAGS.slices)
   cfg = _execution_overrides(_model_config(), gmm=FLAGS.gmm)
@@ -403,35 +488,44 @@ def cmd_compile() -> None:
   if FLAGS.json:
     print(json.dumps(rep))
     return
-  slices = f" x {target.num_slices} slices" if target.num_slices > 1 else ""
+  print(_compile_header(cfg.name, target, rep, layout is not None))
+  print(aot.format_report(rep))
   if rep["step"] == "init":
     from k3_jax.compile import init_lines
-    print(f"{cfg.name} sharded init (parameters + {rep['optimizer']} optimizer state) on "
-          f"{target.name} ({target.topology}{slices}, {target.chips} chips), mesh {rep['mesh']}")
-    print(aot.format_report(rep))
     print(init_lines(rep))
-    return
-  print(f"{cfg.name} {rep['step']} step on {target.name} ({target.topology}{slices}, "
-        f"{target.chips} chips), mesh {rep['mesh']}, batch {rep['global_batch']} x "
-        f"{rep['seq_len']} tokens" + (f", cache {rep['cache_len']}" if rep.get("cache_len")
-                                      else "") + (f", remat {rep['remat']}" if rep.get("remat")
-                                                  else ""))
-  if layout is not None:
-    print(f"(the {FLAGS.config} preset's pod layout for {layout.topology} {layout.step} "
-          f"filled the flags not given)")
-  print(aot.format_report(rep))
+
+
+def _compile_header(name: str, target, rep: dict, from_layout: bool) -> str:
+  """compile's first line: each thing once (the model, the step, the target, the mesh in
+  --mesh syntax, the shapes, and whether the preset's pod layout filled flags)."""
+  topo = target.topology + (f" x {target.num_slices} slices" if target.num_slices > 1 else "")
+  mesh = ",".join(f"{k}:{v}" for k, v in rep["mesh"].items() if v != 1) or "single device"
+  what = (f"sharded init (parameters + {rep['optimizer']} optimizer state)"
+          if rep["step"] == "init" else f"{rep['step']} step")
+  parts = [f"mesh {mesh}"]
+  if rep["step"] != "init":
+    parts.append(f"batch {rep['global_batch']} x {rep['seq_len']} tokens")
+    if rep.get("cache_len"):
+      parts.append(f"cache {rep['cache_len']}")
+    if rep.get("remat"):
+      parts.append(f"remat {rep['remat']}")
+  if from_layout:
+    parts.append("the preset's pod layout filled the flags not given")
+  return f"{name} {what} on {target.name} ({topo}, {target.chips} chips): {', '.join(parts)}"
 
 
 def cmd_convert() -> None:
   """Orbax workdir <-> Hugging Face safetensors (k3_jax/checkpoint/convert.py)."""
   from k3_jax.checkpoint import convert
   src, dst = FLAGS["from"].value, FLAGS["to"].value
+  _check_checkpoint_step()
   # a preset's plan is the release's inventory: with the preset's vision tower when it has
   # one (as `info` reports it), the text model alone otherwise
   cfg = (_vision_model_config() or _model_config()) if (FLAGS.dry_run and not src) else None
   out = convert.run(src, dst, cfg=cfg, step=FLAGS.checkpoint_step,
                     max_shard_size=FLAGS.max_shard_size, dry_run=FLAGS.dry_run,
-                    force=FLAGS.force, expert_format=FLAGS.expert_format)
+                    force=FLAGS.force, expert_format=FLAGS.expert_format,
+                    log=lambda m: print(f"note: {m}", file=sys.stderr))
   if FLAGS.json:
     print(json.dumps(out))
     return
@@ -455,6 +549,11 @@ def cmd_serve() -> None:
   """The OpenAI-compatible server over the batched engine (k3_jax/serve/)."""
   from k3_jax.serve.loader import ServeOptions, run_server
   serve = ServeConfig(**{n: getattr(FLAGS, n) for n in SERVE_CONFIG_FLAGS})
+  _check_tokenizer(FLAGS.tokenizer)
+  if FLAGS.mesh:
+    from sharding.mesh import parse_mesh
+    parse_mesh(FLAGS.mesh)                       # its syntax; the devices when it is built
+  _check_listen(serve.host, serve.port)          # before the model loads (seconds, GBs)
   run_server(ServeOptions(
       workdir=None if (FLAGS.random_weights or FLAGS.hf_dir) else FLAGS.workdir,
       hf_dir=FLAGS.hf_dir, config=FLAGS.config if FLAGS.random_weights else None,

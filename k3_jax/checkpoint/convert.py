@@ -361,7 +361,20 @@ class OrbaxVariables:
     return self._stored.read(self._keys(path), idx)
 
 
-def export_workdir(workdir: str, out_dir: str, step: int | None = None, **kw) -> dict:
+def expert_format_note(cfg: ModelConfig, expert_format: str = "auto") -> str | None:
+  """The line `convert` prints when an export packs the routed experts in MXFP4 (lossy)
+  without being asked to (expert_format auto); None otherwise."""
+  lay = layouts.for_config(cfg)
+  if expert_format != "auto" or lay is not layouts.kimi_k3:
+    return None
+  if lay.resolve_expert_format(cfg, expert_format) != "mxfp4":
+    return None
+  return ("the export packs the routed experts in MXFP4 (4.25 bits per weight, lossy: the "
+          "exported model differs from the checkpoint); --expert_format=dense keeps them exact")
+
+
+def export_workdir(workdir: str, out_dir: str, step: int | None = None, log=None,
+                   **kw) -> dict:
   """Orbax checkpoint -> Hugging Face directory, streamed: each output tensor is read from
   the checkpoint (one layer's slice, one expert's matrix) when its shard is written, so host
   memory holds about one row and one shard's buffers, never the model."""
@@ -371,6 +384,9 @@ def export_workdir(workdir: str, out_dir: str, step: int | None = None, **kw) ->
   layout_entries(src.cfg, kw.get("expert_format", "auto"))   # fail before touching out_dir
   if "tokenizer" not in kw:                    # the run's tokenizer goes with its weights
     kw["tokenizer"] = get_tokenizer(trained_tokenizer(workdir))   # (missing: a clear error)
+  note = expert_format_note(src.cfg, kw.get("expert_format", "auto"))
+  if note and log:
+    log(note)
   out = export_state(src.cfg, src, out_dir, metadata={"source_step": src.step}, **kw)
   out["step"] = src.step
   return out
@@ -440,6 +456,11 @@ def import_to_workdir(hf_dir: str, workdir: str, force: bool = False,
 
 def source_kind(src: str) -> str:
   """"hf" (config.json + safetensors), "orbax" (a workdir with checkpoints), else an error."""
+  if not os.path.exists(src):
+    raise FileNotFoundError(f"--from={src}: no such file or directory")
+  if not os.path.isdir(src):
+    raise UserError(f"--from={src}: is a file; expected an Orbax workdir or a Hugging Face "
+                    f"directory")
   if os.path.exists(os.path.join(src, "config.json")) and any(
       p.endswith(".safetensors") for p in os.listdir(src)):
     return "hf"
@@ -451,8 +472,9 @@ def source_kind(src: str) -> str:
 
 def run(src: str | None, dst: str | None, *, cfg: ModelConfig | None = None,
         step: int | None = None, max_shard_size="5GB", dry_run: bool = False,
-        force: bool = False, expert_format: str = "auto") -> dict:
-  """What `main.py convert` does; returns a JSON-able summary.
+        force: bool = False, expert_format: str = "auto", log=None) -> dict:
+  """What `main.py convert` does; returns a JSON-able summary. log: a callable for notes
+  (the lossy MXFP4 packing of an export with expert_format auto).
 
   dry_run with cfg (a preset) or an Orbax src: the export plan from the abstract model.
   Otherwise the direction follows what src holds: Orbax -> HF export, HF -> Orbax import."""
@@ -465,13 +487,16 @@ def run(src: str | None, dst: str | None, *, cfg: ModelConfig | None = None,
       raise UserError("convert --dry_run needs --from=WORKDIR or --config=PRESET")
     out = plan(cfg, max_shard_size, expert_format)
     out.pop("_entries"), out.pop("_shards")
+    note = expert_format_note(cfg, expert_format)
+    if note and log:
+      log(note)
     return {"direction": "export", "dry_run": True, **out}
   if not src or not dst:
     raise UserError("convert needs --from=SRC and --to=DST (or --dry_run with --config)")
   kind = source_kind(src)
   if kind == "orbax":
     out = export_workdir(src, dst, step, max_shard_size=max_shard_size, force=force,
-                         expert_format=expert_format)
+                         expert_format=expert_format, log=log)
     out.pop("tensors", None)
     gb = out["total_bytes"] / 1e9
     return {"direction": "export", **out, "gb_per_s": gb / max(out["seconds"], 1e-9)}

@@ -51,7 +51,7 @@ class CheckpointMismatch(UserError):
   """The workdir holds checkpoints of a different model configuration."""
 
 
-class CheckpointUnusable(ValueError):
+class CheckpointUnusable(UserError):
   """No checkpoint (or not the requested one) in the workdir can be restored."""
 
 

@@ -117,7 +117,8 @@ class DataIterator(Iterator[Batch]):
   def set_state(self, state: dict[str, Any]) -> None:
     theirs = state.get("fingerprint")
     if theirs != self._fingerprint:
-      raise ValueError("data iterator state is from a different pipeline: "
+      from k3_jax.config import UserError   # a resume with other data settings
+      raise UserError("data iterator state is from a different pipeline: "
                        f"saved {theirs}, this one {self._fingerprint}")
     self._iterator.set_state(copy.deepcopy(state["grain"]))
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from k3_jax.config import VisionConfig
+from k3_jax.config import UserError, VisionConfig
 from k3_jax.data import images as im
 from k3_jax.data.tokenizers import Tokenizer
 
@@ -70,14 +70,20 @@ def min_seq_len(v: VisionConfig, tokenizer: Tokenizer) -> int:
   return len(prompt_ids(v, tokenizer)) + longest + (tokenizer.eos_id is not None) - 1
 
 
+def check_seq_len(seq_len: int, v: VisionConfig, tokenizer: Tokenizer) -> None:
+  """A UserError (a ValueError) when an example, the image's tokens and the longest
+  caption, does not fit in seq_len."""
+  need = min_seq_len(v, tokenizer)
+  if seq_len < need:
+    raise UserError(f"seq_len={seq_len} is too short for the shapes dataset: an example "
+                    f"needs {need} (the image's {len(prompt_ids(v, tokenizer))} tokens and "
+                    "the caption)")
+
+
 def make_batch(rng_seed: int, start: int, batch_size: int, seq_len: int, v: VisionConfig,
                tokenizer: Tokenizer) -> tuple[dict, list[dict]]:
   """Examples start .. start+batch_size-1 of the stream `rng_seed` -> (batch, labels)."""
-  need = min_seq_len(v, tokenizer)
-  if seq_len < need:
-    raise ValueError(f"seq_len={seq_len} is too short for the shapes dataset: an example "
-                     f"needs {need} (the image's {len(prompt_ids(v, tokenizer))} tokens and "
-                     "the caption)")
+  check_seq_len(seq_len, v, tokenizer)
   prefix = prompt_ids(v, tokenizer)
   eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
   rows = np.zeros((batch_size, seq_len + 1), np.int32)
@@ -122,7 +128,7 @@ class ShapesIterator:
 
   def set_state(self, state: dict[str, Any]) -> None:
     if state.get("fingerprint") != self._fingerprint:
-      raise ValueError("data iterator state is from a different pipeline: saved "
+      raise UserError("data iterator state is from a different pipeline: saved "
                        f"{state.get('fingerprint')}, this one {self._fingerprint}")
     self.index = int(state["index"])
 
