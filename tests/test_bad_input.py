@@ -212,6 +212,12 @@ def sandbox(tmp_path, monkeypatch):
   from k3_jax.config import to_dict
   from k3_jax import model
   from k3_jax.serve import engine
+  # The modules that bind these names at import: imported now and patched too (monkeypatch
+  # restores them), so a first import inside a case cannot keep the stand-in afterwards.
+  import importlib
+  binders = [importlib.import_module(m) for m in (
+      "k3_jax.checkpoint.inference", "k3_jax.compile", "k3_jax.serve.loader",
+      "k3_jax.serve.restore", "k3_jax.serve.server", "k3_jax.train")]
   (tmp_path / "empty").mkdir()
   (tmp_path / "file.txt").write_text("not a directory\n")
   ck = tmp_path / "tinyrun" / "checkpoints"
@@ -223,6 +229,10 @@ def sandbox(tmp_path, monkeypatch):
     raise AssertionError("the model was built before the input was refused")
   monkeypatch.setattr(model, "create_model", no_load)     # random weights
   monkeypatch.setattr(engine, "Engine", no_load)          # every source: the engine
+  for mod in binders:
+    for name in ("create_model", "Engine"):
+      if hasattr(mod, name):
+        monkeypatch.setattr(mod, name, no_load)
   return tmp_path
 
 
