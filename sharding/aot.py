@@ -10,6 +10,7 @@ meshes and compiled programs only; the `compile` command in main.py builds the s
 from __future__ import annotations
 
 import math
+import os
 import re
 import time
 from typing import Any
@@ -146,7 +147,11 @@ def compile_report(jitted, args: tuple, chip_hbm_bytes: int, generation: str | N
     return None, rep
   t2 = time.time()
   rep = memory_numbers(compiled)
-  costs = roofline.program_costs(compiled.as_text())
+  text = compiled.as_text()
+  if os.environ.get("K3_DUMP_HLO"):           # debugging aid: the program the roofline reads
+    with open(os.environ["K3_DUMP_HLO"], "w") as f:
+      f.write(text)
+  costs = roofline.program_costs(text)
   rep["flops_per_chip"] = costs.flops
   rep["xla_flops_per_chip"] = flops(compiled)
   if generation is not None:

@@ -33,6 +33,8 @@ import functools
 import math
 import re
 
+import numpy as np
+
 # Peak per-chip rates. Source: the Cloud TPU system-architecture pages (cloud.google.com/tpu/
 # docs/v5e, v5p, v6e), read 2026-12: bf16 peak compute, HBM bandwidth, bidirectional ICI
 # bandwidth per chip, data-centre network bandwidth per chip (v5p: 50 Gbps per chip; v5e /
@@ -188,6 +190,51 @@ def _group_size(attrs: str) -> int:
   return 1
 
 
+def _window(attrs: str, n: int) -> list[dict]:
+  """Per spatial dimension: size, pad (lo, hi), stride, lhs / rhs dilation."""
+  dims = [{"size": 1, "pad": (0, 0), "stride": 1, "lhs_dilate": 1, "rhs_dilate": 1}
+          for _ in range(n)]
+  m = re.search(r"window=\{([^}]*)\}", attrs)
+  for field in (m.group(1).split() if m else []):
+    key, _, val = field.partition("=")
+    parts = val.split("x")
+    for d, v in zip(dims, parts):
+      if key == "pad":
+        lo, _, hi = v.partition("_")
+        d["pad"] = (int(lo), int(hi or 0))
+      elif key in ("size", "stride", "lhs_dilate", "rhs_dilate"):
+        d[key] = int(v)
+  return dims
+
+
+def _conv_flops(lhs, rhs, out, attrs: str) -> float:
+  """FLOPs of an HLO convolution, counting only kernel taps that land on real input elements
+  (not padding, not the holes of a dilated input): the TPU compiler writes batched matmuls
+  as convolutions whose batch dimensions are padded spatial windows, where counting every
+  tap would multiply their cost by the window size."""
+  m = re.search(r"dim_labels=([0-9a-z]+)_([0-9a-z]+)->([0-9a-z]+)", attrs)
+  if not m:
+    return 0.0
+  ll, rl_, ol = m.groups()
+  spatial = sorted({c for c in ll if c.isdigit()})
+  win = _window(attrs, len(spatial))
+  pairs = 1
+  for d, w in zip(spatial, win):
+    n, o = lhs[ll.index(d)], out[ol.index(d)]
+    k_size = rhs[rl_.index(d)]
+    total = 0
+    outs = np.arange(o) * w["stride"]
+    for k in range(k_size):
+      x = outs + k * w["rhs_dilate"] - w["pad"][0]        # coordinate in the dilated input
+      ok = (x >= 0) & (x % w["lhs_dilate"] == 0) & (x // w["lhs_dilate"] < n)
+      total += int(ok.sum())
+    pairs *= total
+  b = out[ol.index("b")] if "b" in ol else 1
+  f = out[ol.index("f")] if "f" in ol else 1
+  i = rhs[rl_.index("i")] if "i" in rl_ else 1
+  return 2.0 * b * f * i * pairs
+
+
 @dataclasses.dataclass
 class Costs:
   flops: float = 0.0
@@ -278,12 +325,11 @@ class _Walker:
           dims = lhs[0][1]
           k = math.prod(dims[int(i)] for i in m.group(1).split(",") if i)
           out.flops += 2.0 * sum(math.prod(d) for _, d in _arrays(ins.type)) * k
-      elif op == "convolution":
-        rhs = self.shape(comp, ins.operands[1]) if len(ins.operands) > 1 else []
-        m = re.search(r"dim_labels=[^_]*_([0-9a-z]+)->", ins.attrs)
-        if rhs and m:
-          k = math.prod(n for n, lab in zip(rhs[0][1], m.group(1)) if lab != "o")
-          out.flops += 2.0 * sum(math.prod(d) for _, d in _arrays(ins.type)) * k
+      elif op == "convolution" and len(ins.operands) > 1:
+        lhs, rhs = self.shape(comp, ins.operands[0]), self.shape(comp, ins.operands[1])
+        res = _arrays(ins.type)
+        if lhs and rhs and res:
+          out.flops += _conv_flops(lhs[0][1], rhs[0][1], res[0][1], ins.attrs)
       if op == "while":
         n = self.trip_count(comp, ins)
         if n is None:

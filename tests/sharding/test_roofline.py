@@ -84,3 +84,20 @@ def test_type_bytes_and_group_sizes():
   assert rl._group_size("replica_groups={{0,1,2,3},{4,5,6,7}}, dims") == 4
   assert rl._group_size("replica_groups=[4,2]<=[8]") == 2
   assert rl._group_size("replica_groups=mesh['a'=4,'b'=2,'c'=3] {'a','c'}, x") == 12
+
+
+def test_batched_matmuls_written_as_convolutions_count_real_taps_only(one_slice):
+  # The TPU compiler writes per-head matmuls as convolutions whose head axis is a spatial
+  # window (padded, or over a dilated input); only taps on real elements are FLOPs. Each
+  # einsum here compiles to one such form (checked: the window attribute).
+  rep = NamedSharding(one_slice, P())
+  for eq, xs, ws, window in (("td,dhk->thk", (1024, 192), (192, 3, 96), "pad=2_2"),
+                             ("bhd,hde->bhe", (64, 3, 64), (3, 64, 48), "lhs_dilate=3"),
+                             ("thk,hkd->td", (1024, 3, 64), (3, 64, 192), "size=3")):
+    fn = jax.jit(lambda x, w, eq=eq: jnp.einsum(eq, x, w), in_shardings=(rep, rep))
+    text = fn.lower(jax.ShapeDtypeStruct(xs, jnp.bfloat16),
+                    jax.ShapeDtypeStruct(ws, jnp.bfloat16)).compile().as_text()
+    assert window in text
+    dims = dict(zip(eq.split("->")[0].replace(",", ""), xs + ws))
+    assert rl.program_costs(text).flops == 2 * np.prod(list(dims.values()), dtype=np.int64)
+  assert rl._conv_flops((8, 4), (4, 5), (8, 5), "dim_labels=bf_io->bf") == 2 * 8 * 4 * 5
