@@ -279,6 +279,7 @@ class Engine:
     the penalties (any finite value). images: packed images (data/images.pack_images) whose
     features replace the prompt's placeholders in order (their counts must match)."""
     prompt = self.validate(prompt_ids, params, openai_ranges, images)
+    kw.setdefault("timeout", self.serve.request_timeout or None)
     req = Request(prompt, params, images=images, **kw)
     with self.lock:
       if self.fatal is not None:

@@ -50,7 +50,7 @@ def solo(eng, prompt, n=6):
 
 
 def test_one_failing_request_leaves_the_others(eng, monkeypatch):
-  prompts = [prompt_of(i, 20 + i) for i in range(3)]
+  prompts = [prompt_of(i, 16) for i in range(3)]
   want = [solo(eng, p) for p in prompts]
   idle(eng)
   bad_ids = set()
@@ -83,7 +83,7 @@ def test_out_of_vocab_id_reads_as_replacement(eng, monkeypatch):
   # the bug of issue 28: a model vocabulary larger than the byte tokenizer's made the
   # tokenizer raise inside the engine loop; now no id is decodable and each reads as U+FFFD
   monkeypatch.setattr(ByteTokenizer, "vocab_size", 0)
-  req = eng.submit(prompt_of(7, 20), SamplingParams(max_tokens=5))
+  req = eng.submit(prompt_of(7, 16), SamplingParams(max_tokens=5))
   eng.run_until_done([req])
   assert req.error is None and req.finish_reason == "length"
   assert req.text == "\ufffd" * 5
@@ -91,8 +91,8 @@ def test_out_of_vocab_id_reads_as_replacement(eng, monkeypatch):
 
 
 def test_timeout_fails_the_request(eng):
-  req = eng.submit(prompt_of(8, 20), SamplingParams(max_tokens=50), timeout=0.0)
-  other = eng.submit(prompt_of(9, 20), SamplingParams(max_tokens=3))
+  req = eng.submit(prompt_of(8, 16), SamplingParams(max_tokens=50), timeout=0.0)
+  other = eng.submit(prompt_of(9, 16), SamplingParams(max_tokens=3))
   eng.run_until_done([req, other])
   assert req.error_type == "timeout" and "timeout" in req.error
   assert other.error is None and len(other.output_ids) == 3
@@ -105,7 +105,7 @@ def test_device_fault_is_fatal(eng, monkeypatch):
     raise RuntimeError("injected device fault")
   import k3_jax.serve.engine as engine_mod
   monkeypatch.setattr(eng, "_decode", engine_mod._guard("decode", broken, set()))
-  reqs = [eng.submit(prompt_of(i, 20), SamplingParams(max_tokens=4)) for i in range(2)]
+  reqs = [eng.submit(prompt_of(i, 16), SamplingParams(max_tokens=4)) for i in range(2)]
   with pytest.raises(EngineFatal, match="injected device fault"):
     eng.run_until_done(reqs)
   assert isinstance(eng.fatal, EngineFatal)
