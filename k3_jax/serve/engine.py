@@ -416,6 +416,8 @@ class Engine:
           salts = None if r.images is None else image_salts(
               r.prompt, r.images, self.cfg.vision.image_token_id)
           r.hashes = block_hashes(r.prompt, salts=salts)
+      except EngineFatal:
+        raise
       except Exception as e:
         self._fail(r, e)
         continue
