@@ -452,11 +452,12 @@ def serve(app, host: str, port: int) -> None:
   stopped engine (Engine.fatal) exits with status 1 so that a supervisor restarts it."""
   import uvicorn
   engine = app.state.engine
-  if not log.handlers and not logging.getLogger().handlers:
+  if not log.handlers:                 # one line per request, compile and shutdown event
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
     log.addHandler(handler)
     log.setLevel(logging.INFO)
+    log.propagate = False
 
   class Server(uvicorn.Server):
     def handle_exit(self, sig, frame):

@@ -146,7 +146,7 @@ def test_body_over_the_limit_is_413(server):
 def test_sigterm_drains_then_exits_0(server):
   proc, base, log = server
   with httpx.stream("POST", f"{base}/v1/completions", timeout=120, json={
-      "model": MODEL, "prompt": "a long one", "max_tokens": 40, "temperature": 0,
+      "model": MODEL, "prompt": "a long one", "max_tokens": 400, "temperature": 0,
       "stream": True}) as r:
     it = r.iter_lines()
     first = next(l for l in it if l)
