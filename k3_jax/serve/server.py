@@ -27,6 +27,7 @@ import uuid
 
 from fastapi import Request as HttpRequest   # at module level: FastAPI resolves annotations
 
+from k3_jax.serve import api_schema
 from k3_jax.serve.chat import ChatError, template_for
 from k3_jax.serve.engine import Engine
 from k3_jax.serve.scheduler import EngineFatal, QueueFull, RequestError, SamplingParams
@@ -319,7 +320,8 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, start_loop: bool = 
     return f"data: {json.dumps(obj)}\n\n"
 
   # ----- /v1/completions ---------------------------------------------------------------
-  @app.post("/v1/completions")
+  @app.post("/v1/completions", openapi_extra=api_schema.request_body(
+      api_schema.CompletionRequest))
   async def completions(http: HttpRequest):
     body = await read_body(http)
     prompt = body.get("prompt")
@@ -356,7 +358,8 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, start_loop: bool = 
                                  "finish_reason": finish_reason(req)}], "usage": usage(req)}
 
   # ----- /v1/chat/completions ----------------------------------------------------------
-  @app.post("/v1/chat/completions")
+  @app.post("/v1/chat/completions", openapi_extra=api_schema.request_body(
+      api_schema.ChatCompletionRequest))
   async def chat(http: HttpRequest):
     body = await read_body(http)
     kwargs = body.get("chat_template_kwargs") or {}
@@ -440,6 +443,7 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, start_loop: bool = 
   async def prom():
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
+  api_schema.install(app)
   app.state.engine, app.state.loop = engine, loop_runner
   return app
 
