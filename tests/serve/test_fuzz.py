@@ -3,7 +3,9 @@ describes the real request bodies): requests generated from the schema, loopback
 bounded in count and time. No response may be a 5xx, none may hang (a per-request timeout),
 and the server is healthy and idle afterwards. The server: the tiny 5-layer k3_tiny variant
 with random weights, a 64-token context (so generated requests stay cheap), 4 slots.
-Default run: a few dozen requests per operation; slow run: thousands in all."""
+Short run: 25 examples per operation (about 50 requests, 4 s after a 35 s start);
+long run: thousands in all. Both are marked slow (the server start alone is over the
+default suite's budget)."""
 
 import collections
 import os
@@ -92,6 +94,7 @@ def healthy_and_idle(base):
   assert metrics["k3_used_pages"] == metrics["k3_cached_pages"]
 
 
+@pytest.mark.slow     # ~40 s alone (server start and its compiles: 35 s), over the default budget
 def test_fuzz_short(server):
   base, log = server
   counts = fuzz(base, per_operation=25, seconds=20)
