@@ -275,8 +275,17 @@ class ServeConfig:
   host: str = option("127.0.0.1", "address to listen on (loopback by default: the API has no "
                      "authentication)")
   port: int = option(8000, "TCP port")
+  request_timeout: float = option(0.0, "seconds a request may run before it fails with a "
+                                  "timeout error (HTTP 504); 0: no limit")
+  drain_timeout: float = option(30.0, "on SIGTERM: seconds in-flight requests may take to "
+                                "finish (new ones get 503) before the server exits")
+  max_body_bytes: int = option(4 << 20, "largest request body accepted (larger: HTTP 413)")
 
   def __post_init__(self):
+    _require(self.request_timeout >= 0, "request_timeout", self.request_timeout,
+             "must be >= 0 (0: no limit)")
+    _require(self.drain_timeout >= 0, "drain_timeout", self.drain_timeout, "must be >= 0")
+    _require(self.max_body_bytes >= 1, "max_body_bytes", self.max_body_bytes, "must be >= 1")
     _require(self.max_batch >= 1, "max_batch", self.max_batch, "must be >= 1")
     _require(self.max_len is None or self.max_len >= 1, "max_len", self.max_len,
              "must be positive (or None: the model's max_seq_len)")

@@ -17,12 +17,21 @@ piece holding a placeholder comes up (a prefix-cache hit past the images skips i
 prefill piece then takes the features of its own placeholders, in order. The prefix cache
 keys the blocks holding placeholders on the images' content (prefix_cache.image_salts), so
 two images of one size never share KV or KDA state.
+
+Faults (docs/faults.md, Serving): an exception while handling ONE request (its admission's
+hashing, a prefill piece's host work, decoding/emitting its token, its stop-string check, its
+update callback) fails that request alone (`_fail`: error/error_type set, finish_reason
+"error", slot, pages and pins freed) and the engine keeps serving the others. A fault of the
+device step (any jitted call: it runs over the shared cache) or of the shared bookkeeping
+(page pool, prefix cache) is fatal: `Engine.fatal` holds it, every request fails, and
+`submit` refuses new ones.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import math
 import threading
 import time
@@ -43,8 +52,47 @@ from k3_jax.serve.kv_pages import PAGE, PagePool
 from k3_jax.serve.prefix_cache import PrefixCache, block_hashes, image_salts
 from k3_jax.serve.sampling import sample_rows
 from k3_jax.stack import cache_leaves
-from k3_jax.serve.scheduler import (QueueFull, Request, RequestError, SamplingParams,
-                                    checkpoint_boundaries, prefill_plan)
+from k3_jax.serve.scheduler import (EngineFatal, QueueFull, Request, RequestError,
+                                    SamplingParams, checkpoint_boundaries, prefill_plan)
+
+log = logging.getLogger("k3_jax.serve")
+
+
+def _guard(name: str, fn, seen: set):
+  """fn (a jitted step) whose exceptions become EngineFatal (they hit the shared cache), and
+  which logs the first call of each new argument shape (a compile) with its duration."""
+  def call(*args):
+    key = (name,) + tuple(getattr(a, "shape", None) for a in args if hasattr(a, "shape"))
+    new = key not in seen
+    t0 = time.monotonic()
+    if new:
+      log.info("compiling %s for shapes %s", name, key[1:])
+    try:
+      out = fn(*args)
+      if new:
+        jax.block_until_ready(out)
+    except EngineFatal:
+      raise
+    except Exception as e:
+      raise EngineFatal(f"the {name} device step failed: {type(e).__name__}: {e}") from e
+    if new:
+      seen.add(key)
+      log.info("compiled %s in %.2f s", name, time.monotonic() - t0)
+    return out
+  return call
+
+
+def _shared(what: str):
+  """A context in which any exception is a fault of the engine's shared state."""
+  class _Ctx:
+    def __enter__(self):
+      return self
+
+    def __exit__(self, kind, e, tb):
+      if e is not None and not isinstance(e, EngineFatal):
+        raise EngineFatal(f"{what} failed: {type(e).__name__}: {e}") from e
+      return False
+  return _Ctx()
 
 
 DECODE_MIN_PAGES = 8      # smallest decode attention window: 8 pages = 4,096 tokens
@@ -111,6 +159,8 @@ class Engine:
     self.step_no = 0
     self.generated_tokens = 0
     self.finished_requests = 0
+    self.failed_requests = 0
+    self.fatal: BaseException | None = None    # set when a device/shared-state fault stopped it
 
   # ----- compiled steps -----------------------------------------------------------------
   def _parallel(self):
@@ -180,13 +230,14 @@ class Engine:
       """packed images -> projected features [M, D] f32 (one dtype for every prefill)."""
       return nnx.merge(graphdef, params, rest).vision(images).astype(jnp.float32)
 
-    self._prefill = jax.jit(prefill, donate_argnums=(2,))
-    self._decode = jax.jit(decode, donate_argnums=(2, 3))
-    self._first_token = jax.jit(first_token, donate_argnums=(1,))
-    self._load_slot = jax.jit(load_slot, donate_argnums=(0,))
-    self._zero_slot = jax.jit(zero_slot, donate_argnums=(0, 1))
-    self._save_ckpt = jax.jit(save_ckpt, donate_argnums=(0,))
-    self._encode = jax.jit(encode)
+    seen = self._compiled = set()
+    self._prefill = _guard("prefill", jax.jit(prefill, donate_argnums=(2,)), seen)
+    self._decode = _guard("decode", jax.jit(decode, donate_argnums=(2, 3)), seen)
+    self._first_token = _guard("first_token", jax.jit(first_token, donate_argnums=(1,)), seen)
+    self._load_slot = _guard("load_slot", jax.jit(load_slot, donate_argnums=(0,)), seen)
+    self._zero_slot = _guard("zero_slot", jax.jit(zero_slot, donate_argnums=(0, 1)), seen)
+    self._save_ckpt = _guard("save_ckpt", jax.jit(save_ckpt, donate_argnums=(0,)), seen)
+    self._encode = _guard("encode", jax.jit(encode), seen)
 
   # ----- submission ---------------------------------------------------------------------
   def validate(self, prompt_ids, params: SamplingParams, openai_ranges: bool = True,
@@ -228,8 +279,11 @@ class Engine:
     the penalties (any finite value). images: packed images (data/images.pack_images) whose
     features replace the prompt's placeholders in order (their counts must match)."""
     prompt = self.validate(prompt_ids, params, openai_ranges, images)
+    kw.setdefault("timeout", self.serve.request_timeout or None)
     req = Request(prompt, params, images=images, **kw)
     with self.lock:
+      if self.fatal is not None:
+        raise EngineFatal(f"the engine has stopped: {self.fatal}")
       if len(self.waiting) >= self.max_queue:
         raise QueueFull(f"{len(self.waiting)} requests are waiting (the bound is "
                         f"{self.max_queue}); retry later")
@@ -241,10 +295,76 @@ class Engine:
   def has_work(self) -> bool:
     return bool(self.waiting or self.running)
 
+  def resource_counts(self) -> dict:
+    """Slots, pages and prefix-cache pins in use (for /metrics and tests). With nothing
+    running: free_slots == max_batch, used_pages == cached_pages, the pins 0."""
+    with self.lock:
+      refs = self.pool.refs
+      entries = self.prefix.entries.values() if self.prefix is not None else ()
+      return {"free_slots": len(self.free_slots), "running": len(self.running),
+              "waiting": len(self.waiting),
+              "used_pages": self.num_pages - 1 - self.pool.free,
+              "cached_pages": len(entries),
+              "pinned_blocks": sum(1 for e in entries if refs[e.page] > 1),
+              "pinned_checkpoints": (sum(self.prefix.ckpt_pins.values())
+                                     if self.prefix is not None else 0)}
+
   def step(self) -> bool:
-    """One engine step; False when there was nothing to do."""
+    """One engine step; False when there was nothing to do. A fatal fault (EngineFatal or
+    anything escaping the per-request containment) sets `fatal`, fails every request and
+    is raised."""
+    if self.fatal is not None:
+      raise EngineFatal(f"the engine has stopped: {self.fatal}")
+    try:
+      return self._step()
+    except Exception as e:
+      self._die(e)
+      raise
+
+  def _die(self, e: BaseException) -> None:
+    log.error("engine stopped by a fatal fault: %s: %s", type(e).__name__, e)
+    with self.lock:
+      self.fatal = e
+      for r in list(self.running) + list(self.waiting):
+        r.error, r.error_type = f"engine failure: {type(e).__name__}: {e}", "engine_error"
+        r.finish_reason, r.state = "error", "done"
+        self.failed_requests += 1
+        self._notify(r)
+        r.done_event.set()
+      self.running.clear()
+      self.waiting.clear()
+      self.lock.notify_all()
+
+  def _notify(self, r: Request) -> None:
+    """The final update of a failed request (its callback's own fault is only logged)."""
+    if r.on_update is not None:
+      try:
+        r.on_update(r, "")
+      except Exception:
+        log.exception("the update callback of failed request %s raised", r.id)
+
+  def _fail(self, r: Request, e: BaseException | str, error_type: str = "request_error"
+            ) -> None:
+    """Fails one request alone: records why, frees its slot, pages and pins, wakes it."""
+    msg = e if isinstance(e, str) else f"{type(e).__name__}: {e}"
+    if not isinstance(e, str):
+      log.warning("request %s failed: %s", r.id, msg)
+    with self.lock:
+      if r.state == "done":
+        return
+      r.error, r.error_type = msg, error_type
+      if r in self.waiting:
+        self.waiting.remove(r)
+      self.failed_requests += 1
+      self._finish(r, "error")
+
+  def _step(self) -> bool:
     with self.lock:
       self.step_no += 1
+      now = time.monotonic()
+      for r in [r for r in list(self.running) + list(self.waiting)
+                if r.timeout is not None and now - r.arrival > r.timeout and not r.cancelled]:
+        self._fail(r, f"the request ran past its timeout of {r.timeout:g} s", "timeout")
       for r in [r for r in self.running if r.cancelled]:
         self._finish(r, "cancelled")
       for r in [r for r in self.waiting if r.cancelled]:
@@ -260,7 +380,13 @@ class Engine:
     for r in pre:
       if budget <= 0:
         break
-      budget -= self._prefill_chunk(r, budget)
+      try:
+        budget -= self._prefill_chunk(r, budget)
+      except EngineFatal:
+        raise
+      except Exception as e:
+        self._fail(r, e)
+        continue
       if r.state == "decode":
         dec.append(r)
     dec = [r for r in dec if r.state == "decode"]
@@ -284,23 +410,31 @@ class Engine:
       n = r.prompt.size
       need = math.ceil((n + r.params.max_tokens) / PAGE)
       hit_blocks, hit_pages, ckpt = 0, [], None
-      if self.prefix is not None:
-        salts = None if r.images is None else image_salts(
-            r.prompt, r.images, self.cfg.vision.image_token_id)
-        r.hashes = block_hashes(r.prompt, salts=salts)
-      if self.prefix is not None and r.use_prefix_cache:
-        hit = self.prefix.lookup(r.hashes, (n - 1) // PAGE, self.step_no)   # pins the hit
-        hit_blocks, hit_pages, ckpt = hit.blocks, hit.pages, hit.ckpt
-      fresh_needed = need - hit_blocks
-      if self.pool.free < fresh_needed and not (
-          self.prefix is not None and self.prefix.free_pages(fresh_needed)):
-        self.pool.decref(hit_pages)                 # roll the pins back; wait for memory
+      try:                                   # this request's own host work
+        decoder = self.tokenizer.stream_decoder() if self.tokenizer is not None else None
         if self.prefix is not None:
-          self.prefix.unpin_ckpt(ckpt)
-        return
-      fresh = self.pool.alloc(fresh_needed)
-      self.waiting.popleft()
-      slot = self.free_slots.pop()
+          salts = None if r.images is None else image_salts(
+              r.prompt, r.images, self.cfg.vision.image_token_id)
+          r.hashes = block_hashes(r.prompt, salts=salts)
+      except EngineFatal:
+        raise
+      except Exception as e:
+        self._fail(r, e)
+        continue
+      with _shared("the page pool / prefix cache bookkeeping"):
+        if self.prefix is not None and r.use_prefix_cache:
+          hit = self.prefix.lookup(r.hashes, (n - 1) // PAGE, self.step_no)   # pins the hit
+          hit_blocks, hit_pages, ckpt = hit.blocks, hit.pages, hit.ckpt
+        fresh_needed = need - hit_blocks
+        if self.pool.free < fresh_needed and not (
+            self.prefix is not None and self.prefix.free_pages(fresh_needed)):
+          self.pool.decref(hit_pages)                 # roll the pins back; wait for memory
+          if self.prefix is not None:
+            self.prefix.unpin_ckpt(ckpt)
+          return
+        fresh = self.pool.alloc(fresh_needed)
+        self.waiting.popleft()
+        slot = self.free_slots.pop()
       # A fresh slot may still hold another request's state: always overwrite all of it.
       self.cache, self.counts = self._zero_slot(self.cache, self.counts, jnp.int32(slot))
       if ckpt is not None:
@@ -315,8 +449,7 @@ class Engine:
       r.pos = r.cached_tokens = hit_blocks * PAGE
       r.registered = hit_blocks
       r.state = "prefill"
-      if self.tokenizer is not None:
-        r.decoder = self.tokenizer.stream_decoder()
+      r.decoder = decoder
       self.running.append(r)
 
   def _prefill_chunk(self, r: Request, budget: int) -> int:
@@ -333,7 +466,7 @@ class Engine:
                                          self._piece_features(r, size))
       r.pos += size
     if self.prefix is not None:
-      with self.lock:
+      with self.lock, _shared("the prefix cache bookkeeping"):
         self._register(r)
     if r.pos == n:
       r.features = r.images = None                    # the prompt is in the cache now
@@ -404,9 +537,14 @@ class Engine:
     host_logits = np.asarray(logits) if want else None
     for r in dec:
       r.pos += 1
-      if r.record_logits:
-        r.logits.append(host_logits[r.slot])
-      self._emit(r, int(nxt[r.slot]))
+      try:
+        if r.record_logits:
+          r.logits.append(host_logits[r.slot])
+        self._emit(r, int(nxt[r.slot]))
+      except EngineFatal:
+        raise
+      except Exception as e:
+        self._fail(r, e)
 
   # ----- output -------------------------------------------------------------------------
   def _emit(self, r: Request, tid: int) -> None:
@@ -421,7 +559,11 @@ class Engine:
       finish = "stop"
     elif r.decoder is not None:
       start = max(0, len(r.text) - max((len(s) for s in r.params.stop), default=0))
-      r.text += r.decoder.add(tid)
+      # an id past the tokenizer's vocabulary (a model vocab larger than the tokenizer's)
+      # reads as U+FFFD, not as an exception
+      vocab = getattr(self.tokenizer, "vocab_size", None)
+      r.text += "\ufffd" if vocab is not None and not 0 <= tid < vocab \
+          else r.decoder.add(tid)
       for s in r.params.stop:
         i = r.text.find(s, start)
         if i >= 0:
@@ -447,16 +589,29 @@ class Engine:
   def _finish(self, r: Request, reason: str) -> None:
     """Frees the slot and the request's pages at once (cached blocks stay with the cache)."""
     if r in self.running:
-      self.running.remove(r)
-      self.pool.decref(r.pages)
-      self.free_slots.append(r.slot)
-      self.tables[r.slot] = 0
+      with _shared("the page pool bookkeeping"):
+        self.running.remove(r)
+        self.pool.decref(r.pages)
+        self.free_slots.append(r.slot)
+        self.tables[r.slot] = 0
     r.pages = []
     r.features = r.images = None
     r.finish_reason, r.state = reason, "done"
-    self.finished_requests += 1
-    if reason != "cancelled":
-      self._push(r)
+    if reason == "error":
+      self._notify(r)
+    else:
+      self.finished_requests += 1
+    if reason not in ("cancelled", "error"):
+      try:
+        self._push(r)
+      except Exception as e:           # the request is done; its callback's fault is its own
+        r.error, r.error_type, r.finish_reason = f"{type(e).__name__}: {e}", "request_error", \
+            "error"
+        log.warning("request %s: the final update failed: %s", r.id, r.error)
+    ttft = "-" if r.first_token_at is None else f"{r.first_token_at - r.arrival:.3f}s"
+    log.info("request %s: prompt %d tokens (%d cached), generated %d, ttft %s, status %s%s",
+             r.id, r.prompt.size, r.cached_tokens, len(r.output_ids), ttft, r.finish_reason,
+             f" ({r.error})" if r.error else "")
     r.done_event.set()
 
   # ----- a simple front end ---------------------------------------------------------------
@@ -481,6 +636,8 @@ class Engine:
         yield req.output_ids[sent]
         sent += 1
       if req.state == "done":
+        if req.error:
+          raise RuntimeError(f"the request failed: {req.error}")
         return
       self.step()
 

@@ -26,6 +26,11 @@ class QueueFull(RuntimeError):
   """The waiting queue is at its bound (the server answers 429)."""
 
 
+class EngineFatal(RuntimeError):
+  """A fault of the device step or of the engine's shared state (page pool, prefix cache):
+  the engine stops (Engine.fatal) and every request fails; the server answers 503."""
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
   max_tokens: int = 16
@@ -67,6 +72,7 @@ class Request:
   use_prefix_cache: bool = True                       # False: always a cold prefill
   images: dict | None = None         # packed images (data/images.pack_images) whose features
                                      # take the prompt's placeholders, in order
+  timeout: float | None = None       # seconds from arrival; then the engine fails it
   id: int = dataclasses.field(default_factory=lambda: next(_ids))
   # ----- engine-owned state ---------------------------------------------------------
   state: str = "waiting"             # waiting | prefill | decode | done
@@ -82,7 +88,9 @@ class Request:
   sent: int = 0                      # chars of text already passed to on_update
   decoder: object = None
   features: object = None            # [M, D] f32 projected image features (during prefill)
-  finish_reason: str | None = None
+  finish_reason: str | None = None   # stop | length | cancelled | error
+  error: str | None = None           # why the request failed (finish_reason "error")
+  error_type: str | None = None      # request_error | timeout | engine_error
   cancelled: bool = False
   seed: int = 0
   logits: list = dataclasses.field(default_factory=list)
@@ -133,5 +141,5 @@ def checkpoint_boundaries(prompt_len: int) -> tuple[int, ...]:
   return (aligned,)
 
 
-__all__ = ["SamplingParams", "Request", "RequestError", "QueueFull", "prefill_plan",
+__all__ = ["SamplingParams", "Request", "RequestError", "QueueFull", "EngineFatal", "prefill_plan",
            "checkpoint_boundaries"]

@@ -7,6 +7,12 @@ GET /metrics (Prometheus). The engine steps in one background thread; each HTTP 
 submits to it and waits on its own asyncio queue. Bad input gets an OpenAI-style JSON error
 ({"error": {"message", "type", "param", "code"}}) and never reaches the engine; a client
 that goes away cancels its request, which frees its slot at the engine's next step.
+
+Faults (docs/faults.md, Serving): a request the engine failed answers 500 naming the cause
+(504 for a timeout; streaming: an error event, then [DONE]); when the engine stopped
+(Engine.fatal) /health answers 503 and the process exits with status 1. SIGTERM drains:
+new requests get 503 with Retry-After, in-flight ones finish (up to drain_timeout), then
+the process exits 0. A body over max_body_bytes gets 413.
 """
 
 from __future__ import annotations
@@ -15,17 +21,18 @@ import asyncio
 import dataclasses
 import json
 import logging
+import signal
 import threading
 import time
 import uuid
 
 from fastapi import Request as HttpRequest   # at module level: FastAPI resolves annotations
 
-from k3_jax.serve import api_params, logprobs
+from k3_jax.serve import api_params, api_schema, logprobs
 from k3_jax.serve import completions as cmpl
 from k3_jax.serve.chat import ChatError, template_for
 from k3_jax.serve.engine import Engine
-from k3_jax.serve.scheduler import QueueFull, RequestError, SamplingParams
+from k3_jax.serve.scheduler import EngineFatal, QueueFull, RequestError, SamplingParams
 
 log = logging.getLogger("k3_jax.serve")
 
@@ -33,10 +40,11 @@ log = logging.getLogger("k3_jax.serve")
 class EngineLoop:
   """Runs engine.step() in a daemon thread while there is work."""
 
-  def __init__(self, engine: Engine):
+  def __init__(self, engine: Engine, on_fatal=None):
     self.engine = engine
     self.stopped = False
     self.error: str | None = None
+    self.on_fatal = on_fatal           # called once (in this thread) when the engine stops
     self.thread = threading.Thread(target=self._run, name="k3-engine", daemon=True)
     self.thread.start()
 
@@ -49,12 +57,12 @@ class EngineLoop:
           continue
       try:
         eng.step()
-      except Exception as e:           # a bug must not hang every client: fail them all
-        log.exception("engine step failed")
+      except Exception as e:           # fatal (Engine.step contains per-request faults):
+        log.exception("engine stopped")  # step failed every request; stop stepping
         self.error = f"{type(e).__name__}: {e}"
-        with eng.lock:
-          for r in list(eng.running) + list(eng.waiting):
-            r.cancel()
+        self.stopped = True
+        if self.on_fatal is not None:
+          self.on_fatal()
 
   def stop(self):
     self.stopped = True
@@ -92,11 +100,20 @@ def make_metrics(engine: Engine):
           ("k3_prefix_cache_evictions", "prefix cache entries evicted",
            stats.get("evictions", 0)),
           ("k3_generation_tokens", "generated tokens", engine.generated_tokens),
-          ("k3_request_success", "finished requests", engine.finished_requests)):
+          ("k3_request_success", "finished requests", engine.finished_requests),
+          ("k3_request_failure", "requests that failed (an error or a timeout)",
+           engine.failed_requests)):
         c = CounterMetricFamily(name, doc)
         c.add_metric([], value)
         yield c
 
+  for key, doc in (("free_slots", "sequence slots free"),
+                   ("used_pages", "KV pages in use (requests and the prefix cache)"),
+                   ("cached_pages", "KV pages held by the prefix cache"),
+                   ("pinned_blocks", "prefix-cache blocks pinned by running requests"),
+                   ("pinned_checkpoints", "prefix-cache KDA checkpoint pins")):
+    Gauge(f"k3_{key}", doc, registry=reg).set_function(
+        lambda key=key: engine.resource_counts()[key])
   reg.register(EngineCounters())
   return reg, m
 
@@ -175,13 +192,34 @@ def sampling_from(body, engine: Engine, prompt_len: int, stop_extra=(), stop_ids
 
 # ----- the app -------------------------------------------------------------------------
 
+def request_error(req) -> "ApiError":
+  """The ApiError of a request the engine failed: 504 for a timeout, else 500."""
+  if req.error_type == "timeout":
+    return ApiError(504, req.error, type_="timeout_error", code="request_timeout")
+  return ApiError(500, f"the request failed in the engine: {req.error}", type_="server_error",
+                  code=req.error_type)
+
+
+async def guarded(gen):
+  """A server-sent event stream that ends, on an ApiError, in an error event and [DONE]."""
+  try:
+    async for chunk in gen:
+      yield chunk
+  except ApiError as e:
+    yield f"data: {json.dumps(e.body())}\n\n"
+    yield "data: [DONE]\n\n"
+
+
 def build_app(engine: Engine, tokenizer, model_name: str, *, start_loop: bool = True):
   from fastapi import FastAPI
   from fastapi.responses import JSONResponse, Response, StreamingResponse
   from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
   app = FastAPI(title="k3-jax")
-  loop_runner = EngineLoop(engine) if start_loop else None
+  app.state.draining = False
+  app.state.on_fatal = None            # serve() sets it: stop the process
+  loop_runner = (EngineLoop(engine, on_fatal=lambda: app.state.on_fatal and
+                            app.state.on_fatal()) if start_loop else None)
   template = template_for(tokenizer, engine.cfg.vision)
   registry, metrics = make_metrics(engine)
   created = int(time.time())
@@ -194,6 +232,22 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, start_loop: bool = 
   @app.exception_handler(api_params.ParamError)
   async def _param_error(_, e: api_params.ParamError):
     return JSONResponse(ApiError(400, str(e), e.param).body(), status_code=400)
+
+  @app.middleware("http")
+  async def _limits(http: HttpRequest, call_next):
+    if http.method == "POST":
+      if app.state.draining:
+        return JSONResponse(ApiError(503, "the server is shutting down; retry on another "
+                                     "instance", type_="server_error",
+                                     code="draining").body(),
+                            status_code=503, headers={"Retry-After": "5"})
+      size = http.headers.get("content-length")
+      limit = engine.serve.max_body_bytes
+      if size is not None and size.isdigit() and int(size) > limit:
+        return JSONResponse(ApiError(413, f"the request body has {size} bytes; the limit is "
+                                     f"{limit} (--max_body_bytes)", code="body_too_large"
+                                     ).body(), status_code=413)
+    return await call_next(http)
 
   @app.on_event("shutdown")
   def _stop():
@@ -230,6 +284,8 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, start_loop: bool = 
       req = engine.submit(ids, params, on_update=on_update, images=images, **kw)
     except QueueFull as e:
       raise ApiError(429, str(e), type_="rate_limit_error", code="queue_full") from None
+    except EngineFatal as e:
+      raise ApiError(503, str(e), type_="server_error", code="engine_stopped") from None
     except RequestError as e:
       raise ApiError(400, str(e), "prompt") from None
     return req, queue
@@ -245,8 +301,8 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, start_loop: bool = 
         except asyncio.TimeoutError:
           if await http.is_disconnected():
             return
-          if loop_runner is not None and loop_runner.error:
-            raise ApiError(500, f"engine failure: {loop_runner.error}", type_="server_error")
+          if req.state == "done" and req.error:
+            raise request_error(req)
           continue
         now = time.monotonic()
         if last is None and req.first_token_at is not None:
@@ -254,6 +310,8 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, start_loop: bool = 
         elif last is not None and delta:
           metrics["itl"].observe(now - last)
         last = now
+        if done and req.error:
+          raise request_error(req)
         yield delta, done
         if done:
           metrics["e2e"].observe(now - req.arrival)
@@ -295,7 +353,8 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, start_loop: bool = 
       req.logits[i] = None
     return rows
 
-  @app.post("/v1/completions")
+  @app.post("/v1/completions", openapi_extra=api_schema.request_body(
+      api_schema.CompletionRequest))
   async def completions(http: HttpRequest):
     body = await read_body(http)
     api_params.refuse_unsupported(body, "completions")
@@ -391,7 +450,7 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, start_loop: bool = 
           for *_, req, _ in runs:
             if req.state != "done":
               req.cancel()
-      return StreamingResponse(gen(), media_type="text/event-stream")
+      return StreamingResponse(guarded(gen()), media_type="text/event-stream")
 
     async def finish(index, ids, req, queue):
       text = "".join([d async for d, _ in events(req, queue, http)])
@@ -417,7 +476,8 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, start_loop: bool = 
     return {**head, "choices": sorted(choices, key=lambda c: c["index"]), "usage": run_usage()}
 
   # ----- /v1/chat/completions ----------------------------------------------------------
-  @app.post("/v1/chat/completions")
+  @app.post("/v1/chat/completions", openapi_extra=api_schema.request_body(
+      api_schema.ChatCompletionRequest))
   async def chat(http: HttpRequest):
     body = await read_body(http)
     api_params.refuse_unsupported(body, "chat")
@@ -475,7 +535,7 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, start_loop: bool = 
         if include_usage:
           yield sse({**head, "choices": [], "usage": usage(req)})
         yield "data: [DONE]\n\n"
-      return StreamingResponse(gen(), media_type="text/event-stream")
+      return StreamingResponse(guarded(gen()), media_type="text/event-stream")
     reasoning, content = "", ""
     async for delta, done in events(req, queue, http):
       r, c, _ = split(delta, done)
@@ -499,8 +559,11 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, start_loop: bool = 
 
   @app.get("/health")
   async def health():
-    if loop_runner is not None and loop_runner.error:
-      return JSONResponse({"status": "error", "error": loop_runner.error}, status_code=503)
+    if engine.fatal is not None:
+      return JSONResponse({"status": "error", "error": f"{type(engine.fatal).__name__}: "
+                           f"{engine.fatal}"}, status_code=503)
+    if app.state.draining:
+      return JSONResponse({"status": "draining"}, status_code=503)
     return {"status": "ok", "running": len(engine.running), "waiting": len(engine.waiting),
             "free_slots": len(engine.free_slots)}
 
@@ -508,14 +571,57 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, start_loop: bool = 
   async def prom():
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
+  api_schema.install(app)
   app.state.engine, app.state.loop = engine, loop_runner
   return app
 
 
+FATAL_EXIT_DELAY = 2.0     # seconds /health answers 503 before a stopped engine's process exits
+
+
 def serve(app, host: str, port: int) -> None:
-  """Runs the app with uvicorn until interrupted."""
+  """Runs the app with uvicorn. SIGTERM drains (docs/faults.md, Serving) and exits 0; a
+  stopped engine (Engine.fatal) exits with status 1 so that a supervisor restarts it."""
   import uvicorn
-  uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=2)
+  engine = app.state.engine
+  if not log.handlers:                 # one line per request, compile and shutdown event
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+  class Server(uvicorn.Server):
+    def handle_exit(self, sig, frame):
+      if sig != signal.SIGTERM or app.state.draining:
+        return super().handle_exit(sig, frame)
+      app.state.draining = True
+      timeout = engine.serve.drain_timeout
+      log.warning("SIGTERM: draining %d running and %d waiting requests (up to %g s)",
+                  len(engine.running), len(engine.waiting), timeout)
+
+      def drain():
+        deadline = time.monotonic() + timeout
+        while engine.has_work() and time.monotonic() < deadline and engine.fatal is None:
+          time.sleep(0.05)
+        left = len(engine.running) + len(engine.waiting)
+        log.warning("drained%s; shutting down", f" ({left} requests cut off)" if left else "")
+        self.should_exit = True
+      threading.Thread(target=drain, name="k3-drain", daemon=True).start()
+
+  server = Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                 timeout_graceful_shutdown=2))
+
+  def on_fatal():
+    threading.Timer(FATAL_EXIT_DELAY, lambda: setattr(server, "should_exit", True)).start()
+  app.state.on_fatal = on_fatal
+  server.run()
+  if app.state.loop is not None:
+    app.state.loop.stop()
+  if engine.fatal is not None:
+    log.error("exiting with status 1: the engine stopped (%s)", engine.fatal)
+    raise SystemExit(1)
+  log.warning("server stopped")
 
 
 __all__ = ["build_app", "serve", "EngineLoop", "ApiError"]
