@@ -5,46 +5,19 @@ global batch through train.put_batch.
 The default suite runs a tiny sharded program (a few seconds of compiling); the k3_tiny
 train-step comparison compiles the step three times (once per process) and is slow."""
 
-import json
 import os
-import socket
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+
+from tests.multiproc import result, run_workers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "multihost_worker.py")
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
-
-
 def _run(mode: str, nproc: int, ndev: int, timeout: int, extra_env=None) -> dict:
-  port = _free_port()
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
-  env.update(extra_env or {})
-  procs = [subprocess.Popen([sys.executable, WORKER, mode, str(nproc), str(pid), str(port),
-                             str(ndev)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True) for pid in range(nproc)]
-  outs = []
-  try:
-    for p in procs:
-      outs.append(p.communicate(timeout=timeout))
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-  for p, (out, err) in zip(procs, outs):
-    assert p.returncode == 0, f"worker failed ({p.returncode}):\n{err[-4000:]}"
-  line = [l for l in outs[0][0].splitlines() if l.startswith("RESULT ")]
-  assert line, outs[0]
-  return json.loads(line[0][len("RESULT "):])
+  return result(run_workers(WORKER, mode, nproc, ndev, timeout, extra_env)[0])
 
 
 def test_two_processes_equal_one_sharded_program():

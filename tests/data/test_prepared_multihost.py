@@ -5,11 +5,10 @@ Three JAX processes start: slow."""
 
 import json
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
+
+from tests.multiproc import result, run_workers
 
 from k3_jax.data import prepare
 
@@ -17,33 +16,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 WORKER = os.path.join(ROOT, "tests", "data", "prepared_worker.py")
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
-
-
 def _run(data: str, nproc: int, ndev: int, timeout: int = 600) -> tuple[dict, list[str]]:
-  port = _free_port()
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
-  procs = [subprocess.Popen([sys.executable, WORKER, data, str(nproc), str(pid), str(port),
-                             str(ndev)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True) for pid in range(nproc)]
-  outs = []
-  try:
-    for p in procs:
-      outs.append(p.communicate(timeout=timeout))
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-  for p, (out, err) in zip(procs, outs):
-    assert p.returncode == 0, f"worker failed ({p.returncode}):\n{err[-4000:]}"
-  line = [l for l in outs[0][0].splitlines() if l.startswith("RESULT ")]
-  assert line, outs[0]
-  shards = [l for out, _ in outs for l in out.splitlines() if l.startswith("PROCESS ")]
-  return json.loads(line[0][len("RESULT "):]), shards
+  outs = run_workers(WORKER, data, nproc, ndev, timeout)
+  shards = [l for out in outs for l in out.splitlines() if l.startswith("PROCESS ")]
+  return result(outs[0]), shards
 
 
 @pytest.mark.slow

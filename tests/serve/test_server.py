@@ -11,11 +11,6 @@ then decode_step (the model's own path).
 import base64
 import concurrent.futures
 import io
-import json
-import os
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
@@ -23,7 +18,8 @@ import numpy as np
 import openai
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.serve.serverproc import start_server, stop_server
+
 MODEL = "k3-test"
 MAX_LEN = 2048
 OVERRIDES = ("max_seq_len=2048", "num_layers=5", "mla_layers=(4,5)")
@@ -37,44 +33,14 @@ run_server(ServeOptions(config="k3_tiny", overrides={overrides}, vision=True,
 """
 
 
-def free_port() -> int:
-  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-  port = free_port()
-  log = tmp_path_factory.mktemp("server") / "server.log"
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT,
-         "XLA_FLAGS": ""}                       # one CPU device is enough here
-  with open(log, "w") as out:
-    proc = subprocess.Popen([sys.executable, "-c", LAUNCH.format(model=MODEL, port=port,
-                                                                overrides=OVERRIDES)],
-                            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-  base = f"http://127.0.0.1:{port}"
+  proc, base, _ = start_server(LAUNCH, tmp_path_factory.mktemp("server"), model=MODEL,
+                               overrides=OVERRIDES)
   try:
-    deadline = time.monotonic() + 300
-    while True:
-      if proc.poll() is not None:
-        pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-      try:
-        if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-          break
-      except httpx.HTTPError:
-        pass
-      if time.monotonic() > deadline:
-        pytest.fail(f"server did not come up in 300 s:\n{log.read_text()[-3000:]}")
-      time.sleep(0.5)
     yield base
   finally:
-    proc.terminate()
-    try:
-      proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-      proc.kill()
-      proc.wait(timeout=20)
+    stop_server(proc)
 
 
 @pytest.fixture(scope="module")

@@ -6,17 +6,14 @@ fault), "TIMEOUT" gives the request a timeout of 0 s."""
 
 import concurrent.futures
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.serve.serverproc import start_server
+
 MODEL = "k3-test"
 LAUNCH = """
 import k3_jax.serve.engine as E
@@ -47,33 +44,8 @@ run_server(ServeOptions(config="k3_tiny", overrides=("max_seq_len=1024", "num_la
 """
 
 
-def free_port() -> int:
-  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def start(tmp):
-  port = free_port()
-  log = tmp / "server.log"
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT, "XLA_FLAGS": ""}
-  with open(log, "w") as out:
-    proc = subprocess.Popen([sys.executable, "-c", LAUNCH.format(model=MODEL, port=port)],
-                            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-  base = f"http://127.0.0.1:{port}"
-  deadline = time.monotonic() + 300
-  while True:
-    if proc.poll() is not None:
-      pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-    try:
-      if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-        return proc, base, log
-    except httpx.HTTPError:
-      pass
-    if time.monotonic() > deadline:
-      proc.kill()
-      pytest.fail(f"server did not come up in 300 s:\n{log.read_text()[-3000:]}")
-    time.sleep(0.3)
+  return start_server(LAUNCH, tmp, model=MODEL)
 
 
 def stop(proc):
