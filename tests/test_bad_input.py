@@ -20,7 +20,6 @@ import time
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 # (command, case, argv with {t} = tmp_path, a piece of the expected error line). The suite
 # runs with 8 host devices (conftest): train cases checked after the mesh give a batch of 8.
