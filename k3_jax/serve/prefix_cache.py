@@ -132,12 +132,14 @@ class PrefixCache:
       return True
     if parent is not None and parent not in self.entries:
       return False                         # its chain was evicted: unreachable, skip
+    if parent is not None:                 # counted first: room-making must not evict it
+      self.entries[parent].children += 1
     if not self._make_room(self.page_bytes):
+      if parent is not None:
+        self.entries[parent].children -= 1
       return False
     self.pool.incref([page])
     self.entries[h] = Entry(page, parent, step=step)
-    if parent is not None:
-      self.entries[parent].children += 1
     self.used += self.page_bytes
     self._touch([h])
     return True
