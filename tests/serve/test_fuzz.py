@@ -4,14 +4,9 @@ bounded in count and time. No response may be a 5xx, none may hang (a per-reques
 and the server is healthy and idle afterwards. The server: the tiny 5-layer k3_tiny variant
 with random weights, a 64-token context (so generated requests stay cheap), 4 slots.
 Short run: 25 examples per operation (about 50 requests, 4 s after a 35 s start);
-long run: thousands in all. Both are marked slow (the server start alone is over the
-default suite's budget)."""
+long run: thousands in all, marked slow."""
 
 import collections
-import os
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
@@ -20,7 +15,8 @@ import pytest
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, Phase, given, settings   # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.serve.serverproc import start_server   # noqa: E402
+
 LAUNCH = """
 from k3_jax.serve.loader import ServeOptions, run_server
 from k3_jax.config import ServeConfig
@@ -33,26 +29,8 @@ run_server(ServeOptions(config="k3_tiny", overrides=("max_seq_len=1024", "num_la
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-  log = tmp_path_factory.mktemp("fuzz") / "server.log"
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT, "XLA_FLAGS": ""}
-  with open(log, "w") as out:
-    proc = subprocess.Popen([sys.executable, "-c", LAUNCH.format(port=port)], cwd=ROOT,
-                            env=env, stdout=out, stderr=subprocess.STDOUT)
-  base = f"http://127.0.0.1:{port}"
+  proc, base, log = start_server(LAUNCH, tmp_path_factory.mktemp("fuzz"))
   try:
-    deadline = time.monotonic() + 300
-    while True:
-      assert proc.poll() is None, log.read_text()[-3000:]
-      try:
-        if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-          break
-      except httpx.HTTPError:
-        pass
-      assert time.monotonic() < deadline, log.read_text()[-3000:]
-      time.sleep(0.3)
     # compile every step shape a 64-token context uses (prefill pieces 16, 4, 1; decode)
     # before fuzzing, so that the fuzz budget goes to requests
     r = httpx.post(f"{base}/v1/completions", timeout=300,
@@ -94,8 +72,7 @@ def healthy_and_idle(base):
   assert metrics["k3_used_pages"] == metrics["k3_cached_pages"]
 
 
-@pytest.mark.slow     # ~40 s alone (server start and its compiles: 35 s), over the default budget
-def test_fuzz_short(server):
+def test_fuzz_short(server):     # ~40 s alone, 35 of them the server's start and compiles
   base, log = server
   counts = fuzz(base, per_operation=25, seconds=20)
   print("fuzz status counts:", dict(sorted(counts.items())))
