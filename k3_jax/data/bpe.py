@@ -5,7 +5,7 @@ K3-format tokenizer of their own) build one: the K3 pre-tokenizer regex
 (tokenizers.K3_PATTERN) splits the text into pieces, byte-pair merges are learned on the
 pieces (most frequent adjacent pair first; ties broken by the pair's bytes, so the result is
 deterministic), and `write_kimi_dir` writes `tiktoken.model` + `tokenizer_config.json` with
-the K3 special tokens at their released ids (tokenizers.K3_SPECIAL_TOKENS; every other id
+the K3 special tokens at their released ids (tokenizers.KIMI_SPECIAL_TOKENS; every other id
 from 163584 up to the vocabulary size is `<|reserved_token_N|>`).
 """
 
@@ -84,7 +84,7 @@ def write_kimi_dir(out_dir: str | os.PathLike, ranks: Mapping[bytes, int],
   `tokenizer_config.json` naming every id from tokenizers.K3_NUM_BASE_TOKENS to vocab_size - 1
   (the special tokens, default the K3 ones, and `<|reserved_token_N|>` for the rest). Returns
   out_dir, which load_tokenizer_dir / get_tokenizer load."""
-  special = dict(tk.K3_SPECIAL_TOKENS if special_tokens is None else special_tokens)
+  special = dict(tk.KIMI_SPECIAL_TOKENS if special_tokens is None else special_tokens)
   if ranks and max(ranks.values()) >= min(special.values(), default=vocab_size):
     raise ValueError("BPE ranks reach the special token ids")
   out_dir = os.fspath(out_dir)

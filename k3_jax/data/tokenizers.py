@@ -80,7 +80,7 @@ K3_PATTERN = "|".join([
 # ids between the named ones are `<|reserved_token_N|>`, N = the id).
 K3_NUM_BASE_TOKENS = 163_584
 K3_VOCAB_SIZE = 163_840
-K3_SPECIAL_TOKENS = {
+KIMI_SPECIAL_TOKENS = {
     "[BOS]": 163584, "[EOS]": 163585, "<|end_of_msg|>": 163586, "<|open|>": 163587,
     "<|close|>": 163588, "<|sep|>": 163589, "[start_header_id]": 163590,
     "[end_header_id]": 163591, "[EOT]": 163593, "<|media_begin|>": 163602,

@@ -19,7 +19,7 @@ def test_k3_dir_has_the_released_special_ids(k3_tokenizer_dir, k3_tokenizer):
   tok = k3_tokenizer
   assert isinstance(tok, tk.TiktokenTokenizer)
   assert tok.vocab_size == tk.K3_VOCAB_SIZE == 163_840
-  for name, i in tk.K3_SPECIAL_TOKENS.items():
+  for name, i in tk.KIMI_SPECIAL_TOKENS.items():
     assert tok.special_tokens[name] == i
   assert (tok.special_tokens["<|end_of_msg|>"], tok.special_tokens["<|open|>"],
           tok.special_tokens["<|close|>"], tok.special_tokens["<|sep|>"]) == \
@@ -79,7 +79,7 @@ def test_hf_export_loads_in_autotokenizer(tmp_path, k3_tokenizer):
   assert auto.encode(TEXT, add_special_tokens=False) == ids
   assert auto.decode(ids) == TEXT
   for name in ("<|open|>", "<|end_of_msg|>", "[PAD]"):
-    assert auto.convert_tokens_to_ids(name) == tk.K3_SPECIAL_TOKENS[name]
+    assert auto.convert_tokens_to_ids(name) == tk.KIMI_SPECIAL_TOKENS[name]
   assert (auto.bos_token_id, auto.eos_token_id) == (163584, 163585)
   (out / "tiktoken.model").unlink()                      # now only tokenizer.json is left
   hf = tk.get_tokenizer(str(out))

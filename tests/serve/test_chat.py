@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from k3_jax.data.tokenizers import K3_SPECIAL_TOKENS, ByteTokenizer
+from k3_jax.data.tokenizers import KIMI_SPECIAL_TOKENS, ByteTokenizer
 from k3_jax.serve.chat import (BLOCKS, ChatError, K3Template, PlainTemplate, Rendered,
                                parse_assistant, render_conversation, template_for)
 
@@ -19,8 +19,8 @@ def spec_ids(tok, text):
   each run of text between them is encoded on its own (independent of chat.py)."""
   out = []
   for part in MARKER.split(text):
-    if part in K3_SPECIAL_TOKENS:
-      out.append(K3_SPECIAL_TOKENS[part])
+    if part in KIMI_SPECIAL_TOKENS:
+      out.append(KIMI_SPECIAL_TOKENS[part])
     elif part:
       out += tok.encode(part)
   return out
