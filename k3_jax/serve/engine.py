@@ -30,6 +30,7 @@ device step (any jitted call: it runs over the shared cache) or of the shared bo
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import math
@@ -82,17 +83,15 @@ def _guard(name: str, fn, seen: set):
   return call
 
 
+@contextlib.contextmanager
 def _shared(what: str):
   """A context in which any exception is a fault of the engine's shared state."""
-  class _Ctx:
-    def __enter__(self):
-      return self
-
-    def __exit__(self, kind, e, tb):
-      if e is not None and not isinstance(e, EngineFatal):
-        raise EngineFatal(f"{what} failed: {type(e).__name__}: {e}") from e
-      return False
-  return _Ctx()
+  try:
+    yield
+  except EngineFatal:
+    raise
+  except Exception as e:
+    raise EngineFatal(f"{what} failed: {type(e).__name__}: {e}") from e
 
 
 DECODE_MIN_PAGES = 8      # smallest decode attention window: 8 pages = 4,096 tokens

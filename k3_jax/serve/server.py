@@ -365,14 +365,13 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, start_loop: bool = 
     head = {"id": rid, "object": "text_completion", "created": int(time.time()),
             "model": model_name}
     prompt_tokens = sum(len(ids) for ids in prompts)
-    decode = (lambda ids: tokenizer.decode(ids)) if tokenizer is not None else (lambda ids: "")
 
     async def echoed(ids):
       """(prompt text, its logprobs object or None) for echo."""
       if len(ids) > engine.max_len:
         raise ApiError(400, f"the prompt has {len(ids)} tokens; this model's context is "
                        f"{engine.max_len} tokens", "prompt", code="context_length_exceeded")
-      text = decode(ids)
+      text = tokenizer.decode(ids)
       if k is None:
         return text, None
       rows = await asyncio.to_thread(prompt_rows, ids)
