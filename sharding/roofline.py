@@ -340,8 +340,8 @@ class _Walker:
           if called:
             out.add(self.cost(called), n)
       elif op == "conditional":
-        names = re.findall(r"%([\w.\-]+)", (re.search(r"branch_computations=\{([^}]*)\}",
-                                                      ins.attrs) or re.search("()", "")).group(1))
+        branches = re.search(r"branch_computations=\{([^}]*)\}", ins.attrs)
+        names = re.findall(r"%([\w.\-]+)", branches.group(1)) if branches else []
         names += [x for x in (_attr(ins.attrs, "true_computation"),
                               _attr(ins.attrs, "false_computation")) if x]
         if names:
