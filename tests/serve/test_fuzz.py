@@ -11,11 +11,10 @@ import time
 
 import httpx
 import pytest
+import schemathesis            # pinned: a missing one fails here, never skips
+from hypothesis import HealthCheck, Phase, given, settings
 
-schemathesis = pytest.importorskip("schemathesis")
-from hypothesis import HealthCheck, Phase, given, settings   # noqa: E402
-
-from tests.serve.serverproc import start_server   # noqa: E402
+from tests.serve.serverproc import start_server
 
 LAUNCH = """
 from k3_jax.serve.loader import ServeOptions, run_server
