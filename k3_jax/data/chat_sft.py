@@ -29,7 +29,7 @@ warning; a dataset where all are too long is refused. A conversation with no ass
 turn, or one using tools / tool calls / reasoning with a tokenizer that lacks the K3
 special tokens (which only the K3 template renders), is refused in one line naming it.
 Every conversation of this process's share is rendered when the job starts (the template is
-Python; about 10k conversations a second here).
+Python: about 6,600 conversations of 214 tokens, 1.4M tokens, a second on one core here).
 """
 
 from __future__ import annotations
@@ -72,6 +72,8 @@ def is_chat_jsonl(path: str) -> bool:
 
 
 def _checked(rec, where: str) -> dict:
+  if isinstance(rec, list):             # a bare messages list (a user's Parquet column)
+    rec = {"messages": rec}
   if not isinstance(rec, dict) or not isinstance(rec.get("messages"), list):
     raise UserError(f"{where}: expected a JSON object with a 'messages' list (a chat dataset "
                     f"holds conversations only; text lines go in a dataset of their own)")

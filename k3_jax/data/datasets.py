@@ -19,6 +19,8 @@ def train_data(cfg: ModelConfig, tc: TrainConfig, process_index: int = 0,
   Each process gets batch_size / process_count rows per batch (its rows of the global
   batch). Text datasets: "stdlib" uses its own train / eval split; a path holds out every
   50th document (at least one) for eval when it has more than one document, else no eval.
+  A .jsonl of chat conversations ({"messages": ...} lines) or a prepared directory of them
+  is chat SFT data (k3_jax/data/chat_sft.py: the loss on assistant tokens only).
   The iterator is checkpointable (get_state / set_state). `warn` receives data-size warnings
   (a dataset shorter than one sequence, nothing held out for eval)."""
   if tc.batch_size % process_count:

@@ -187,12 +187,13 @@ def _chat_file(path, n):
   return str(path)
 
 
-def test_prepared_chat_dir_gives_the_jsonl_batches(small_tok, tmp_path):
+@pytest.mark.parametrize("fmt", ["arrayrecord", "parquet"])
+def test_prepared_chat_dir_gives_the_jsonl_batches(small_tok, tmp_path, fmt):
   """The same train batches (3 of them) and eval batches from the .jsonl and from its
-  prepared directory (ArrayRecord, 3 shards), for each of 2 processes; resume is exact."""
+  prepared directory (3 shards), for each of 2 processes; resume is exact."""
   src = _chat_file(tmp_path / "chats.jsonl", 60)
   out = str(tmp_path / "prepared")
-  m = prepare.prepare(src, out, "byte", "arrayrecord", num_shards=3, progress=False)
+  m = prepare.prepare(src, out, "byte", fmt, num_shards=3, progress=False)
   assert m["kind"] == "messages" and m["splits"]["eval"]["documents"] == [2]
   cfg = apply_overrides(configs.get("k3_tiny"), [f"vocab_size={small_tok.vocab_size}"])
   tc = dataclasses.replace(configs.get_train("k3_tiny"), seq_len=128, batch_size=4,
