@@ -9,6 +9,8 @@
       -> shuffled (reshuffled each epoch), repeated
       -> first-fit packed whole into rows of seq_len + 1 tokens (grain), never split
       -> inputs, targets, segment ids, loss mask (pipeline.py's batch format)
+    eval: the held-out conversations packed in order into global batches (at most
+    eval_batches), each process taking its rows, so all evaluate the same batches
 
 A line is an object with `messages` (OpenAI chat messages; assistant turns may carry
 `reasoning_content` and `tool_calls`, tool results are `tool` messages), optionally `tools`
@@ -255,10 +257,12 @@ def chat_data(name: str, train: Sequence[Conversation], held_out: Sequence[Conve
       "tokenizer": repr(tokenizer),
       "process_index": process_index, "process_count": process_count,
       "dropped": r.dropped})
-  evals = []
-  if held_out and len(held_out) >= process_count:
-    e = render_all(tokenizer, held_out[process_index::process_count], seq_len)
-    evals = chat_eval_batches(e.examples, seq_len, per_host, eval_batches)
+  # eval: the global batches of every held-out conversation (a small set), sliced by
+  # process, so every process evaluates the same number of batches
+  e = render_all(tokenizer, held_out, seq_len)
+  n = per_host * process_count
+  evals = [{k: v[process_index * per_host:(process_index + 1) * per_host] for k, v in b.items()}
+           for b in chat_eval_batches(e.examples, seq_len, n, eval_batches)]
   return it, evals
 
 
