@@ -66,12 +66,14 @@ def _save_tokenizer(out: str) -> int:
   return tok.get_vocab_size()
 
 
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
+def build_dir(out: str) -> str:
+  """Saves the test model directory: the tokenizer, then a random transformers
+  KimiLinearForCausalLM (d 64, 4 layers: KDA x 3 + MLA, 8 experts top-2) over its
+  vocabulary, weights redrawn (tests/hf_reference.py), eos = <|endoftext|>. -> out.
+  docs/serving.md: python -c "from tests.serve.test_lm_eval import build_dir; build_dir('DIR')"."""
   import torch
   import transformers
   from tests.hf_reference import kimi_linear_config, redraw
-  out = str(tmp_path_factory.mktemp("lm_eval") / "kimi_linear")
   vocab = _save_tokenizer(out)
   eos = transformers.AutoTokenizer.from_pretrained(out).eos_token_id
   cfg = kimi_linear_config(vocab=vocab, d=64, dense=96, expert=32, layers=4, heads=2,
@@ -83,6 +85,11 @@ def hf_dir(tmp_path_factory):
   redraw(model, seed=1)
   model.save_pretrained(out)
   return out
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+  return build_dir(str(tmp_path_factory.mktemp("lm_eval") / "kimi_linear"))
 
 
 def _evaluate(model: str, model_args: dict, batch_size: int):
