@@ -127,10 +127,10 @@ def test_lm_eval_local_completions_matches_hf(hf_dir, tmp_path, monkeypatch):
   assert sorted(a) == sorted(b) == list(range(5))
   diffs, n = [], 0
   for i in a:
-    ra = [r[0] for r in a[i]["resps"]]
-    rb = [r[0] for r in b[i]["resps"]]
+    ra = [r[0][0] for r in a[i]["resps"]]
+    rb = [r[0][0] for r in b[i]["resps"]]
     assert len(ra) == len(rb) == len(a[i]["doc"]["choices"])
-    for (la, ga), (lb, gb) in zip(ra, rb):
+    for la, lb in zip(ra, rb):
       assert abs(la - lb) <= ATOL, (i, la, lb)
       assert la < -1e-3                        # a real score, not a constant
       diffs.append(abs(la - lb))
