@@ -71,22 +71,23 @@ def bench_ttft(config):
 def decode_step_time(eng, pos, runs):
   """Median seconds of the engine's decode step with one slot at context `pos`."""
   from k3_jax.serve.engine import DECODE_MIN_PAGES
+  from k3_jax.serve import steps
   from k3_jax.serve.kv_pages import PAGE
   b = eng.max_batch
   if not eng.tables[0].any():
     eng.tables[0] = eng.pool.alloc(eng.pages_per_slot)
   need = pos // PAGE + 1
   bucket = min(eng.pages_per_slot, max(DECODE_MIN_PAGES, 1 << (need - 1).bit_length()))
-  args = lambda: (eng.params, eng.rest, eng.cache, eng.counts, np.zeros(b, np.int32),
-                  np.full(b, pos, np.int32), eng.tables[:, :bucket].copy(), np.ones(b, bool),
-                  np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, np.float32),
-                  np.ones(b, np.float32), np.zeros(b, np.float32), np.zeros(b, np.float32))
+  z, zf = np.zeros(b, np.int32), np.zeros(b, np.float32)
+  sampling = steps.Sampling(z, z, zf, np.ones(b, np.float32), zf, zf, eng._no_bias[b])
+  batch = lambda: steps.DecodeBatch(z, np.full(b, pos, np.int32), eng.tables[:, :bucket].copy(),
+                                    np.ones(b, bool), sampling)
   times = []
   for i in range(runs + 1):                       # the first call compiles
     t0 = time.perf_counter()
-    out = eng._decode(*args())
+    out = eng._steps.decode(eng.params, eng.rest, eng.cache, eng.counts, batch())
     jax.block_until_ready(out)
-    eng.cache, eng.counts = out[2], out[3]
+    eng.cache, eng.counts = out[1], out[2]
     if i:
       times.append(time.perf_counter() - t0)
   return statistics.median(times)

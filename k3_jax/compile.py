@@ -15,10 +15,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3_jax import train
-from k3_jax.cache import MLACache, ModelCache
+from k3_jax.cache import MLACache, ModelCache, PagedMLACache
 from k3_jax.config import (EXPERT_FORMATS, ConfigError, ModelConfig, PodLayout, TrainConfig,
                            validate, validate_train)
-from k3_jax.model import create_model, decode_step, param_counts, prefill
+from k3_jax.model import create_model, param_counts, prefill
 from k3_jax.serve.pack import pack_routed_experts
 from k3_jax.stack import map_cache
 from sharding import aot
@@ -110,7 +110,9 @@ def compile_step(cfg: ModelConfig, tc: TrainConfig, target: Target, step: str,
   if step == "decode" and length > cfg.max_seq_len:
     raise ConfigError(f"cache_len={length} exceeds max_seq_len={cfg.max_seq_len}")
   fn, args = _serving_program(cfg, mesh, step, batch, seq, length, expert_format)
-  report.update(cache_len=length, expert_format=expert_format)
+  report.update(cache_len=length, expert_format=expert_format,
+                step_function=("k3_jax.serve.steps.decode_step (the engine's, paged cache)"
+                               if step == "decode" else "k3_jax.model.prefill"))
   tokens = batch if step == "decode" else batch * seq
   _, rep = aot.compile_report(fn, args, target.chip_hbm_bytes, target.generation,
                               model_flops(cfg, step, tokens, target.chips))
@@ -223,14 +225,7 @@ def _serving_program(cfg: ModelConfig, mesh, step: str, batch: int, seq: int, le
   p_args = (aot.with_shardings(params, p_sh), aot.with_shardings(rest, r_sh))
   par = parallel_for(mesh)     # built per call, for this mesh: no compile is shared across meshes
   if step == "decode":
-    def run(params, rest, cache, token):
-      return decode_step(nnx.merge(graphdef, params, rest), cache, token, par=par)
-    tok = jax.ShapeDtypeStruct((batch,), jnp.int32)
-    tok_sh = aot.batch_shardings(tok, mesh, 0)
-    fn = jax.jit(run, in_shardings=(p_sh, r_sh, c_sh, tok_sh), out_shardings=(logits_sh, c_sh),
-                 donate_argnums=(2,))
-    return fn, (*p_args, aot.with_shardings(cache, c_sh),
-                jax.ShapeDtypeStruct(tok.shape, tok.dtype, sharding=tok_sh))
+    return _paged_decode_program(cfg, mesh, graphdef, par, p_args, (p_sh, r_sh), batch, length)
 
   def run(params, rest, tokens):
     logits, cache = prefill(nnx.merge(graphdef, params, rest), tokens, length,
@@ -240,6 +235,55 @@ def _serving_program(cfg: ModelConfig, mesh, step: str, batch: int, seq: int, le
   t_sh = aot.batch_shardings(toks, mesh, 0)
   fn = jax.jit(run, in_shardings=(p_sh, r_sh, t_sh), out_shardings=(logits_sh, c_sh))
   return fn, (*p_args, jax.ShapeDtypeStruct(toks.shape, toks.dtype, sharding=t_sh))
+
+
+def _paged_decode_program(cfg: ModelConfig, mesh, graphdef, par, p_args, p_shardings,
+                          batch: int, length: int):
+  """(jitted serve.steps.decode_step, abstract sharded args): the engine's decode over its
+  paged cache (every slot at up to `length` tokens: ceil(length / 512) pages each plus the
+  null page, rounded up to a multiple of the mesh so the page axis splits evenly), with the
+  per-slot sampling inputs (a logit bias row per slot) and the cache and counts donated."""
+  from k3_jax.serve import steps
+  from k3_jax.serve.kv_pages import PAGE
+  per_slot = -(-length // PAGE)
+  pages = -(-(1 + batch * per_slot) // mesh.size) * mesh.size
+  cache = jax.eval_shape(lambda: create_model(cfg, mode="abstract").init_paged_cache(
+      batch, pages, PAGE))
+  c_sh = paged_cache_shardings(cache, mesh)
+  b = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)
+  i32, f32 = jnp.int32, jnp.float32
+  sampling = steps.Sampling(b((batch,), i32), b((batch,), i32), b((batch,), f32),
+                            b((batch,), f32), b((batch,), f32), b((batch,), f32),
+                            b((batch, cfg.vocab_size), f32))
+  dbatch = steps.DecodeBatch(b((batch,), i32), b((batch,), i32), b((batch, per_slot), i32),
+                             b((batch,), jnp.bool_), sampling)
+  counts = b((batch, cfg.vocab_size), i32)
+  d_sh, n_sh = aot.batch_shardings(dbatch, mesh, 0), aot.batch_shardings(counts, mesh, 0)
+  out_sh = aot.batch_shardings(jax.eval_shape(
+      lambda: steps.Sampled(*(jnp.zeros(s, d) for s, d in (
+          ((batch,), i32), ((batch,), f32), ((batch, steps.TOP_K), i32),
+          ((batch, steps.TOP_K), f32), ((batch, cfg.vocab_size), f32))))), mesh, 0)
+  fn = jax.jit(steps.bind(steps.decode_step, graphdef, par),
+               in_shardings=(*p_shardings, c_sh, n_sh, d_sh), out_shardings=(out_sh, c_sh, n_sh),
+               donate_argnums=(2, 3))
+  return fn, (*p_args, aot.with_shardings(cache, c_sh), aot.with_shardings(counts, n_sh),
+              aot.with_shardings(dbatch, d_sh))
+
+
+def paged_cache_shardings(cache: ModelCache, mesh) -> ModelCache:
+  """Shardings of the serving (paged) cache: KDA states on their batch axis; each MLA page
+  pool [(R,) N, P, X] split on its page axis over every mesh axis (N a multiple of the
+  mesh size); the per-slot positions on the batch."""
+  from jax.sharding import NamedSharding, PartitionSpec
+  axes = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1) or None
+
+  def one(e, axis):
+    if not isinstance(e, PagedMLACache):
+      return aot.batch_shardings(e, mesh, axis)
+    spec = lambda a: NamedSharding(mesh, PartitionSpec(*(axes if i == axis else None
+                                                          for i in range(a.ndim))))
+    return PagedMLACache(c_kv=spec(e.c_kv), k_r=spec(e.k_r), page_table=None)
+  return map_cache(one, cache, pos=aot.batch_shardings(cache.pos, mesh, 0))
 
 
 def cache_shardings(cache: ModelCache, mesh) -> ModelCache:

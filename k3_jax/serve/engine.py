@@ -51,7 +51,7 @@ from k3_jax.partitioning import SINGLE
 from k3_jax.serve import kv_pages as kv
 from k3_jax.serve.kv_pages import PAGE, PagePool
 from k3_jax.serve.prefix_cache import PrefixCache, block_hashes, image_salts
-from k3_jax.serve.sampling import sample_rows
+from k3_jax.serve import steps
 from k3_jax.stack import cache_leaves
 from k3_jax.serve.scheduler import (EngineFatal, QueueFull, Request, RequestError,
                                     SamplingParams, checkpoint_boundaries, prefill_plan)
@@ -63,7 +63,9 @@ def _guard(name: str, fn, seen: set):
   """fn (a jitted step) whose exceptions become EngineFatal (they hit the shared cache), and
   which logs the first call of each new argument shape (a compile) with its duration."""
   def call(*args):
-    key = (name,) + tuple(getattr(a, "shape", None) for a in args if hasattr(a, "shape"))
+    key = (name,) + tuple(getattr(x, "shape", None) for a in args
+                          for x in (jax.tree.leaves(a) if isinstance(a, steps.DecodeBatch)
+                                    else [a]) if hasattr(x, "shape"))
     new = key not in seen
     t0 = time.monotonic()
     if new:
@@ -92,6 +94,18 @@ def _shared(what: str):
     raise
   except Exception as e:
     raise EngineFatal(f"{what} failed: {type(e).__name__}: {e}") from e
+
+
+class _HostSampled:
+  """A step's Sampled read back to the host: the ids always, the rest only when one of
+  `reqs` wants it (logits, logprobs)."""
+
+  def __init__(self, got: steps.Sampled, reqs: list[Request]):
+    self.ids = np.asarray(got.ids)
+    self.logits = np.asarray(got.logits) if any(r.record_logits for r in reqs) else None
+    if any(r.params.logprobs is not None for r in reqs):
+      self.logprob, self.top_ids, self.top_logprobs = (
+          np.asarray(a) for a in (got.logprob, got.top_ids, got.top_logprobs))
 
 
 DECODE_MIN_PAGES = 8      # smallest decode attention window: 8 pages = 4,096 tokens
@@ -169,79 +183,21 @@ class Engine:
     return parallel_for(self.mesh)
 
   def _build_steps(self):
-    # The jitted steps belong to this engine and close over its parallel setup: another
-    # mesh is another engine, with its own compiles.
-    graphdef = self.graphdef
-    self.par = par = self._parallel()
-
-    def prefill(params, rest, cache, slot, tokens, pos, table_row, feats=None):
-      """tokens [T] at positions pos + [0, T) of slot `slot` -> (last logits [V], cache).
-      feats [T, D]: the features of the piece's image placeholders, in order (models with a
-      tower; zeros for a piece without placeholders)."""
-      model = nnx.merge(graphdef, params, rest)
-      states = kv.kda_states(cache)
-      sub = kv.with_kda_states(cache, kv.take_rows(states, slot[None]))
-      sub = kv.with_pages(sub, pos[None], table_row[None])
-      logits, new, _ = model(tokens[None], cache=sub, image_features=feats, last_only=True,
-                             par=par)
-      new = kv.without_pages(new)
-      out = kv.with_kda_states(new, kv.put_rows(states, slot[None], kv.kda_states(new)))
-      out = out.replace(pos=cache.pos)
-      return logits[0, -1], out
-
-    def decode(params, rest, cache, counts, tokens, pos, tables, active, seeds, steps, temp,
-               top_p, presence, frequency):
-      """One token for every slot: tokens/pos/active [B], tables [B, M] -> (next [B],
-      logits [B, V], cache, counts). Idle slots keep their KDA state."""
-      model = nnx.merge(graphdef, params, rest)
-      states = kv.kda_states(cache)
-      logits, new, _ = model(tokens[:, None], cache=kv.with_pages(cache, pos, tables), par=par)
-      new = kv.without_pages(new)
-      out = kv.with_kda_states(new, kv.select_rows(active, kv.kda_states(new), states))
-      out = out.replace(pos=cache.pos)
-      logits = logits[:, 0]
-      nxt = sample_rows(logits, counts, seeds, steps, temp, top_p, presence, frequency)
-      counts = counts.at[jnp.arange(nxt.shape[0]), nxt].add(active.astype(jnp.int32))
-      return nxt, logits, out, counts
-
-    def first_token(logits, counts, slot, seed, temp, top_p):
-      """The token sampled from the prompt's last logits (nothing generated yet, so no
-      penalty applies), counted in the slot's generated-token counts like every later one."""
-      zeros = jnp.zeros((1, logits.shape[-1]), jnp.int32)
-      z = jnp.zeros((1,), jnp.float32)
-      tok = sample_rows(logits[None], zeros, seed[None], jnp.zeros((1,), jnp.int32),
-                        temp[None], top_p[None], z, z)[0]
-      return tok, counts.at[slot, tok].add(1)
-
-    def load_slot(cache, ckpts, slot, c):
-      states = kv.put_rows(kv.kda_states(cache), slot[None], kv.take_rows(ckpts, c[None]))
-      return kv.with_kda_states(cache, states)
-
-    def zero_slot(cache, counts, slot):
-      states = kv.kda_states(cache)
-      states = kv.put_rows(states, slot[None], kv.zeros_rows(states, 1))
-      return kv.with_kda_states(cache, states), counts.at[slot].set(0)
-
-    def save_ckpt(ckpts, cache, slot, c):
-      return kv.put_rows(ckpts, c[None], kv.take_rows(kv.kda_states(cache), slot[None]))
-
-    def encode(params, rest, images):
-      """packed images -> projected features [M, D] f32 (one dtype for every prefill)."""
-      return nnx.merge(graphdef, params, rest).vision(images).astype(jnp.float32)
-
+    # The jitted steps (steps.py) belong to this engine and close over its parallel setup:
+    # another mesh is another engine, with its own compiles.
+    self.par = self._parallel()
     seen = self._compiled = set()
-    self._prefill = _guard("prefill", jax.jit(prefill, donate_argnums=(2,)), seen)
-    self._decode = _guard("decode", jax.jit(decode, donate_argnums=(2, 3)), seen)
-    self._first_token = _guard("first_token", jax.jit(first_token, donate_argnums=(1,)), seen)
-    self._load_slot = _guard("load_slot", jax.jit(load_slot, donate_argnums=(0,)), seen)
-    self._zero_slot = _guard("zero_slot", jax.jit(zero_slot, donate_argnums=(0, 1)), seen)
-    self._save_ckpt = _guard("save_ckpt", jax.jit(save_ckpt, donate_argnums=(0,)), seen)
-    self._encode = _guard("encode", jax.jit(encode), seen)
+    jitted = steps.jit_steps(self.graphdef, self.par)
+    self._steps = steps.Steps(*(_guard(name, fn, seen)
+                                for name, fn in zip(steps.Steps._fields, jitted)))
+    v = self.cfg.vocab_size
+    self._no_bias = {1: jnp.zeros((1, v), jnp.float32),
+                     self.max_batch: jnp.zeros((self.max_batch, v), jnp.float32)}
 
   # ----- submission ---------------------------------------------------------------------
   def validate(self, prompt_ids, params: SamplingParams, openai_ranges: bool = True,
                images: dict | None = None) -> np.ndarray:
-    params.validate(openai_ranges)
+    params.validate(openai_ranges, self.cfg.vocab_size)
     if np.size(prompt_ids) == 0:
       raise RequestError("the prompt is empty: give at least one token")
     try:
@@ -435,9 +391,10 @@ class Engine:
         self.waiting.popleft()
         slot = self.free_slots.pop()
       # A fresh slot may still hold another request's state: always overwrite all of it.
-      self.cache, self.counts = self._zero_slot(self.cache, self.counts, jnp.int32(slot))
+      self.cache, self.counts = self._steps.zero_slot(self.cache, self.counts, jnp.int32(slot))
       if ckpt is not None:
-        self.cache = self._load_slot(self.cache, self.ckpts, jnp.int32(slot), jnp.int32(ckpt))
+        self.cache = self._steps.load_slot(self.cache, self.ckpts, jnp.int32(slot),
+                                           jnp.int32(ckpt))
       if self.prefix is not None:
         self.prefix.unpin_ckpt(ckpt)
         if r.use_prefix_cache:
@@ -460,22 +417,20 @@ class Engine:
     table_row = jnp.asarray(self.tables[r.slot])
     for size in prefill_plan(r.pos, n, max(PAGE, budget // PAGE * PAGE)):
       tokens = jnp.asarray(r.prompt[r.pos:r.pos + size])
-      logits, self.cache = self._prefill(self.params, self.rest, self.cache, jnp.int32(r.slot),
-                                         tokens, jnp.int32(r.pos), table_row,
-                                         self._piece_features(r, size))
+      logits, self.cache = self._steps.prefill(self.params, self.rest, self.cache,
+                                               jnp.int32(r.slot), tokens, jnp.int32(r.pos),
+                                               table_row, self._piece_features(r, size))
       r.pos += size
     if self.prefix is not None:
       with self.lock, _shared("the prefix cache bookkeeping"):
         self._register(r)
     if r.pos == n:
       r.features = r.images = None                    # the prompt is in the cache now
-      tok, self.counts = self._first_token(logits, self.counts, jnp.int32(r.slot),
-                                           jnp.int32(r.seed), jnp.float32(r.params.temperature),
-                                           jnp.float32(r.params.top_p))
-      if r.record_logits:
-        r.logits.append(np.asarray(logits))
+      got, self.counts = self._steps.first_token(
+          logits, self.counts, jnp.int32(r.slot),
+          self._sampling([r], 1, self._biases([r]), first=True))
       r.state = "decode"
-      self._emit(r, int(tok))
+      self._take(r, got, 0)
     return r.pos - start
 
   def _piece_features(self, r: Request, size: int):
@@ -488,7 +443,8 @@ class Engine:
     if r.images is None or not np.any(piece == v.image_token_id):
       return jnp.zeros((size, self.cfg.d_model), jnp.float32)
     if r.features is None:                            # the tower runs once per request
-      r.features = self._encode(self.params, self.rest, jax.tree.map(jnp.asarray, r.images))
+      r.features = self._steps.encode(self.params, self.rest,
+                                      jax.tree.map(jnp.asarray, r.images))
     done = int(np.count_nonzero(r.prompt[:r.pos] == v.image_token_id))
     rows = np.minimum(done + np.arange(size), r.features.shape[0] - 1)
     return r.features[jnp.asarray(rows)]
@@ -506,44 +462,94 @@ class Engine:
         and r.registered * PAGE >= r.pos:
       c = self.prefix.alloc_checkpoint(r.hashes[r.pos // PAGE - 1])
       if c is not None:
-        self.ckpts = self._save_ckpt(self.ckpts, self.cache, jnp.int32(r.slot), jnp.int32(c))
+        self.ckpts = self._steps.save_ckpt(self.ckpts, self.cache, jnp.int32(r.slot),
+                                           jnp.int32(c))
+
+  def _sampling(self, reqs: list[Request], rows: int, biases: dict | None = None,
+                first: bool = False) -> steps.Sampling:
+    """The Sampling rows of `reqs` at their slots (row 0 when `first`: the prompt's first
+    token, which no penalty touches). biases: request id -> its bias row (_bias_row); with
+    none the bias is a zeros array kept on the device."""
+    seeds, n = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
+    temp, top_p = np.zeros(rows, np.float32), np.ones(rows, np.float32)
+    pres, freq = np.zeros(rows, np.float32), np.zeros(rows, np.float32)
+    bias = np.zeros((rows, self.cfg.vocab_size), np.float32) if biases else None
+    for r in reqs:
+      s, p = (0 if first else r.slot), r.params
+      seeds[s], n[s], temp[s], top_p[s] = r.seed, len(r.output_ids), p.temperature, p.top_p
+      if not first:
+        pres[s], freq[s] = p.presence_penalty, p.frequency_penalty
+      if biases and r.id in biases:
+        bias[s] = biases[r.id]
+    return steps.Sampling(seeds, n, temp, top_p, pres, freq,
+                          self._no_bias[rows] if bias is None else bias)
+
+  def _biases(self, reqs: list[Request]) -> dict:
+    """request id -> bias row, for the requests with a logit_bias or a constraint."""
+    return {r.id: self._bias_row(r) for r in reqs
+            if r.params.logit_bias or r.constraint is not None}
+
+  def _bias_row(self, r: Request) -> np.ndarray:
+    """[V] f32: the request's logit_bias, and -inf where its constraint forbids a token."""
+    row = np.zeros(self.cfg.vocab_size, np.float32)
+    for tid, v in r.params.logit_bias:
+      row[tid] += v
+    if r.constraint is not None:
+      allowed = np.asarray(r.constraint.allowed(), bool)
+      if allowed.shape != row.shape or not allowed.any():
+        raise RuntimeError(f"the request's constraint allows {int(allowed.sum())} of "
+                           f"{allowed.size} tokens over a vocabulary of {row.size}")
+      row[~allowed] = -np.inf
+    return row
 
   def _decode_all(self, dec: list[Request]) -> None:
     b = self.max_batch
-    tokens, pos = np.zeros(b, np.int32), np.zeros(b, np.int32)
-    active, seeds, steps = np.zeros(b, bool), np.zeros(b, np.int32), np.zeros(b, np.int32)
-    temp, top_p = np.zeros(b, np.float32), np.ones(b, np.float32)
-    pres, freq = np.zeros(b, np.float32), np.zeros(b, np.float32)
+    tokens, pos, active = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, bool)
     tables = np.zeros_like(self.tables)               # idle rows: the null page
+    biases = {}
+    for r in list(dec):          # a request's own fault (e.g. its constraint) fails it alone
+      try:
+        biases.update(self._biases([r]))
+      except EngineFatal:
+        raise
+      except Exception as e:
+        self._fail(r, e)
+        dec.remove(r)
+    if not dec:
+      return
+    sampling = self._sampling(dec, b, biases)
     for r in dec:
-      s, p = r.slot, r.params
-      tokens[s], pos[s], active[s] = r.last_token, r.pos, True
-      seeds[s], steps[s] = r.seed, len(r.output_ids)
-      temp[s], top_p[s] = p.temperature, p.top_p
-      pres[s], freq[s] = p.presence_penalty, p.frequency_penalty
-      tables[s] = self.tables[s]
+      tokens[r.slot], pos[r.slot], active[r.slot] = r.last_token, r.pos, True
+      tables[r.slot] = self.tables[r.slot]
     # Attend over a power-of-two bucket of pages that covers the longest active sequence
     # (at least DECODE_MIN_PAGES), not the whole max_len: short requests on a long-context
     # engine stay cheap, and only log2(max_len / 4K) decode shapes ever compile.
     need = max(r.pos // PAGE + 1 for r in dec)
     bucket = min(self.pages_per_slot, max(DECODE_MIN_PAGES, 1 << (need - 1).bit_length()))
-    tables = tables[:, :bucket]
-    nxt, logits, self.cache, self.counts = self._decode(
-        self.params, self.rest, self.cache, self.counts, tokens, pos, tables, active, seeds,
-        steps, temp, top_p, pres, freq)
-    nxt = np.asarray(nxt)
-    want = [r for r in dec if r.record_logits]
-    host_logits = np.asarray(logits) if want else None
+    batch = steps.DecodeBatch(tokens, pos, tables[:, :bucket], active, sampling)
+    got, self.cache, self.counts = self._steps.decode(self.params, self.rest, self.cache,
+                                                      self.counts, batch)
+    host = _HostSampled(got, dec)
     for r in dec:
       r.pos += 1
       try:
-        if r.record_logits:
-          r.logits.append(host_logits[r.slot])
-        self._emit(r, int(nxt[r.slot]))
+        self._take(r, host, r.slot)
       except EngineFatal:
         raise
       except Exception as e:
         self._fail(r, e)
+
+  def _take(self, r: Request, got, row: int) -> None:
+    """Records what the step sampled for `r` at `row` (logits, logprobs), then emits it."""
+    host = got if isinstance(got, _HostSampled) else _HostSampled(got, [r])
+    if r.record_logits:
+      r.logits.append(host.logits[row])
+    k = r.params.logprobs
+    if k is not None:
+      r.token_logprobs.append(float(host.logprob[row]))
+      r.top_logprobs.append([(int(i), float(v)) for i, v in
+                             zip(host.top_ids[row, :k], host.top_logprobs[row, :k])])
+    self._emit(r, int(host.ids[row]))
 
   # ----- output -------------------------------------------------------------------------
   def _emit(self, r: Request, tid: int) -> None:
@@ -553,9 +559,9 @@ class Engine:
     r.output_ids.append(tid)
     r.last_token = tid
     self.generated_tokens += 1
-    finish = None
+    finish, flush = None, True
     if tid in r.params.stop_ids:
-      finish = "stop"
+      finish, flush = "stop", False
     elif r.decoder is not None:
       start = max(0, len(r.text) - max((len(s) for s in r.params.stop), default=0))
       # an id past the tokenizer's vocabulary (a model vocab larger than the tokenizer's)
@@ -566,12 +572,16 @@ class Engine:
       for s in r.params.stop:
         i = r.text.find(s, start)
         if i >= 0:
-          r.text, finish = r.text[:i], "stop"
+          r.text, finish, flush = r.text[:i], "stop", False
           break
+    if r.constraint is not None:          # the grammar sees every sampled token
+      r.constraint.advance(tid)
+      if finish is None and r.constraint.is_done():
+        finish = "stop"
     if finish is None and len(r.output_ids) >= r.params.max_tokens:
       finish = "length"
     if finish is not None:
-      if r.decoder is not None and finish == "length":
+      if r.decoder is not None and flush:
         r.text += r.decoder.flush()
       with self.lock:
         self._finish(r, finish)

@@ -17,6 +17,8 @@ import numpy as np
 from k3_jax.config import UserError
 from k3_jax.serve.kv_pages import PAGE
 
+TOP_LOGPROBS = 5    # the most alternatives a token's logprobs list (= steps.TOP_K)
+
 
 class RequestError(UserError):
   """A request the engine refuses (the server answers 400)."""
@@ -41,10 +43,29 @@ class SamplingParams:
   seed: int | None = None             # None: a fresh random seed
   stop: tuple[str, ...] = ()          # stop strings (not included in the text)
   stop_ids: tuple[int, ...] = ()      # stop token ids (counted, not included in the text)
+  logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias added to its logit)
+  logprobs: int | None = None         # None, or 0-5: the sampled token's log-probability and
+                                      # that many most likely alternatives, per token
 
-  def validate(self, openai_ranges: bool = True) -> None:
-    """RequestError naming the bad field. openai_ranges: penalties within [-2, 2] (the API's
-    contract); else any finite value."""
+  def validate(self, openai_ranges: bool = True, vocab_size: int | None = None) -> None:
+    """RequestError naming the bad field. openai_ranges: penalties within [-2, 2] and
+    logit_bias within [-100, 100] (the API's contract); else any finite value. vocab_size:
+    the model's, which logit_bias ids must lie below."""
+    self._validate(openai_ranges)
+    if self.logprobs is not None and not (isinstance(self.logprobs, int)
+                                          and 0 <= self.logprobs <= TOP_LOGPROBS):
+      raise RequestError(f"logprobs={self.logprobs!r} must be an integer in "
+                         f"[0, {TOP_LOGPROBS}]")
+    for tid, v in self.logit_bias:
+      if not isinstance(tid, (int, np.integer)) or tid < 0 or (
+          vocab_size is not None and tid >= vocab_size):
+        raise RequestError(f"logit_bias token id {tid!r} is not in the vocabulary "
+                           f"[0, {vocab_size})")
+      if not (-100.0 <= v <= 100.0 if openai_ranges else math.isfinite(v)):
+        raise RequestError(f"logit_bias[{tid}]={v} must lie in [-100, 100]" if openai_ranges
+                           else f"logit_bias[{tid}]={v} must be finite")
+
+  def _validate(self, openai_ranges: bool) -> None:
     if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
       raise RequestError(f"max_tokens={self.max_tokens!r} must be a positive integer")
     if not self.temperature >= 0:
@@ -73,6 +94,8 @@ class Request:
   images: dict | None = None         # packed images (data/images.pack_images) whose features
                                      # take the prompt's placeholders, in order
   timeout: float | None = None       # seconds from arrival; then the engine fails it
+  constraint: object = None          # a grammar (grammar.py): allowed() -> bool [V] before
+                                     # each token, advance(id) after, is_done() -> finished
   id: int = dataclasses.field(default_factory=lambda: next(_ids))
   # ----- engine-owned state ---------------------------------------------------------
   state: str = "waiting"             # waiting | prefill | decode | done
@@ -94,6 +117,8 @@ class Request:
   cancelled: bool = False
   seed: int = 0
   logits: list = dataclasses.field(default_factory=list)
+  token_logprobs: list = dataclasses.field(default_factory=list)  # (params.logprobs set)
+  top_logprobs: list = dataclasses.field(default_factory=list)    # [[(id, logprob)], ...]
   arrival: float = dataclasses.field(default_factory=time.monotonic)
   first_token_at: float | None = None
   done_event: threading.Event = dataclasses.field(default_factory=threading.Event)

@@ -10,19 +10,15 @@ Tolerance: none (np.array_equal on float32 logits).
 import numpy as np
 import pytest
 
-from k3_jax import train
-from k3_jax.model import create_model
-from k3_jax.serve.engine import Engine, SamplingParams
-from tests.serve.test_engine import prompt_of, tiny_serving_config
+from k3_jax.serve.engine import SamplingParams
+from tests.serve.test_engine import prompt_of
 
 SLOTS = 8
 
 
 @pytest.fixture(scope="module")
-def engine():
-  cfg = tiny_serving_config()
-  g, p, r = train.split_model(create_model(cfg, seed=3))
-  return Engine(cfg, g, p, r, max_batch=SLOTS, prefix_cache_bytes=0, max_len=512)
+def engine(engine8):
+  return engine8
 
 
 def _run(eng, prompts, slots):

@@ -1,0 +1,182 @@
+"""The serving steps: module-level pure functions over (params, cache, batch).
+
+The engine (engine.py) runs these, jitted by `jit_steps`, and `compile --step=decode` lowers
+the same `decode_step` on the same paged cache (k3_jax/compile.py), so the program whose
+memory and roofline `compile` reports is the program `serve` runs.
+
+    prefill_step  one prompt piece of one slot: tokens [T] at positions pos + [0, T)
+                  -> (the last position's logits [V], cache)
+    decode_step   one token for every slot (idle ones masked) -> (Sampled, cache, counts)
+    first_token   the token sampled from a prompt's last logits -> (Sampled, counts)
+    zero_slot / load_slot / save_ckpt   a slot's KDA state: zeroed, loaded from or saved to
+                  a prefix-cache checkpoint row
+    encode        packed images -> projected features (models with a vision tower)
+
+Sampling happens inside the step (sample_rows): per-slot parameters arrive as a `Sampling`
+pytree whose `bias` [B, V] is added to the logits first (the API's logit_bias, and -inf
+where a slot's grammar forbids a token); each step also returns, of the model's own
+distribution (log-softmax of the unbiased logits), the sampled token's log-probability and
+the TOP_K most likely tokens, so logprobs cost no second pass.
+
+`graphdef` (nnx) and `par` (the parallel setup, k3_jax/partitioning.py) are the static
+part: jit_steps closes over them, one set of compiled steps per (model, mesh).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3_jax.cache import ModelCache
+from k3_jax.serve import kv_pages as kv
+from k3_jax.serve.sampling import sample_rows
+
+TOP_K = 5            # alternatives returned per token (the API's logprobs range is 0-5)
+
+
+def _pytree(cls):
+  return jax.tree_util.register_dataclass(dataclasses.dataclass(frozen=True)(cls))
+
+
+@_pytree
+class Sampling:
+  """Per-row sampling parameters, every field [B] (bias [B, V])."""
+  seeds: jax.Array          # int32: the request's seed
+  steps: jax.Array          # int32: tokens it has generated (the key is seed folded with it)
+  temperature: jax.Array    # f32, 0 = greedy
+  top_p: jax.Array          # f32
+  presence: jax.Array       # f32 penalties over the generated tokens (sampling.penalize)
+  frequency: jax.Array
+  bias: jax.Array           # f32 [B, V], added to the logits (-inf: never sampled)
+
+
+@_pytree
+class DecodeBatch:
+  """One decode step's input: a token per slot."""
+  tokens: jax.Array         # int32 [B]: each slot's last token
+  pos: jax.Array            # int32 [B]: its position
+  tables: jax.Array         # int32 [B, M]: its page table (idle rows: the null page)
+  active: jax.Array         # bool [B]: idle slots keep their KDA state
+  sampling: Sampling
+
+
+@_pytree
+class Sampled:
+  """What a step sampled, per row, with the model's own log-probabilities."""
+  ids: jax.Array            # int32 [B]
+  logprob: jax.Array        # f32 [B]: log p(ids) under log_softmax(logits)
+  top_ids: jax.Array        # int32 [B, TOP_K], most likely first
+  top_logprobs: jax.Array   # f32 [B, TOP_K]
+  logits: jax.Array         # f32 [B, V]: the model's logits (before bias and penalties)
+
+
+def sample_logits(logits: jax.Array, counts: jax.Array, s: Sampling) -> Sampled:
+  """logits [B, V] -> Sampled: penalties over `counts` [B, V], `bias`, temperature / top-p
+  with per-row keys (sampling.sample_rows)."""
+  raw = logits.astype(jnp.float32)
+  ids = sample_rows(raw + s.bias, counts, s.seeds, s.steps, s.temperature, s.top_p,
+                    s.presence, s.frequency)
+  lp = jax.nn.log_softmax(raw, axis=-1)
+  top_lp, top_ids = jax.lax.top_k(lp, min(TOP_K, lp.shape[-1]))
+  chosen = jnp.take_along_axis(lp, ids[:, None], axis=-1)[:, 0]
+  return Sampled(ids, chosen, top_ids.astype(jnp.int32), top_lp, raw)
+
+
+def prefill_step(graphdef, par, params, rest, cache: ModelCache, slot, tokens, pos, table_row,
+                 feats=None):
+  """tokens [T] at positions pos + [0, T) of slot `slot` -> (last logits [V], cache).
+  feats [T, D]: the features of the piece's image placeholders, in order (models with a
+  tower; zeros for a piece without placeholders)."""
+  model = nnx.merge(graphdef, params, rest)
+  states = kv.kda_states(cache)
+  sub = kv.with_kda_states(cache, kv.take_rows(states, slot[None]))
+  sub = kv.with_pages(sub, pos[None], table_row[None])
+  logits, new, _ = model(tokens[None], cache=sub, image_features=feats, last_only=True, par=par)
+  new = kv.without_pages(new)
+  out = kv.with_kda_states(new, kv.put_rows(states, slot[None], kv.kda_states(new)))
+  return logits[0, -1], out.replace(pos=cache.pos)
+
+
+def decode_step(graphdef, par, params, rest, cache: ModelCache, counts, batch: DecodeBatch):
+  """One token for every slot -> (Sampled [B], cache, counts). Idle slots keep their KDA
+  state and write their MLA latents to the null page; `counts` [B, V] (each slot's
+  generated-token counts, for the penalties) gains the active slots' new tokens."""
+  model = nnx.merge(graphdef, params, rest)
+  states = kv.kda_states(cache)
+  logits, new, _ = model(batch.tokens[:, None], cache=kv.with_pages(cache, batch.pos,
+                                                                     batch.tables), par=par)
+  new = kv.without_pages(new)
+  out = kv.with_kda_states(new, kv.select_rows(batch.active, kv.kda_states(new), states))
+  out = out.replace(pos=cache.pos)
+  got = sample_logits(logits[:, 0], counts, batch.sampling)
+  counts = counts.at[jnp.arange(got.ids.shape[0]), got.ids].add(batch.active.astype(jnp.int32))
+  return got, out, counts
+
+
+def first_token(logits, counts, slot, sampling: Sampling):
+  """The token sampled from the prompt's last logits [V] (nothing generated yet, so no
+  penalty applies; `sampling` has one row), counted in the slot's generated-token counts
+  like every later one. -> (Sampled [1], counts)."""
+  got = sample_logits(logits[None], jnp.zeros((1, logits.shape[-1]), jnp.int32), sampling)
+  return got, counts.at[slot, got.ids[0]].add(1)
+
+
+def load_slot(cache, ckpts, slot, c):
+  states = kv.put_rows(kv.kda_states(cache), slot[None], kv.take_rows(ckpts, c[None]))
+  return kv.with_kda_states(cache, states)
+
+
+def zero_slot(cache, counts, slot):
+  states = kv.kda_states(cache)
+  states = kv.put_rows(states, slot[None], kv.zeros_rows(states, 1))
+  return kv.with_kda_states(cache, states), counts.at[slot].set(0)
+
+
+def save_ckpt(ckpts, cache, slot, c):
+  return kv.put_rows(ckpts, c[None], kv.take_rows(kv.kda_states(cache), slot[None]))
+
+
+def encode(graphdef, params, rest, images):
+  """packed images -> projected features [M, D] f32 (one dtype for every prefill)."""
+  return nnx.merge(graphdef, params, rest).vision(images).astype(jnp.float32)
+
+
+class Steps(NamedTuple):
+  """The jitted steps of one (model, parallel setup); the cache arguments are donated."""
+  prefill: Callable
+  decode: Callable
+  first_token: Callable
+  load_slot: Callable
+  zero_slot: Callable
+  save_ckpt: Callable
+  encode: Callable
+
+
+def bind(fn, *static):
+  """fn with its leading static arguments bound (a plain function, for jax.jit)."""
+  def bound(*args):
+    return fn(*static, *args)
+  bound.__name__ = fn.__name__
+  return bound
+
+
+def jit_steps(graphdef, par, jit=jax.jit) -> Steps:
+  """The serving steps of `graphdef` under `par`, jitted with the cache donated. `jit` may
+  add shardings (compile passes one with in/out shardings)."""
+  return Steps(
+      prefill=jit(bind(prefill_step, graphdef, par), donate_argnums=(2,)),
+      decode=jit(bind(decode_step, graphdef, par), donate_argnums=(2, 3)),
+      first_token=jit(first_token, donate_argnums=(1,)),
+      load_slot=jit(load_slot, donate_argnums=(0,)),
+      zero_slot=jit(zero_slot, donate_argnums=(0, 1)),
+      save_ckpt=jit(save_ckpt, donate_argnums=(0,)),
+      encode=jit(bind(encode, graphdef)))
+
+
+__all__ = ["TOP_K", "Sampling", "DecodeBatch", "Sampled", "sample_logits", "prefill_step",
+           "decode_step", "first_token", "load_slot", "zero_slot", "save_ckpt", "encode",
+           "Steps", "jit_steps"]

@@ -1,0 +1,16 @@
+"""Shared serving fixtures (one compile of the 8-slot tiny engine for every module)."""
+
+import pytest
+
+from k3_jax import train
+from k3_jax.model import create_model
+from k3_jax.serve.engine import Engine
+from tests.serve.test_engine import tiny_serving_config
+
+
+@pytest.fixture(scope="session")
+def engine8():
+  """An 8-slot engine on the tiny serving config, no prefix cache, 512-token context."""
+  cfg = tiny_serving_config()
+  g, p, r = train.split_model(create_model(cfg, seed=3))
+  return Engine(cfg, g, p, r, max_batch=8, prefix_cache_bytes=0, max_len=512)

@@ -1,0 +1,106 @@
+"""The decode step's per-slot seam (k3_jax/serve/steps.py): log-probabilities computed in the
+step, the per-slot logit bias, and a request's constraint (a token mask before each sample).
+
+Tolerances: the step's log-probabilities are the log-softmax of the very logits it returns
+(same f32 array, same device): compared with numpy's log-softmax of those logits to 1e-5
+(float32 reductions in a different order). Masks and biases are exact (greedy ids)."""
+
+import numpy as np
+import pytest
+
+from k3_jax.serve.engine import RequestError, SamplingParams
+from k3_jax.serve.steps import TOP_K
+from tests.serve.test_engine import prompt_of
+
+
+def _log_softmax(x):
+  x = x.astype(np.float64)
+  m = x.max()
+  return x - m - np.log(np.exp(x - m).sum())
+
+
+class OnlyIds:
+  """A toy constraint: the next token must lie in `ids`; done after `n` tokens."""
+
+  def __init__(self, vocab, ids, n):
+    self.mask = np.zeros(vocab, bool)
+    self.mask[list(ids)] = True
+    self.n, self.seen = n, []
+
+  def allowed(self):
+    return self.mask
+
+  def advance(self, tid):
+    self.seen.append(tid)
+
+  def is_done(self):
+    return len(self.seen) >= self.n
+
+
+class Broken(OnlyIds):
+  def allowed(self):
+    if self.seen:
+      raise ValueError("the grammar broke")
+    return self.mask
+
+
+def test_logprobs_are_the_log_softmax_of_the_models_logits(engine8):
+  x = prompt_of(11, 30)
+  r = engine8.submit(x, SamplingParams(max_tokens=5, temperature=1.0, seed=4, logprobs=3),
+                     record_logits=True)
+  engine8.run_until_done([r])
+  assert len(r.token_logprobs) == len(r.top_logprobs) == len(r.logits) == 5
+  for tid, lp, top, logits in zip(r.output_ids, r.token_logprobs, r.top_logprobs, r.logits):
+    ref = _log_softmax(logits)
+    assert abs(lp - ref[tid]) < 1e-5
+    assert len(top) == 3
+    order = np.argsort(-ref, kind="stable")[:3]
+    assert [i for i, _ in top] == list(order)
+    np.testing.assert_allclose([v for _, v in top], ref[order], atol=1e-5)
+  # no logprobs asked: none kept
+  q = engine8.submit(x, SamplingParams(max_tokens=2))
+  engine8.run_until_done([q])
+  assert q.token_logprobs == [] and q.top_logprobs == []
+
+
+def test_logit_bias_and_a_constraint_steer_greedy_picks_beside_a_free_request(engine8):
+  v = engine8.cfg.vocab_size
+  x, y = prompt_of(12, 25), prompt_of(13, 60)
+  free_alone = engine8.submit(y, SamplingParams(max_tokens=6), record_logits=True)
+  engine8.run_until_done([free_alone])
+  free = engine8.submit(y, SamplingParams(max_tokens=6), record_logits=True)
+  biased = engine8.submit(x, SamplingParams(max_tokens=6, logit_bias=((7, 100.0),)))
+  con = OnlyIds(v, range(0, v, 3), n=4)
+  masked = engine8.submit(x, SamplingParams(max_tokens=6), constraint=con)
+  engine8.run_until_done([free, biased, masked])
+  assert biased.output_ids == [7] * 6
+  assert all(t % 3 == 0 for t in masked.output_ids)
+  assert masked.output_ids == con.seen and len(con.seen) == 4
+  assert masked.finish_reason == "stop"
+  # the free request's logits do not see its neighbours' biases or masks
+  assert free.output_ids == free_alone.output_ids
+  for a, b in zip(free.logits, free_alone.logits):
+    assert np.array_equal(a, b)
+
+
+def test_a_broken_constraint_fails_its_request_alone(engine8):
+  v = engine8.cfg.vocab_size
+  y = prompt_of(14, 20)
+  ok_alone = engine8.submit(y, SamplingParams(max_tokens=4))
+  engine8.run_until_done([ok_alone])
+  bad = engine8.submit(y, SamplingParams(max_tokens=4), constraint=Broken(v, range(v), 9))
+  ok = engine8.submit(y, SamplingParams(max_tokens=4))
+  engine8.run_until_done([bad, ok])
+  assert bad.finish_reason == "error" and "grammar broke" in bad.error
+  assert ok.finish_reason == "length" and ok.output_ids == ok_alone.output_ids
+  assert engine8.fatal is None and len(engine8.free_slots) == engine8.max_batch
+
+
+@pytest.mark.parametrize("params, match", [
+    (SamplingParams(logprobs=TOP_K + 1), "logprobs"),
+    (SamplingParams(logit_bias=((10**9, 1.0),)), "not in the vocabulary"),
+    (SamplingParams(logit_bias=((3, 101.0),)), r"\[-100, 100\]"),
+])
+def test_bad_sampling_fields_are_refused(engine8, params, match):
+  with pytest.raises(RequestError, match=match):
+    engine8.submit(prompt_of(1, 5), params)
