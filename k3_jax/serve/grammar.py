@@ -29,11 +29,11 @@ ids no token names and ids past the tokenizer's vocabulary (up to the model's vo
 are special to llguidance, so no text rule ever matches them: they are allowed only where a
 grammar names them by id (`<[id]>`, the K3 markers), never otherwise.
 
-Why llguidance (not xgrammar): it has no Python dependencies at all (xgrammar's wheel pulls
-in torch and transformers), it takes the vocabulary as plain token byte strings (no
-transformers tokenizer object needed), its masks are computed lazily per step from the
-lexer/Earley state, so a new schema costs milliseconds to compile with no per-vocabulary
-precomputation (every request brings its own schema), and its Lark front end names special
+Why llguidance (not xgrammar): it has no Python dependencies at all (xgrammar 0.2.9's wheel
+requires torch, transformers and triton), it takes the vocabulary as plain token byte
+strings (no transformers tokenizer object needed), its masks are computed lazily per step
+from the lexer/Earley state, so a new schema costs milliseconds to compile with no
+per-grammar precomputation over the vocabulary (every request brings its own schema), and its Lark front end names special
 tokens by id and embeds JSON schemas (`%json {...}`), which is what the K3 tool-call and
 message grammars need.
 """
