@@ -2,6 +2,8 @@
 
   python -m benchmarks.serve [--quick] [--json out.json] [--config k3_small]
 
+(--only picks sections: ttft, decode, throughput, vs_transformers.)
+
 1. Time to first token, hit vs miss: 4,096-token prompts sharing their first 3,584 tokens.
    A first request (miss) fills the prefix cache; a second one with another 512-token tail
    hits 3,584 tokens (the KDA checkpoint at that boundary + 7 MLA pages) and prefills 512.
@@ -15,6 +17,11 @@
    same whatever the cached values). Target: hybrid 32K / 1K <= 1.3x.
 3. Throughput: the same 8 requests (128-token prompts, 32 new tokens each, greedy) through
    an engine with 8 slots vs one with 1 slot. Target: >= 4x tokens/s.
+
+4. vs transformers: greedy tokens/s of the engine and of transformers' generate on the same
+   converted 15M-parameter Kimi-Linear, batch 1 and 8 (bench_vs_transformers), and the
+   decode step at batch 1 against one read of its weights at the bandwidth measured here.
+   Targets: >= 4x at batch 1, >= 8x at batch 8, step <= 3x the weight read.
 
 --quick: 2 timed decode steps, 16 new tokens in the throughput case.
 """
@@ -127,12 +134,89 @@ def bench_throughput(config, new_tokens):
   return res
 
 
+def read_bandwidth(mb: int = 64, runs: int = 10) -> float:
+  """This machine's memory read bandwidth (bytes/s): numpy sums of a `mb` MB array."""
+  a = np.ones(mb * 2**20 // 8)
+  a.sum()
+  t0 = time.perf_counter()
+  for _ in range(runs):
+    a.sum()
+  return a.nbytes * runs / (time.perf_counter() - t0)
+
+
+def bench_vs_transformers(quick):
+  """Greedy decode tokens/s of the engine vs transformers' generate on the same converted
+  15M-parameter Kimi-Linear (benchmarks/vs_transformers.py's model): 8 distinct 512-token
+  prompts, 64 new tokens each, at batch 1 (one request at a time / one generate call per
+  prompt) and batch 8 (8 slots / one generate call over the 8 prompts). Both include their
+  prefill, as a client sees it. Also the engine's decode step at batch 1 (context 576)
+  next to the time to read its weights once at the bandwidth measured in the same run."""
+  import tempfile
+  import torch
+  from benchmarks.vs_transformers import build_pair
+  from k3_jax.serve import steps
+  from k3_jax.serve.kv_pages import PAGE
+  new = 16 if quick else 64
+  with tempfile.TemporaryDirectory() as tmp:
+    hf, cfg, ours = build_pair(tmp, [])
+  hf.eval()
+  hf.generation_config.eos_token_id = None
+  hf.generation_config.pad_token_id = 0
+  g, p, r = train.split_model(ours)
+  weight_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(p))
+  rng = np.random.default_rng(5)
+  prompts = [rng.integers(1, cfg.vocab_size, 512).astype(np.int32) for _ in range(8)]
+  res = {"weight_bytes": weight_bytes, "new_tokens": new}
+
+  def hf_run(batch):
+    outs = []
+    with torch.no_grad():
+      for i in range(0, 8, batch):
+        ids = torch.tensor(np.stack(prompts[i:i + batch]), dtype=torch.long)
+        out = hf.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+        outs += [list(map(int, o[512:])) for o in out]
+    return outs
+
+  def ours_run(eng, batch):
+    outs = []
+    for i in range(0, 8, batch):
+      reqs = [eng.submit(q, SamplingParams(max_tokens=new)) for q in prompts[i:i + batch]]
+      eng.run_until_done(reqs)
+      outs += [q.output_ids for q in reqs]
+    return outs
+
+  with torch.no_grad():                                       # transformers' warm-up
+    hf.generate(torch.tensor(prompts[:1], dtype=torch.long), max_new_tokens=2, do_sample=False)
+  for batch in (1, 8):
+    eng = Engine(cfg, g, p, r, SINGLE_STREAM, max_batch=batch, max_len=1024,
+                 prefix_cache_bytes=0)
+    ours_run(eng, batch)                                      # compiles every shape
+    t0 = time.perf_counter()
+    mine = ours_run(eng, batch)
+    t_ours = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    theirs = hf_run(batch)
+    t_hf = time.perf_counter() - t0
+    res[f"batch{batch}"] = {
+        "ours_tok_s": 8 * new / t_ours, "transformers_tok_s": 8 * new / t_hf,
+        "ratio": t_hf / t_ours,
+        "same_greedy_tokens": float(np.mean([a == b for a, b in zip(mine, theirs)]))}
+  # the decode step alone, batch 1, vs one read of the weights
+  eng = Engine(cfg, g, p, r, SINGLE_STREAM, max_batch=1, max_len=1024, prefix_cache_bytes=0)
+  step = decode_step_time(eng, 576, 5 if quick else 20)
+  bw = read_bandwidth()
+  res["decode_step_b1_s"] = step
+  res["bandwidth_bytes_s"] = bw
+  res["step_vs_weight_read"] = step / (weight_bytes / bw)
+  return res
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--config", default="k3_small")
   ap.add_argument("--quick", action="store_true")
   ap.add_argument("--json", default=None)
-  ap.add_argument("--only", default="ttft,decode,throughput")
+  ap.add_argument("--only", default="ttft,decode,throughput,vs_transformers")
   a = ap.parse_args()
   only = a.only.split(",")
   out = {"config": a.config, "devices": str(jax.devices()[0].platform),
@@ -153,6 +237,16 @@ def main():
     print(f"throughput 8 requests: 1 slot {t['tokens_per_s_1_slots']:.1f} tok/s, 8 slots "
           f"{t['tokens_per_s_8_slots']:.1f} tok/s, ratio {t['ratio']:.2f} (target >= 4), "
           f"same tokens: {t['same_tokens']}", flush=True)
+  if "vs_transformers" in only:
+    out["vs_transformers"] = t = bench_vs_transformers(a.quick)
+    for b in (1, 8):
+      v = t[f"batch{b}"]
+      print(f"vs transformers, batch {b}: ours {v['ours_tok_s']:.1f} tok/s, transformers "
+            f"{v['transformers_tok_s']:.1f} tok/s, ratio {v['ratio']:.2f}; same greedy "
+            f"tokens in {v['same_greedy_tokens']:.0%} of requests", flush=True)
+    print(f"decode step batch 1: {t['decode_step_b1_s'] * 1e3:.2f} ms = "
+          f"{t['step_vs_weight_read']:.2f}x one read of the {t['weight_bytes'] / 1e6:.1f} MB "
+          f"of weights at {t['bandwidth_bytes_s'] / 1e9:.1f} GB/s", flush=True)
   if a.json:
     with open(a.json, "w") as f:
       json.dump(out, f, indent=1)

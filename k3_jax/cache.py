@@ -15,6 +15,8 @@ One entry per decoder layer, by its mixer:
         page_table        [B, M] int32, or None between calls (the engine attaches it):
                           row b lists sequence b's pages in order, so logical position s
                           lives in page page_table[b, s // P] at offset s % P
+        unit              None, or (a scanned unit's layer) the index of its pool in the
+                          stacked [R, N, P, X] pools it reads in place
 
     ModelCache      the whole model's: `pos` and one entry per layer, grouped as the layer
                     stack is (k3_jax/stack.py): `prefix` and `suffix` tuples of entries, and
@@ -58,6 +60,10 @@ class PagedMLACache:
   c_kv: jax.Array           # [N, P, R]
   k_r: jax.Array            # [N, P, Pr]
   page_table: jax.Array | None = None   # [B, M] int32
+  # Inside the scan over repeated units (model._run_units): c_kv / k_r are the whole
+  # stacked pools [R, N, P, X], read in place at this unit index; the layer then returns
+  # only the call's new latents [B, T, X] and the scan writes them after the loop.
+  unit: jax.Array | None = None
 
 
 @_pytree

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Callable
 
 from k3_jax.config import ModelConfig, TrainConfig, UserError
-from k3_jax.data import mqar, pipeline, prepared, shapes, sources, tokenizers
+from k3_jax.data import chat_sft, mqar, pipeline, prepared, shapes, sources, tokenizers
 
 MQAR_KV_PAIRS = 8
 EVAL_SEED_OFFSET = 10_000          # MQAR eval draws from a seed the train stream never uses
@@ -19,6 +19,8 @@ def train_data(cfg: ModelConfig, tc: TrainConfig, process_index: int = 0,
   Each process gets batch_size / process_count rows per batch (its rows of the global
   batch). Text datasets: "stdlib" uses its own train / eval split; a path holds out every
   50th document (at least one) for eval when it has more than one document, else no eval.
+  A .jsonl of chat conversations ({"messages": ...} lines) or a prepared directory of them
+  is chat SFT data (k3_jax/data/chat_sft.py: the loss on assistant tokens only).
   The iterator is checkpointable (get_state / set_state). `warn` receives data-size warnings
   (a dataset shorter than one sequence, nothing held out for eval)."""
   if tc.batch_size % process_count:
@@ -44,7 +46,11 @@ def train_data(cfg: ModelConfig, tc: TrainConfig, process_index: int = 0,
     raise UserError(f"tokenizer vocabulary {tok.vocab_size} exceeds the model's "
                     f"vocab_size={cfg.vocab_size}")
   if prepared.is_prepared(tc.dataset):   # a `python main.py prepare` directory
-    return prepared_data(tc, tok, process_index, process_count)
+    return prepared_data(tc, tok, process_index, process_count, warn)
+  if chat_sft.is_chat_jsonl(tc.dataset):  # chat SFT: a conversation a line
+    train, held_out = chat_sft.split_jsonl(chat_sft.read_jsonl(tc.dataset))
+    return chat_sft.chat_data(tc.dataset, train, held_out, tok, tc.seq_len, per_host, tc.seed,
+                              tc.eval_batches, process_index, process_count, warn)
   if tc.dataset == "stdlib":
     train_docs, eval_docs = sources.stdlib_documents("train"), sources.stdlib_documents("eval")
   else:
@@ -61,11 +67,20 @@ def train_data(cfg: ModelConfig, tc: TrainConfig, process_index: int = 0,
   return train_iter, evals
 
 
-def prepared_data(tc: TrainConfig, tok, process_index: int, process_count: int):
+def prepared_data(tc: TrainConfig, tok, process_index: int, process_count: int,
+                  warn: Callable[[str], None] | None = None):
   """(train iterator, eval batches) of a prepared directory (k3_jax/data/prepared.py); it must
   have been tokenized by `tok`. On a multi-host job the iterator's state is gathered over
-  the processes at every checkpoint."""
+  the processes at every checkpoint. A directory of chat conversations (kind "messages",
+  stored untokenized) is rendered by `tok` now (k3_jax/data/chat_sft.py), whichever
+  tokenizer `prepare` was given."""
   manifest = prepared.load_manifest(tc.dataset)
+  if manifest["kind"] == "messages":
+    per_host = tc.batch_size // process_count
+    return chat_sft.chat_data(
+        tc.dataset, chat_sft.read_prepared(tc.dataset, manifest, "train"),
+        chat_sft.read_prepared(tc.dataset, manifest, "eval"), tok, tc.seq_len, per_host,
+        tc.seed, tc.eval_batches, process_index, process_count, warn)
   prepared.check_tokenizer(tc.dataset, manifest, tok, tc.tokenizer)
   train_iter = prepared.PreparedIterator(
       tc.dataset, tc.seq_len, tc.batch_size, seed=tc.seed, process_index=process_index,

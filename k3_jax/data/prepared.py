@@ -156,8 +156,9 @@ class PreparedIterator(Iterator[Batch]):
                manifest: dict | None = None):
     self.manifest = manifest or load_manifest(path)
     if self.manifest["kind"] != "tokens":
-      raise UserError(f"--dataset={path} holds {self.manifest['kind']!r} records; training "
-                      f"reads a prepared dataset of tokenized text")
+      raise UserError(f"--dataset={path} holds {self.manifest['kind']!r} records; this "
+                      f"reader takes tokenized text (train reads chat directories through "
+                      f"k3_jax/data/chat_sft.py)")
     shards = len(self.manifest["splits"]["train"]["shards"])
     self.streams = num_streams(shards, batch_size)
     if self.streams % process_count:

@@ -48,6 +48,9 @@ class Linear(nnx.Module):
     return y.astype(self.dtype)
 
 
+SMALL_ROWS = 64   # inputs of at most this many rows (decode) skip the stacking
+
+
 def apply_stacked(x: jax.Array, linears) -> list[jax.Array]:
   """[lin(x) for lin in linears] as ONE matmul: the weights (same in/out shapes and dtype)
   are stacked on a new output axis ([*in, n, *out]), so the projections of one input read
@@ -61,6 +64,8 @@ def apply_stacked(x: jax.Array, linears) -> list[jax.Array]:
       raise ValueError(f"apply_stacked: {lin.in_shape}->{lin.out_shape} ({lin.dtype}) vs "
                        f"{first.in_shape}->{first.out_shape} ({first.dtype})")
   n_in, n_out = len(first.in_shape), len(first.out_shape)
+  if x.size // math.prod(first.in_shape) <= SMALL_ROWS:
+    return [lin(x) for lin in linears]     # a decode step: no per-call copy of the weights
   w = jnp.stack([lin.w[...].astype(first.dtype) for lin in linears], axis=n_in)
   contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
   y = jax.lax.dot_general(x.astype(first.dtype), w, (contract, ((), ())),

@@ -157,15 +157,33 @@ class MLA(nnx.Module):
     table = cache.page_table                                           # [B, M] int32
     if table is None:
       raise ValueError("a paged MLA cache needs its page table (kv_pages.with_pages)")
-    page_size = cache.c_kv.shape[1]
+    page_size = cache.c_kv.shape[-2]                                   # P (of [(R,) N, P, X])
     pos = jnp.broadcast_to(jnp.asarray(pos, jnp.int32), (b,))
     q_pos = pos[:, None] + jnp.arange(t, dtype=jnp.int32)[None]        # [B, T]
-    page = jnp.take_along_axis(table, q_pos // page_size, axis=1)      # [B, T]
-    off = q_pos % page_size
-    pool_c = cache.c_kv.at[page, off].set(c_kv.astype(self.dtype))    # [N, P, R]
-    pool_r = cache.k_r.at[page, off].set(k_r.astype(self.dtype))      # [N, P, Pr]
     m = table.shape[1]
+    new_c, new_r = c_kv.astype(self.dtype), k_r.astype(self.dtype)
+    if cache.unit is not None:
+      # A scanned layer: gather the sequence's pages straight from the stacked pools (no
+      # per-layer copy of a pool), put this call's latents at their positions in the
+      # gathered view, and hand the latents back for the scan to write after the loop.
+      rows = jnp.arange(b)[:, None]
+      c_all = cache.c_kv[cache.unit, table].reshape(b, m * page_size, -1)
+      r_all = cache.k_r[cache.unit, table].reshape(b, m * page_size, -1)
+      c_all = c_all.at[rows, q_pos].set(new_c)                         # [B, S = M P, R]
+      r_all = r_all.at[rows, q_pos].set(new_r)                         # [B, S, Pr]
+      y, max_logit = self._absorbed(x, q_nope, q_rope, c_all, r_all, q_pos, par)
+      return y, PagedMLACache(c_kv=new_c, k_r=new_r, page_table=table,
+                              unit=cache.unit), max_logit
+    page, off = page_slots(table, q_pos, page_size)                    # [B, T] each
+    pool_c = cache.c_kv.at[page, off].set(new_c)                       # [N, P, R]
+    pool_r = cache.k_r.at[page, off].set(new_r)                        # [N, P, Pr]
     c_all = pool_c[table].reshape(b, m * page_size, -1)                # [B, S = M P, R]
     r_all = pool_r[table].reshape(b, m * page_size, -1)                # [B, S, Pr]
     y, max_logit = self._absorbed(x, q_nope, q_rope, c_all, r_all, q_pos, par)
     return y, PagedMLACache(c_kv=pool_c, k_r=pool_r, page_table=table), max_logit
+
+
+def page_slots(table: jax.Array, q_pos: jax.Array, page_size: int):
+  """(page [B, T], offset [B, T]) where positions q_pos [B, T] live, by page table [B, M]."""
+  page = jnp.take_along_axis(table, q_pos // page_size, axis=1)
+  return page, q_pos % page_size

@@ -120,6 +120,10 @@ class MoE(nnx.Module):
     with jax.named_scope("routed_experts"):
       if ep is not None:
         u = ep(*args, capacity_factor=m.ep_capacity or None, **kw)
+      elif not train and xf.shape[0] <= moe_ops.SMALL_TOKENS and not self.qat \
+          and not self._packed():           # a decode step: no training-sized layout
+        kw.pop("gmm")
+        u = moe_ops.moe_small(*args, **kw)
       else:
         u = moe_ops.moe_dispatch(*args, **kw)                          # [N, L]
     with jax.named_scope("latent_up"):

@@ -189,6 +189,48 @@ def moe_dispatch(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
   return y.astype(x.dtype)
 
 
+SMALL_TOKENS = 64    # at most this many tokens (a decode step): moe_small, not the gmm layout
+
+
+def moe_small(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
+              w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+              activation: str = "situ", beta1: float = 4.0, beta2: float = 25.0) -> jax.Array:
+  """`moe_dispatch` for a handful of tokens (decode), with no sort, no group sizes and no
+  tile padding: each row's result depends on that row alone (batch invariance).
+
+  Fewer token-expert pairs than experts (N k < E: a decode batch of a big MoE): each pair's
+  expert weights are gathered and applied to its token, so a step reads the experts its
+  tokens chose and no other. Otherwise every expert runs on every token (E/k times the
+  FLOPs, but each expert's weights are read once, which is what a memory-bound step pays
+  for). Same arguments and result as `moe_dispatch`."""
+  n, k = expert_ids.shape
+  e = w_gate.shape[0]
+  f32 = jnp.float32
+  if n * k < e:
+    with jax.named_scope("experts_gathered"):
+      ids = expert_ids.reshape(-1)                                       # [M = N k]
+      xs = jnp.repeat(x, k, axis=0)                                      # [M, Din]
+      pick = lambda w: jnp.take(w, ids, axis=0)
+      gate = jnp.einsum("md,mdf->mf", xs, pick(w_gate), preferred_element_type=f32)
+      up = jnp.einsum("md,mdf->mf", xs, pick(w_up), preferred_element_type=f32)
+      h = glu(gate, up, activation, beta1=beta1, beta2=beta2).astype(x.dtype)
+      out = jnp.einsum("mf,mfd->md", h, pick(w_down), preferred_element_type=f32)
+      y = jnp.sum(out.reshape(n, k, -1) * weights.astype(f32)[..., None], axis=1)
+  else:
+    with jax.named_scope("experts_all"):
+      # E leads as a batch axis of both operands, so the weights are read in their stored
+      # layout (no per-step transpose of [E, Din, F] into one [Din, E F] matrix)
+      xe = jnp.broadcast_to(x[None], (e,) + x.shape)                     # [E, N, Din]
+      gate = jnp.einsum("end,edf->enf", xe, w_gate, preferred_element_type=f32)
+      up = jnp.einsum("end,edf->enf", xe, w_up, preferred_element_type=f32)
+      h = glu(gate, up, activation, beta1=beta1, beta2=beta2).astype(x.dtype)
+      out = jnp.einsum("enf,efd->end", h, w_down, preferred_element_type=f32)   # [E, N, Din]
+      comb = jnp.zeros((n, e), f32).at[jnp.arange(n)[:, None], expert_ids].add(
+          weights.astype(f32))                                           # [N, E]
+      y = jnp.einsum("ne,end->nd", comb, out)
+  return y.astype(x.dtype)
+
+
 def _moe_tiled(x, weights, expert_ids, w_gate, w_up, w_down, activation, beta1, beta2,
                tile: int | None = None):
   """`moe_dispatch` with `tiled_gmm`, laid out once: the token-expert pairs are sorted by

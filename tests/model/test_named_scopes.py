@@ -25,7 +25,7 @@ SCOPES = ("embed", "units", "unit_layer_0", "unit_layer_3", "layer_4", "lm_head"
 def test_lowered_forward_names_its_layers_and_blocks():
   assert CFG.stack_plan() == (0, 1, 4)
   graphdef, state = nnx.split(create_model(CFG, seed=0))
-  tokens = jnp.zeros((2, 16), jnp.int32)
+  tokens = jnp.zeros((2, 40), jnp.int32)     # 80 tokens: the dispatch path, not moe_small
   text = jax.jit(lambda s, t: forward(nnx.merge(graphdef, s), t)).lower(
       state, tokens).as_text(debug_info=True)
   names = ["/" + n + "/" for n in set(re.findall(r'loc\("([^"]+)"', text))]
