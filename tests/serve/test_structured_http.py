@@ -1,7 +1,7 @@
 """Structured outputs, forced tool calls, logit_bias, chat logprobs, chat n and best_of over
 HTTP with the `openai` client: a tiny random-weight model exported with a K3-format test
 tokenizer (tests/conftest.py), served from that directory (so the K3 chat template and its
-markers), in process (ASGI transport), 8 slots so that the samples of one request share
+markers), in process (ASGI transport), 20 slots so that the samples of one request share
 decode batches.
 
 Default run: the test tokenizer's BPE with the K3 special tokens moved down to just past its
@@ -25,7 +25,7 @@ MODEL = "k3-structured-test"
 SCHEMA = {
     "type": "object",
     "properties": {
-        "city": {"type": "string", "maxLength": 8},
+        "city": {"type": "string", "maxLength": 6},
         "temp": {"type": "integer", "minimum": -40, "maximum": 50},
         "sunny": {"type": "boolean"},
         "tags": {"type": "array", "items": {"enum": ["hot", "cold", "wet"]}, "maxItems": 2},
@@ -76,7 +76,7 @@ def served(request, tmp_path_factory, k3_tokenizer):
   out = str(tmp_path_factory.mktemp("k3_structured") / "hf")
   convert.export_model(create_model(cfg, seed=1), out, tokenizer=k3_tokenizer)
   engine, tok, _ = build_engine(ServeOptions(hf_dir=out, model_name=MODEL, serve=ServeConfig(
-      max_batch=8, prefix_cache_bytes=0)))
+      max_batch=20, prefix_cache_bytes=0)))
   app = build_app(engine, tok, MODEL)
   with TestClient(app) as http:
     client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http,
