@@ -1,8 +1,11 @@
 """Request parameters of the OpenAI API that the server handles outside the engine: which ones
-are refused (a 400 naming them), and the chat endpoint's tools / tool_choice and tool calls.
+are refused (a 400 naming them); `logit_bias`, the chat endpoint's `n`, `logprobs` /
+`top_logprobs`, the completions endpoint's `best_of`; and the chat endpoint's tools /
+tool_choice and tool calls.
 
 The server (server.py) calls `refuse_unsupported` first, passes `render_kwargs(body)` to the
 chat template, and turns the template parser's Deltas into OpenAI fields with `ToolCalls`.
+`response_format` is grammar.py's (constrained decoding).
 """
 
 from __future__ import annotations
@@ -24,23 +27,12 @@ def _set(v) -> bool:
 
 
 # parameter -> (is it asking for something unsupported?, what to say)
-_COMMON = {
-    "logit_bias": (_set, "logit_bias is not supported"),
-    "best_of": (lambda v: v not in (None, 1), "best_of other than 1 is not supported"),
-}
 _REFUSED = {
     "completions": {
-        **_COMMON,
         "suffix": (lambda v: v is not None, "suffix (insertion) is not supported"),
     },
     "chat": {
-        **_COMMON,
-        "logprobs": (_set, "logprobs is not supported"),
-        "top_logprobs": (lambda v: v is not None, "top_logprobs is not supported"),
-        "response_format": (lambda v: v is not None and not (isinstance(v, dict) and
-                                                             v.get("type") == "text"),
-                            "response_format other than {\"type\": \"text\"} is not "
-                            "supported"),
+        "best_of": (lambda v: v is not None, "best_of is a /v1/completions parameter"),
         "functions": (_set, "functions (the deprecated form) is not supported; use tools"),
         "function_call": (_set, "function_call (the deprecated form) is not supported; use "
                           "tool_choice"),
@@ -61,6 +53,87 @@ def refuse_unsupported(body: dict, endpoint: str) -> None:
   if bad:
     raise ParamError("; ".join(m for _, m in bad) + " (unsupported: "
                      + ", ".join(k for k, _ in bad) + ")", bad[0][0])
+
+
+MAX_N = 32                   # choices per request (n, best_of)
+MAX_TOP_LOGPROBS = 5         # OpenAI allows 20 on chat; the engine's step returns the top 5
+MAX_BIAS_ENTRIES = 1024
+
+
+def _int(v) -> bool:
+  return isinstance(v, int) and not isinstance(v, bool)
+
+
+def logit_bias(body: dict, vocab_size: int) -> tuple[tuple[int, float], ...]:
+  """`logit_bias` (OpenAI: {"token id": bias in [-100, 100]}) -> SamplingParams.logit_bias;
+  ParamError naming it for anything else (an id outside the model's vocabulary included)."""
+  lb = body.get("logit_bias")
+  if lb is None:
+    return ()
+  if not isinstance(lb, dict):
+    raise ParamError("logit_bias must be an object mapping token ids (as strings) to biases "
+                     "in [-100, 100]", "logit_bias")
+  if len(lb) > MAX_BIAS_ENTRIES:
+    raise ParamError(f"logit_bias has {len(lb)} entries; at most {MAX_BIAS_ENTRIES}",
+                     "logit_bias")
+  out = []
+  for k, v in lb.items():
+    key = str(k).strip()
+    if not key.isdigit() or not key.isascii():
+      raise ParamError(f"logit_bias key {k!r} is not a token id (a non-negative integer as "
+                       "a string)", "logit_bias")
+    tid = int(key)
+    if tid >= vocab_size:
+      raise ParamError(f"logit_bias token id {tid} is not in the model's vocabulary "
+                       f"[0, {vocab_size})", "logit_bias")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+      raise ParamError(f"logit_bias[{key!r}]={v!r} must be a number in [-100, 100]",
+                       "logit_bias")
+    out.append((tid, float(v)))
+  return tuple(sorted(out))
+
+
+def chat_n(body: dict) -> int:
+  n = body.get("n")
+  if n is None:
+    return 1
+  if not _int(n) or not 1 <= n <= MAX_N:
+    raise ParamError(f"n must be an integer in [1, {MAX_N}], got {n!r}", "n")
+  return n
+
+
+def chat_logprobs(body: dict) -> int | None:
+  """Chat `logprobs` (a boolean) and `top_logprobs` (0-20 in OpenAI's API; here 0-5) ->
+  None (no logprobs) or the number of alternatives per token."""
+  lp, top = body.get("logprobs"), body.get("top_logprobs")
+  if lp is not None and not isinstance(lp, bool):
+    raise ParamError(f"logprobs must be a boolean on /v1/chat/completions, got {lp!r} "
+                     "(top_logprobs sets the number of alternatives)", "logprobs")
+  if top is not None:
+    if not _int(top) or not 0 <= top <= 20:
+      raise ParamError(f"top_logprobs must be an integer in [0, 20], got {top!r}",
+                       "top_logprobs")
+    if top > MAX_TOP_LOGPROBS:
+      raise ParamError(f"top_logprobs={top}: this server returns at most "
+                       f"{MAX_TOP_LOGPROBS} alternatives per token", "top_logprobs")
+    if not lp:
+      raise ParamError("top_logprobs needs logprobs=true", "top_logprobs")
+  return (top or 0) if lp else None
+
+
+def best_of(body: dict, n: int) -> int:
+  """Completions `best_of` (the samples drawn per prompt, of which the n with the highest
+  mean token log-probability are returned) -> the number to draw."""
+  b = body.get("best_of")
+  if b is None:
+    return n
+  if not _int(b) or not 1 <= b <= MAX_N:
+    raise ParamError(f"best_of must be an integer in [1, {MAX_N}], got {b!r}", "best_of")
+  if b < n:
+    raise ParamError(f"best_of={b} must be >= n={n}", "best_of")
+  if b > n and body.get("stream"):
+    raise ParamError("best_of greater than n cannot be streamed", "best_of")
+  return b
 
 
 def render_kwargs(body: dict) -> dict:
@@ -105,4 +178,5 @@ class ToolCalls:
     return "tool_calls" if self.calls and reason == "stop" else reason
 
 
-__all__ = ["ParamError", "refuse_unsupported", "render_kwargs", "ToolCalls"]
+__all__ = ["ParamError", "refuse_unsupported", "render_kwargs", "ToolCalls", "logit_bias",
+           "chat_n", "chat_logprobs", "best_of", "MAX_N", "MAX_TOP_LOGPROBS"]

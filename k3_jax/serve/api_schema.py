@@ -6,7 +6,7 @@ an API fuzzer (tests/serve/test_fuzz.py) can generate real requests from it."""
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -28,15 +28,45 @@ class _Sampling(BaseModel):
   presence_penalty: float | None = Penalty
   frequency_penalty: float | None = Penalty
   seed: int | None = None
-  n: Literal[1] | None = None
+  n: int | None = Field(None, ge=1, le=32, description="choices; a seeded request's samples "
+                        "use seed, seed + 1, ...")
+  logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+      None, description="token id (a string) -> bias added to its logit")
   stop: Union[str, list[str], None] = Field(None, description="up to 4 non-empty strings")
   stream: bool | None = None
   stream_options: StreamOptions | None = None
 
 
+class JsonSchemaFormat(BaseModel):
+  name: str = Field(..., pattern=r"^[A-Za-z0-9_-]{1,64}$")
+  description: str | None = None
+  schema_: dict | None = Field(None, alias="schema", description="a JSON Schema")
+  strict: bool | None = None
+
+
+class ResponseFormatText(BaseModel):
+  type: Literal["text"]
+
+
+class ResponseFormatJsonObject(BaseModel):
+  type: Literal["json_object"]
+
+
+class ResponseFormatJsonSchema(BaseModel):
+  type: Literal["json_schema"]
+  json_schema: JsonSchemaFormat
+
+
+ResponseFormat = Union[ResponseFormatText, ResponseFormatJsonObject, ResponseFormatJsonSchema]
+
+
 class CompletionRequest(_Sampling):
   prompt: Union[str, list[int], list[str]] = Field(
       ..., description="a string, a one-string list, or token ids")
+  logprobs: int | None = Field(None, ge=0, le=5)
+  echo: bool | None = None
+  best_of: int | None = Field(None, ge=1, le=32, description=">= n; not streamed")
+  response_format: ResponseFormat | None = None
 
 
 class TextPart(BaseModel):
@@ -67,6 +97,9 @@ class ChatCompletionRequest(_Sampling):
   messages: list[Message] = Field(..., min_length=1)
   chat_template_kwargs: ChatTemplateKwargs | None = None
   reasoning_effort: Literal["low", "high", "max"] | None = None
+  logprobs: bool | None = None
+  top_logprobs: int | None = Field(None, ge=0, le=5, description="needs logprobs=true")
+  response_format: ResponseFormat | None = None
 
 
 def request_body(model: type[BaseModel]) -> dict:

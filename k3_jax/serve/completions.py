@@ -16,7 +16,7 @@ import dataclasses
 from k3_jax.serve.api_params import ParamError
 from k3_jax.serve.logprobs import MAX_LOGPROBS
 
-MAX_N = 16
+MAX_N = 32
 MAX_PROMPTS = 64
 
 

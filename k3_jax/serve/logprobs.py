@@ -74,6 +74,19 @@ def assemble(tokenizer, ids, lps, tops, k: int, start: int = 0) -> dict:
           "top_logprobs": tops if k > 0 else None, "text_offset": offsets}
 
 
+def chat_content(tokenizer, ids, lps, tops) -> list[dict]:
+  """The chat API's `logprobs.content` entries of generated ids: each token's text, bytes
+  and log-probability, and its alternatives (`tops`: per token [(id, logprob)], most likely
+  first), as the engine's step computed them (Request.token_logprobs / top_logprobs: the
+  log-softmax of the model's own logits, before logit_bias, grammar masks, penalties and
+  temperature)."""
+  def one(t, lp):
+    return {"token": _piece(tokenizer, int(t)), "logprob": float(lp),
+            "bytes": list(tokenizer.decode_bytes([int(t)]))}
+  return [{**one(t, lp), "top_logprobs": [one(i, v) for i, v in top]}
+          for t, lp, top in zip(ids, lps, tops)]
+
+
 class Scorer:
   """Teacher-forced logits of a prompt: `logits(ids)` -> [T, V] float32 rows, row i the
   logits after token i (so row i - 1 predicts token i). One compile per bucket length (a
@@ -114,4 +127,5 @@ def scorer_for(engine) -> Scorer:
   return s
 
 
-__all__ = ["MAX_LOGPROBS", "log_softmax", "entries", "assemble", "Scorer", "scorer_for"]
+__all__ = ["MAX_LOGPROBS", "log_softmax", "entries", "assemble", "chat_content", "Scorer",
+           "scorer_for"]

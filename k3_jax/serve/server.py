@@ -26,9 +26,10 @@ import threading
 import time
 import uuid
 
+import numpy as np
 from fastapi import Request as HttpRequest   # at module level: FastAPI resolves annotations
 
-from k3_jax.serve import api_params, api_schema, logprobs
+from k3_jax.serve import api_params, api_schema, grammar, logprobs
 from k3_jax.serve import completions as cmpl
 from k3_jax.serve.chat import ChatError, template_for
 from k3_jax.serve.engine import Engine
@@ -268,11 +269,6 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, start_loop: bool = 
                      f"{model_name!r}", "model", code="model_not_found")
     return body
 
-  def usage(req):
-    return {"prompt_tokens": int(req.prompt.size), "completion_tokens": len(req.output_ids),
-            "total_tokens": int(req.prompt.size) + len(req.output_ids),
-            "prompt_tokens_details": {"cached_tokens": int(req.cached_tokens)}}
-
   def submit(ids, params, images=None, **kw):
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
@@ -322,6 +318,12 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, start_loop: bool = 
         with engine.lock:
           engine.lock.notify_all()
 
+  def seeded(params, j):
+    """The j-th sample of a request: seed + j (a seeded request stays reproducible and its
+    samples differ)."""
+    return params if params.seed is None or j == 0 else dataclasses.replace(
+        params, seed=(params.seed + j) % (1 << 31))
+
   def finish_reason(req):
     return {"stop": "stop", "length": "length"}.get(req.finish_reason, req.finish_reason)
 
@@ -359,8 +361,17 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, start_loop: bool = 
     body = await read_body(http)
     api_params.refuse_unsupported(body, "completions")
     opts = cmpl.options(body)
+    draws = api_params.best_of(body, opts.n)     # samples per prompt; the n best are returned
+    bias = api_params.logit_bias(body, engine.cfg.vocab_size)
     prompts = cmpl.prompt_list(body.get("prompt"), tokenizer)
     k = opts.logprobs
+
+    def constraint():
+      try:
+        return grammar.for_completion(tokenizer, body, engine.cfg.vocab_size)
+      except grammar.GrammarError as e:
+        raise ApiError(400, str(e), e.param) from None
+    first = await asyncio.to_thread(constraint)
     rid = f"cmpl-{uuid.uuid4().hex}"
     head = {"id": rid, "object": "text_completion", "created": int(time.time()),
             "model": model_name}
@@ -389,12 +400,14 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, start_loop: bool = 
     runs = []                           # (choice index, prompt ids, request, queue)
     try:
       for i, ids in enumerate(prompts):
-        params = sampling_from(body, engine, len(ids), stop_ids=eos, allow_n=True)
-        for j in range(opts.n):
-          p = params if params.seed is None else dataclasses.replace(
-              params, seed=(params.seed + j) % (1 << 31))
-          req, queue = submit(ids, p, record_logits=k is not None)
-          runs.append((i * opts.n + j, ids, req, queue))
+        params = dataclasses.replace(
+            sampling_from(body, engine, len(ids), stop_ids=eos, allow_n=True),
+            logit_bias=bias, logprobs=0 if draws > opts.n else None)
+        for j in range(draws):
+          c = first if not runs else (None if first is None else constraint())
+          req, queue = submit(ids, seeded(params, j), record_logits=k is not None,
+                              constraint=c)
+          runs.append((i * draws + j, ids, req, queue))
     except BaseException:
       for *_, req, _ in runs:
         req.cancel()
@@ -472,14 +485,87 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, start_loop: bool = 
       for *_, req, _ in runs:
         req.cancel()
       raise
+    if draws > opts.n:                  # best_of: the n of each prompt's draws with the
+      best = []                         # highest mean token log-probability
+      for i in range(len(prompts)):
+        mine = [(c, r[2]) for c, r in zip(choices, runs) if r[0] // draws == i]
+        mine.sort(key=lambda x: -float(np.mean(x[1].token_logprobs or [0.0])))
+        best += [{**c, "index": i * opts.n + j} for j, (c, _) in enumerate(mine[:opts.n])]
+      choices = best
     return {**head, "choices": sorted(choices, key=lambda c: c["index"]), "usage": run_usage()}
 
   # ----- /v1/chat/completions ----------------------------------------------------------
+  class ChatChoice:
+    """One choice of a chat request: its engine request, the template's parser (K3) and
+    its tool calls; `split` turns the new output ids into reasoning, content, tool calls and
+    logprobs entries."""
+
+    def __init__(self, index, req, queue, parser, tools, k):
+      self.index, self.req, self.queue, self.parser, self.tools, self.k = (
+          index, req, queue, parser, tools, k)
+      self.seen = 0
+
+    def split(self, delta, done):
+      req = self.req
+      ids = req.output_ids[self.seen:]
+      lp = None
+      if self.k is not None:
+        lp = logprobs.chat_content(tokenizer, ids, req.token_logprobs[self.seen:][:len(ids)],
+                                   req.top_logprobs[self.seen:][:len(ids)])
+      self.seen += len(ids)
+      if self.parser is None:
+        return "", delta, [], lp
+      d = self.parser.add(ids)
+      r, c, calls = d.reasoning, d.content, self.tools.add(d)
+      if done:
+        f = self.parser.flush()
+        r, c, calls = r + f.reasoning, c + f.content, calls + self.tools.add(f)
+      return r, c, calls, lp
+
+    def finish_reason(self):
+      return self.tools.finish_reason(finish_reason(self.req))
+
+  def chat_usage(choices):
+    first = choices[0].req
+    done = sum(len(c.req.output_ids) for c in choices)
+    return {"prompt_tokens": int(first.prompt.size), "completion_tokens": done,
+            "total_tokens": int(first.prompt.size) + done,
+            "prompt_tokens_details": {"cached_tokens": int(first.cached_tokens)}}
+
+  async def merged(choices, http):
+    """(choice, text delta, done) from every choice as the engine produces them."""
+    out: asyncio.Queue = asyncio.Queue()
+
+    async def pump(ch):
+      try:
+        async for delta, done in events(ch.req, ch.queue, http):
+          await out.put((ch, delta, done))
+      except BaseException as e:          # the stream ends with this choice's error
+        await out.put((ch, e, True))
+    tasks = [asyncio.create_task(pump(ch)) for ch in choices]
+    try:
+      left = len(choices)
+      while left:
+        ch, delta, done = await out.get()
+        if isinstance(delta, BaseException):
+          raise delta
+        left -= bool(done)
+        yield ch, delta, done
+    finally:
+      for t in tasks:
+        t.cancel()
+      for ch in choices:
+        if ch.req.state != "done":
+          ch.req.cancel()
+
   @app.post("/v1/chat/completions", openapi_extra=api_schema.request_body(
       api_schema.ChatCompletionRequest))
   async def chat(http: HttpRequest):
     body = await read_body(http)
     api_params.refuse_unsupported(body, "chat")
+    n = api_params.chat_n(body)
+    k = api_params.chat_logprobs(body)
+    bias = api_params.logit_bias(body, engine.cfg.vocab_size)
     kwargs = body.get("chat_template_kwargs") or {}
     thinking = bool(kwargs.get("thinking", True))
     try:           # in a worker thread: image parts are decoded and resized here
@@ -489,37 +575,40 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, start_loop: bool = 
     except ChatError as e:
       raise ApiError(400, str(e), "messages") from None
     params = sampling_from(body, engine, len(rendered.ids), stop_extra=rendered.stop,
-                           stop_ids=tuple(rendered.stop_ids) + eos)
-    req, queue = submit(rendered.ids, params, rendered.images)
-    parser = template.parser(rendered)
-    tools = api_params.ToolCalls(body)
+                           stop_ids=tuple(rendered.stop_ids) + eos, allow_n=True)
+    params = dataclasses.replace(params, logit_bias=bias, logprobs=k)
+
+    def constraint():
+      try:
+        return grammar.for_chat(template, rendered, body, engine.cfg.vocab_size)
+      except grammar.GrammarError as e:
+        raise ApiError(400, str(e), e.param) from None
+    first = await asyncio.to_thread(constraint)   # (the first use builds the vocabulary)
+    choices = []
+    try:
+      for j in range(n):
+        c = first if j == 0 else (None if first is None else constraint())
+        req, queue = submit(rendered.ids, seeded(params, j), rendered.images, constraint=c)
+        choices.append(ChatChoice(j, req, queue, template.parser(rendered),
+                                  api_params.ToolCalls(body), k))
+    except BaseException:
+      for ch in choices:
+        ch.req.cancel()
+      raise
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     head = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
             "model": model_name}
-    seen = [0]
-
-    def split(delta, done):
-      """(reasoning delta, content delta, completed tool calls) of the new output."""
-      if parser is None:
-        return "", delta, []
-      ids = req.output_ids[seen[0]:]
-      seen[0] += len(ids)
-      d = parser.add(ids)
-      r, c, calls = d.reasoning, d.content, tools.add(d)
-      if done:
-        f = parser.flush()
-        r, c, calls = r + f.reasoning, c + f.content, calls + tools.add(f)
-      return r, c, calls
 
     if body.get("stream"):
       include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
 
       async def gen():
-        yield sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant",
-                                                              "content": ""},
-                                        "finish_reason": None}]})
-        async for delta, done in events(req, queue, http):
-          r, c, calls = split(delta, done)
+        for ch in choices:
+          yield sse({**head, "choices": [{"index": ch.index, "delta": {"role": "assistant",
+                                                                       "content": ""},
+                                          "logprobs": None, "finish_reason": None}]})
+        async for ch, delta, done in merged(choices, http):
+          r, c, calls, lp = ch.split(delta, done)
           d = {}
           if r:
             d["reasoning_content"] = r
@@ -527,28 +616,38 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, start_loop: bool = 
             d["content"] = c
           if calls:
             d["tool_calls"] = calls
-          if d or done:
-            yield sse({**head, "choices": [{"index": 0, "delta": d, "finish_reason":
-                                            tools.finish_reason(finish_reason(req)) if done
-                                            else None}]})
+          if d or done or lp:
+            yield sse({**head, "choices": [{
+                "index": ch.index, "delta": d,
+                "logprobs": None if lp is None else {"content": lp, "refusal": None},
+                "finish_reason": ch.finish_reason() if done else None}]})
         if include_usage:
-          yield sse({**head, "choices": [], "usage": usage(req)})
+          yield sse({**head, "choices": [], "usage": chat_usage(choices)})
         yield "data: [DONE]\n\n"
       return StreamingResponse(guarded(gen()), media_type="text/event-stream")
-    reasoning, content = "", ""
-    async for delta, done in events(req, queue, http):
-      r, c, _ = split(delta, done)
-      reasoning, content = reasoning + r, content + c
-    message = {"role": "assistant", "content": content}
-    if parser is not None and rendered.thinking:
-      message["reasoning_content"] = reasoning
-    if tools.calls:
-      message["tool_calls"] = tools.message()
+
+    async def finish(ch):
+      reasoning, content, lps = "", "", []
+      async for delta, done in events(ch.req, ch.queue, http):
+        r, c, _, lp = ch.split(delta, done)
+        reasoning, content, lps = reasoning + r, content + c, lps + (lp or [])
+      message = {"role": "assistant", "content": content}
+      if ch.parser is not None and rendered.thinking:
+        message["reasoning_content"] = reasoning
+      if ch.tools.calls:
+        message["tool_calls"] = ch.tools.message()
+      return {"index": ch.index, "message": message,
+              "logprobs": None if k is None else {"content": lps, "refusal": None},
+              "finish_reason": ch.finish_reason()}
+
+    try:
+      out = await asyncio.gather(*[finish(ch) for ch in choices])
+    except BaseException:
+      for ch in choices:
+        ch.req.cancel()
+      raise
     return {"id": rid, "object": "chat.completion", "created": int(time.time()),
-            "model": model_name, "choices": [{"index": 0, "message": message,
-                                              "finish_reason": tools.finish_reason(
-                                                  finish_reason(req))}],
-            "usage": usage(req)}
+            "model": model_name, "choices": out, "usage": chat_usage(choices)}
 
   # ----- the rest ------------------------------------------------------------------------
   @app.get("/v1/models")

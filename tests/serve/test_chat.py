@@ -250,14 +250,15 @@ def test_image_parts_render_in_place(k3_tokenizer):
 def test_api_params_refusals_and_tool_calls():
   from k3_jax.serve.api_params import ParamError, ToolCalls, refuse_unsupported, render_kwargs
   from k3_jax.serve.chat import Delta
-  refuse_unsupported({"logprobs": False, "response_format": {"type": "text"}, "n": 1}, "chat")
-  with pytest.raises(ParamError, match="unsupported: logprobs, logit_bias") as e:
-    refuse_unsupported({"logprobs": True, "logit_bias": {"5": 1}}, "chat")
-  assert e.value.param == "logprobs"
-  for body, name in (({"suffix": ""}, "suffix"), ({"best_of": 2}, "best_of")):
-    with pytest.raises(ParamError, match=name):
-      refuse_unsupported(body, "completions")
-  refuse_unsupported({"echo": True, "logprobs": 5, "n": 3}, "completions")   # supported
+  refuse_unsupported({"logprobs": True, "response_format": {"type": "text"}, "n": 2,
+                      "logit_bias": {"5": 1}}, "chat")
+  with pytest.raises(ParamError, match="unsupported: audio, best_of") as e:
+    refuse_unsupported({"audio": {"voice": "x"}, "best_of": 2}, "chat")
+  assert e.value.param == "audio"
+  with pytest.raises(ParamError, match="suffix"):
+    refuse_unsupported({"suffix": ""}, "completions")
+  refuse_unsupported({"echo": True, "logprobs": 5, "n": 3, "best_of": 4},
+                     "completions")   # supported
   with pytest.raises(ParamError, match="tools"):
     render_kwargs({"tools": "get_weather"})
   with pytest.raises(ParamError, match="parallel_tool_calls"):

@@ -76,8 +76,9 @@ def test_k3_tool_calls_over_http(served):
                                      max_tokens=3, temperature=0)
   assert r.usage.prompt_tokens == len(template_for(tok).render(messages, tools=TOOLS).ids)
   assert isinstance(r.choices[0].message.reasoning_content, str)    # thinking by default
-  with pytest.raises(openai.BadRequestError, match="logprobs"):
-    client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2, logprobs=True)
+  with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+    client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2, logprobs=True,
+                                   top_logprobs=6)
   with pytest.raises(openai.BadRequestError, match="not in tools"):
     client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2, tools=TOOLS,
                                    tool_choice={"type": "function",
