@@ -373,7 +373,7 @@ class Engine:
         if self.prefix is not None:
           salts = None if r.images is None else image_salts(
               r.prompt, r.images, self.cfg.vision.image_token_id, self.unit)
-          r.hashes = block_hashes(r.prompt, self.unit, salts=salts)
+          r.hashes = block_hashes(r.prompt, block=self.unit, salts=salts)
       except EngineFatal:
         raise
       except Exception as e:
