@@ -271,9 +271,9 @@ class ServeConfig:
                               f"{SERVE_PAGE}), interleaved with decode steps")
   prefix_cache_bytes: int = option(1 << 30, "prefix cache budget (cached MLA pages + KDA "
                                    "checkpoints); 0 disables it")
-  prefix_match_unit: int = option(SERVE_PAGE, "prefix-cache hit granularity in tokens (a power "
-                                  f"of two dividing {SERVE_PAGE}): hash entries and KDA "
-                                  "checkpoints lie on this grid, so a hit ends at any multiple")
+  prefix_match_unit: int = option(SERVE_PAGE, "prefix-cache hit granularity in tokens (a "
+                                  f"power of two dividing {SERVE_PAGE}): hash entries and "
+                                  "KDA checkpoints lie on this grid, a hit ends on a multiple")
   max_queue: int = option(64, "waiting requests before new ones get HTTP 429")
   host: str = option("127.0.0.1", "address to listen on (loopback by default: the API has no "
                      "authentication)")
