@@ -194,5 +194,5 @@ def jit_steps(graphdef, par, jit=jax.jit) -> Steps:
 
 
 __all__ = ["TOP_K", "Sampling", "DecodeBatch", "Sampled", "sample_logits", "prefill_step",
-           "decode_step", "first_token", "load_slot", "zero_slot", "save_ckpt", "encode", "copy_page",
-           "Steps", "jit_steps"]
+           "decode_step", "first_token", "load_slot", "zero_slot", "save_ckpt", "encode",
+           "copy_page", "Steps", "jit_steps"]
