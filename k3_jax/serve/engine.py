@@ -118,7 +118,9 @@ class Engine:
     server's), with `settings` (ServeConfig fields, e.g. max_batch=2) replacing some.
     max_len: tokens per sequence (prompt + generated), default the model's max_seq_len.
     prefill_chunk: tokens per prefill chunk, a multiple of 512. prefix_cache_bytes: the
-    prefix cache's budget for cached MLA pages + KDA checkpoints (0 disables it). mesh:
+    prefix cache's budget for cached MLA pages + KDA checkpoints (0 disables it).
+    prefix_match_unit: the grid (tokens, a power of two dividing 512) that hits end on; a
+    hit inside a page continues in a copy of that page (steps.copy_page). mesh:
     the steps run under its parallel setup (sharding.install.parallel_for) with params
     placed by their logical axes; None: the single-device program."""
     serve = dataclasses.replace(serve or ServeConfig(), **settings)
