@@ -271,6 +271,9 @@ class ServeConfig:
                               f"{SERVE_PAGE}), interleaved with decode steps")
   prefix_cache_bytes: int = option(1 << 30, "prefix cache budget (cached MLA pages + KDA "
                                    "checkpoints); 0 disables it")
+  prefix_match_unit: int = option(SERVE_PAGE, "prefix-cache hit granularity in tokens (a "
+                                  f"power of two dividing {SERVE_PAGE}): hash entries and "
+                                  "KDA checkpoints lie on this grid, a hit ends on a multiple")
   max_queue: int = option(64, "waiting requests before new ones get HTTP 429")
   host: str = option("127.0.0.1", "address to listen on (loopback by default: the API has no "
                      "authentication)")
@@ -294,6 +297,10 @@ class ServeConfig:
              f"must be a positive multiple of {SERVE_PAGE}")
     _require(self.prefix_cache_bytes >= 0, "prefix_cache_bytes", self.prefix_cache_bytes,
              "must be >= 0 (0 disables the prefix cache)")
+    u = self.prefix_match_unit
+    _require(isinstance(u, int) and 1 <= u <= SERVE_PAGE and SERVE_PAGE % u == 0 and
+             u & (u - 1) == 0, "prefix_match_unit", u,
+             f"must be a power of two dividing {SERVE_PAGE} (1, 2, ..., {SERVE_PAGE})")
     _require(self.max_queue >= 0, "max_queue", self.max_queue, "must be >= 0")
     _require(0 <= self.port < 65536, "port", self.port, "must lie in [0, 65535]")
 

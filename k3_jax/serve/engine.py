@@ -118,7 +118,9 @@ class Engine:
     server's), with `settings` (ServeConfig fields, e.g. max_batch=2) replacing some.
     max_len: tokens per sequence (prompt + generated), default the model's max_seq_len.
     prefill_chunk: tokens per prefill chunk, a multiple of 512. prefix_cache_bytes: the
-    prefix cache's budget for cached MLA pages + KDA checkpoints (0 disables it). mesh:
+    prefix cache's budget for cached MLA pages + KDA checkpoints (0 disables it).
+    prefix_match_unit: the grid (tokens, a power of two dividing 512) that hits end on; a
+    hit inside a page continues in a copy of that page (steps.copy_page). mesh:
     the steps run under its parallel setup (sharding.install.parallel_for) with params
     placed by their logical axes; None: the single-device program."""
     serve = dataclasses.replace(serve or ServeConfig(), **settings)
@@ -128,6 +130,7 @@ class Engine:
     self.cfg, self.tokenizer, self.mesh = cfg, tokenizer, mesh
     self.max_batch, self.prefill_chunk, self.max_queue = (max_batch, serve.prefill_chunk,
                                                           serve.max_queue)
+    self.unit = serve.prefix_match_unit         # prefix-cache hits end on this grid
     self.max_len = max_len or cfg.max_seq_len
     if self.max_len > cfg.max_seq_len:
       raise ValueError(f"max_len={self.max_len} exceeds the model's max_seq_len={cfg.max_seq_len}")
@@ -148,7 +151,9 @@ class Engine:
     cache_pages = 0
     if prefix_cache_bytes > 0 and self.page_bytes:
       cache_pages = min(prefix_cache_bytes // self.page_bytes, 64 * max_batch * self.pages_per_slot)
-    num_ckpt = min(prefix_cache_bytes // max(self.ckpt_bytes, 1), max(cache_pages, 0))
+    # at most one checkpoint per cached block (PAGE // unit blocks per page)
+    num_ckpt = min(prefix_cache_bytes // max(self.ckpt_bytes, 1),
+                   max(cache_pages, 0) * (PAGE // self.unit))
     self.num_pages = 1 + max_batch * self.pages_per_slot + cache_pages
     # (own buffers per leaf: init_cache shares one zeros array between the conv windows,
     # and the steps donate the cache)
@@ -158,7 +163,7 @@ class Engine:
     self.prefix = None
     if prefix_cache_bytes > 0 and num_ckpt > 0:
       self.prefix = PrefixCache(self.pool, num_ckpt, prefix_cache_bytes, self.page_bytes,
-                                self.ckpt_bytes)
+                                self.ckpt_bytes, self.unit)
       self.ckpts = kv.zeros_rows(kv.kda_states(self.cache), num_ckpt)
     self.counts = jnp.zeros((max_batch, cfg.vocab_size), jnp.int32)
     self.tables = np.zeros((max_batch, self.pages_per_slot), np.int32)
@@ -259,8 +264,8 @@ class Engine:
       return {"free_slots": len(self.free_slots), "running": len(self.running),
               "waiting": len(self.waiting),
               "used_pages": self.num_pages - 1 - self.pool.free,
-              "cached_pages": len(entries),
-              "pinned_blocks": sum(1 for e in entries if refs[e.page] > 1),
+              "cached_pages": len(self.prefix.page_entries) if self.prefix is not None else 0,
+              "pinned_blocks": sum(1 for e in entries if refs[e.page] > 1),   # blocks of U
               "pinned_checkpoints": (sum(self.prefix.ckpt_pins.values())
                                      if self.prefix is not None else 0)}
 
@@ -364,13 +369,13 @@ class Engine:
       r = self.waiting[0]
       n = r.prompt.size
       need = math.ceil((n + r.params.max_tokens) / PAGE)
-      hit_blocks, hit_pages, ckpt = 0, [], None
+      hit_tokens, hit_pages, copy_src, ckpt = 0, [], None, None
       try:                                   # this request's own host work
         decoder = self.tokenizer.stream_decoder() if self.tokenizer is not None else None
         if self.prefix is not None:
           salts = None if r.images is None else image_salts(
-              r.prompt, r.images, self.cfg.vision.image_token_id)
-          r.hashes = block_hashes(r.prompt, salts=salts)
+              r.prompt, r.images, self.cfg.vision.image_token_id, self.unit)
+          r.hashes = block_hashes(r.prompt, block=self.unit, salts=salts)
       except EngineFatal:
         raise
       except Exception as e:
@@ -378,12 +383,14 @@ class Engine:
         continue
       with _shared("the page pool / prefix cache bookkeeping"):
         if self.prefix is not None and r.use_prefix_cache:
-          hit = self.prefix.lookup(r.hashes, (n - 1) // PAGE, self.step_no)   # pins the hit
-          hit_blocks, hit_pages, ckpt = hit.blocks, hit.pages, hit.ckpt
-        fresh_needed = need - hit_blocks
+          # a hit leaves at least one token to run
+          hit = self.prefix.lookup(r.hashes, (n - 1) // self.unit, self.step_no)   # pins it
+          hit_tokens, hit_pages, copy_src, ckpt = hit.tokens, hit.pages, hit.copy_src, hit.ckpt
+        pinned = hit_pages + ([copy_src] if copy_src is not None else [])
+        fresh_needed = need - len(hit_pages)
         if self.pool.free < fresh_needed and not (
             self.prefix is not None and self.prefix.free_pages(fresh_needed)):
-          self.pool.decref(hit_pages)                 # roll the pins back; wait for memory
+          self.pool.decref(pinned)                    # roll the pins back; wait for memory
           if self.prefix is not None:
             self.prefix.unpin_ckpt(ckpt)
           return
@@ -395,35 +402,48 @@ class Engine:
       if ckpt is not None:
         self.cache = self._steps.load_slot(self.cache, self.ckpts, jnp.int32(slot),
                                            jnp.int32(ckpt))
+      if copy_src is not None:       # the hit ends inside a page: continue in a copy of it
+        self.cache = self._steps.copy_page(self.cache, jnp.int32(copy_src),
+                                           jnp.int32(fresh[0]))
+        with _shared("the page pool bookkeeping"):
+          self.pool.decref([copy_src])
       if self.prefix is not None:
         self.prefix.unpin_ckpt(ckpt)
         if r.use_prefix_cache:
-          self.prefix.count(n, hit_blocks * PAGE)
+          self.prefix.count(n, hit_tokens)
       r.slot, r.pages = slot, hit_pages + fresh
       self.tables[slot] = 0
       self.tables[slot, :len(r.pages)] = r.pages
-      r.pos = r.cached_tokens = hit_blocks * PAGE
-      r.registered = hit_blocks
+      r.pos = r.cached_tokens = hit_tokens
+      r.registered = hit_tokens // self.unit
       r.state = "prefill"
       r.decoder = decoder
       self.running.append(r)
 
   def _prefill_chunk(self, r: Request, budget: int) -> int:
-    """Runs the request's next prefill chunk (at most `budget` tokens, rounded down to whole
-    blocks, or its tail); returns the tokens processed."""
+    """Runs the request's next prefill chunk: whole blocks (at most `budget` tokens, rounded
+    down to whole blocks), or the pieces below a block up to its next block boundary or the
+    prompt's end (several prefill_plan segments, each ending where a checkpoint may be
+    kept); returns the tokens processed."""
     n = r.prompt.size
     logits = None
     start = r.pos
     table_row = jnp.asarray(self.tables[r.slot])
-    for size in prefill_plan(r.pos, n, max(PAGE, budget // PAGE * PAGE)):
-      tokens = jnp.asarray(r.prompt[r.pos:r.pos + size])
-      logits, self.cache = self._steps.prefill(self.params, self.rest, self.cache,
-                                               jnp.int32(r.slot), tokens, jnp.int32(r.pos),
-                                               table_row, self._piece_features(r, size))
-      r.pos += size
-    if self.prefix is not None:
-      with self.lock, _shared("the prefix cache bookkeeping"):
-        self._register(r)
+    while r.pos < n:
+      plan = prefill_plan(r.pos, n, max(PAGE, budget // PAGE * PAGE), self.unit)
+      if r.pos > start and plan[0] >= PAGE:
+        break                        # whole blocks start a chunk of their own
+      for size in plan:
+        tokens = jnp.asarray(r.prompt[r.pos:r.pos + size])
+        logits, self.cache = self._steps.prefill(self.params, self.rest, self.cache,
+                                                 jnp.int32(r.slot), tokens, jnp.int32(r.pos),
+                                                 table_row, self._piece_features(r, size))
+        r.pos += size
+      if self.prefix is not None:
+        with self.lock, _shared("the prefix cache bookkeeping"):
+          self._register(r)
+      if plan[0] >= PAGE:
+        break
     if r.pos == n:
       r.features = r.images = None                    # the prompt is in the cache now
       got, self.counts = self._steps.first_token(
@@ -452,15 +472,16 @@ class Engine:
   def _register(self, r: Request) -> None:
     """Hands the prompt's finished blocks to the prefix cache, and keeps the KDA state of
     this position as a checkpoint when it is one the prefill keeps."""
-    blocks = min(r.pos, r.prompt.size) // PAGE
+    u = self.unit
+    blocks = min(r.pos, r.prompt.size) // u
     for i in range(r.registered, blocks):
       if not self.prefix.register_block(r.hashes[i], r.hashes[i - 1] if i else None,
-                                        r.pages[i], self.step_no):
+                                        r.pages[i * u // PAGE], self.step_no):
         break
       r.registered = i + 1
-    if r.pos % PAGE == 0 and r.pos in checkpoint_boundaries(r.prompt.size) \
-        and r.registered * PAGE >= r.pos:
-      c = self.prefix.alloc_checkpoint(r.hashes[r.pos // PAGE - 1])
+    if r.pos % u == 0 and r.pos in checkpoint_boundaries(r.prompt.size, u) \
+        and r.registered * u >= r.pos:
+      c = self.prefix.alloc_checkpoint(r.hashes[r.pos // u - 1])
       if c is not None:
         self.ckpts = self._steps.save_ckpt(self.ckpts, self.cache, jnp.int32(r.slot),
                                            jnp.int32(c))

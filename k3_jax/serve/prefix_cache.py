@@ -1,19 +1,25 @@
 """The KDA-aware prefix cache (docs/architecture.md section 9): host-side bookkeeping.
 
-- Prompts are cut into hash blocks of 512 tokens with chained hashes (block i's hash covers
-  every token before its end, and the content of the images whose placeholders it holds),
-  so equal hashes mean equal prefixes.
-- A cached block owns one MLA page id. The page id indexes every MLA layer's pool, so a
-  block is present in all MLA layers or in none.
+- Prompts are cut into hash blocks of `unit` tokens (the prefix match unit U, a power of
+  two dividing the 512-token MLA page; 512 by default) with chained hashes (block i's hash
+  covers every token before its end, and the content of the images whose placeholders it
+  holds), so equal hashes mean equal prefixes.
+- A cached block names the MLA page holding its latents: the 512 / U blocks of one page
+  share it (the cache holds one reference per page, dropped with the page's last block).
+  The page of block i holds valid latents for every position of that page up to the end
+  of block i. The page id indexes every MLA layer's pool, so a block is present in all MLA
+  layers or in none.
 - A boundary (the end of a block) may carry a KDA checkpoint: one slot index into the
-  checkpoint arrays of every KDA layer, holding the state after exactly 512*n tokens.
+  checkpoint arrays of every KDA layer, holding the state after exactly U*n tokens.
   Checkpoints are read-only; a hit copies one into the request's own slot.
 - Lookup: walk the chain while blocks are cached (skipping blocks registered in the current
-  engine step), and return the longest boundary on it that has a checkpoint.
+  engine step), and return the longest boundary on it that has a checkpoint: the pages
+  wholly before it (shared) and, when it falls inside a page, the page to copy that page's
+  first part from (the request writes the rest into its own copy).
 - Eviction: least recently used leaf entry (no cached successor) that no running request
-  holds; it frees the page and the checkpoint together, so a boundary is invalidated in all
-  layers at once. Touching a chain marks its ancestors more recent than its descendants, so
-  leaves go first.
+  holds; it frees the checkpoint (and the page, with its last block) together, so a boundary
+  is invalidated in all layers at once. Touching a chain marks its ancestors more recent
+  than its descendants, so leaves go first.
 """
 
 from __future__ import annotations
@@ -68,15 +74,22 @@ class Entry:
 
 @dataclasses.dataclass
 class Hit:
-  blocks: int                    # hit length in blocks (tokens = 512 * blocks)
-  pages: list[int]               # the MLA pages of those blocks, in order
+  blocks: int                    # hit length in blocks of `unit` tokens
+  tokens: int                    # = unit * blocks
+  pages: list[int]               # the MLA pages wholly inside the hit, in order (shared)
+  copy_src: int | None           # the page whose first tokens % 512 latents the request
+                                 # copies into a page of its own (None: the hit ends on a
+                                 # page boundary); pinned until the caller releases it
   ckpt: int | None               # the checkpoint at the boundary (None when blocks == 0)
 
 
 class PrefixCache:
   def __init__(self, pool: PagePool, num_ckpt_slots: int, budget_bytes: int,
-               page_bytes: int, ckpt_bytes: int):
-    self.pool = pool
+               page_bytes: int, ckpt_bytes: int, unit: int = PAGE):
+    if not (1 <= unit <= PAGE and PAGE % unit == 0):
+      raise ValueError(f"prefix match unit {unit} must divide the page of {PAGE} tokens")
+    self.pool, self.unit, self.per_page = pool, unit, PAGE // unit
+    self.page_entries: dict[int, int] = {}     # page -> cached blocks naming it
     self.budget, self.page_bytes, self.ckpt_bytes = budget_bytes, page_bytes, ckpt_bytes
     self.entries: dict[bytes, Entry] = {}
     self._free_ckpt = list(range(num_ckpt_slots - 1, -1, -1))
@@ -89,23 +102,27 @@ class PrefixCache:
 
   # ----- lookup ----------------------------------------------------------------
   def lookup(self, hashes: list[bytes], max_blocks: int, step: int) -> Hit:
-    """The longest usable prefix among the first max_blocks blocks; pins it (its pages get
-    a reference for the request, its checkpoint a pin) before the caller allocates anything."""
-    best, pages = 0, []
+    """The longest usable prefix among the first max_blocks blocks; pins it (its pages, and
+    the page to copy from, get a reference for the request, its checkpoint a pin) before
+    the caller allocates anything."""
+    best, chain = 0, []
     for i, h in enumerate(hashes[:max_blocks]):
       e = self.entries.get(h)
       if e is None or e.step == step:      # never match what this step registered
         break
-      pages.append(e.page)
+      chain.append(e)
       if e.ckpt is not None:
         best = i + 1
-    pages = pages[:best]
-    ckpt = self.entries[hashes[best - 1]].ckpt if best else None
-    self.pool.incref(pages)
+    tokens, k = best * self.unit, self.per_page
+    # a whole page is read from the page of its last block (valid over the whole page)
+    pages = [chain[(p + 1) * k - 1].page for p in range(tokens // PAGE)]
+    copy_src = chain[best - 1].page if tokens % PAGE else None
+    ckpt = chain[best - 1].ckpt if best else None
+    self.pool.incref(pages + ([copy_src] if copy_src is not None else []))
     if ckpt is not None:
       self.ckpt_pins[ckpt] = self.ckpt_pins.get(ckpt, 0) + 1
       self._touch(hashes[:best])
-    return Hit(best, pages, ckpt)
+    return Hit(best, tokens, pages, copy_src, ckpt)
 
   def count(self, prompt_tokens: int, hit_tokens: int) -> None:
     self.queries += prompt_tokens
@@ -127,20 +144,25 @@ class PrefixCache:
 
   # ----- registration --------------------------------------------------------------
   def register_block(self, h: bytes, parent: bytes | None, page: int, step: int) -> bool:
-    """Caches a freshly computed block (the cache takes a reference on its page)."""
+    """Caches a freshly computed block whose latents lie in `page` (the cache takes a
+    reference on the page with its first block)."""
     if h in self.entries:
       return True
     if parent is not None and parent not in self.entries:
       return False                         # its chain was evicted: unreachable, skip
     if parent is not None:                 # counted first: room-making must not evict it
       self.entries[parent].children += 1
-    if not self._make_room(self.page_bytes):
+    new_page = page not in self.page_entries
+    if new_page and not self._make_room(self.page_bytes):
       if parent is not None:
         self.entries[parent].children -= 1
       return False
-    self.pool.incref([page])
+    if new_page:
+      self.pool.incref([page])
+      self.page_entries[page] = 0
+      self.used += self.page_bytes
+    self.page_entries[page] += 1
     self.entries[h] = Entry(page, parent, step=step)
-    self.used += self.page_bytes
     self._touch([h])
     return True
 
@@ -177,8 +199,11 @@ class PrefixCache:
     e = self.entries.pop(h)
     if e.parent is not None and e.parent in self.entries:
       self.entries[e.parent].children -= 1
-    self.pool.decref([e.page])
-    self.used -= self.page_bytes
+    self.page_entries[e.page] -= 1
+    if not self.page_entries[e.page]:            # the page's last block: free the page
+      del self.page_entries[e.page]
+      self.pool.decref([e.page])
+      self.used -= self.page_bytes
     if e.ckpt is not None:
       self._free_ckpt.append(e.ckpt)
       self.used -= self.ckpt_bytes
@@ -201,6 +226,7 @@ class PrefixCache:
   def stats(self) -> dict:
     return {"queries": self.queries, "hits": self.hits, "query_requests": self.query_requests,
             "hit_requests": self.hit_requests, "blocks": len(self.entries),
+            "pages": len(self.page_entries),
             "checkpoints": sum(e.ckpt is not None for e in self.entries.values()),
             "bytes": self.used, "budget_bytes": self.budget, "evictions": self.evictions}
 

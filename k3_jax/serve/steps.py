@@ -10,6 +10,8 @@ memory and roofline `compile` reports is the program `serve` runs.
     first_token   the token sampled from a prompt's last logits -> (Sampled, counts)
     zero_slot / load_slot / save_ckpt   a slot's KDA state: zeroed, loaded from or saved to
                   a prefix-cache checkpoint row
+    copy_page     one MLA page copied into another in every MLA layer (a prefix-cache hit
+                  that ends inside a page: the request continues in its own copy)
     encode        packed images -> projected features (models with a vision tower)
 
 Sampling happens inside the step (sample_rows): per-slot parameters arrive as a `Sampling`
@@ -31,9 +33,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3_jax.cache import ModelCache
+from k3_jax.cache import ModelCache, PagedMLACache, replace
 from k3_jax.serve import kv_pages as kv
 from k3_jax.serve.sampling import sample_rows
+from k3_jax.stack import map_cache
 
 TOP_K = 5            # alternatives returned per token (the API's logprobs range is 0-5)
 
@@ -140,6 +143,17 @@ def save_ckpt(ckpts, cache, slot, c):
   return kv.put_rows(ckpts, c[None], kv.take_rows(kv.kda_states(cache), slot[None]))
 
 
+def copy_page(cache, src, dst):
+  """cache with page `dst` of every MLA layer's pool set to page `src` (bit copy)."""
+  def cp(e, axis):
+    if not isinstance(e, PagedMLACache):
+      return e
+    def one(a):
+      return a.at[dst].set(a[src]) if axis == 0 else a.at[:, dst].set(a[:, src])
+    return replace(e, c_kv=one(e.c_kv), k_r=one(e.k_r))
+  return map_cache(cp, cache)
+
+
 def encode(graphdef, params, rest, images):
   """packed images -> projected features [M, D] f32 (one dtype for every prefill)."""
   return nnx.merge(graphdef, params, rest).vision(images).astype(jnp.float32)
@@ -154,6 +168,7 @@ class Steps(NamedTuple):
   zero_slot: Callable
   save_ckpt: Callable
   encode: Callable
+  copy_page: Callable
 
 
 def bind(fn, *static):
@@ -174,9 +189,10 @@ def jit_steps(graphdef, par, jit=jax.jit) -> Steps:
       load_slot=jit(load_slot, donate_argnums=(0,)),
       zero_slot=jit(zero_slot, donate_argnums=(0, 1)),
       save_ckpt=jit(save_ckpt, donate_argnums=(0,)),
-      encode=jit(bind(encode, graphdef)))
+      encode=jit(bind(encode, graphdef)),
+      copy_page=jit(copy_page, donate_argnums=(0,)))
 
 
 __all__ = ["TOP_K", "Sampling", "DecodeBatch", "Sampled", "sample_logits", "prefill_step",
            "decode_step", "first_token", "load_slot", "zero_slot", "save_ckpt", "encode",
-           "Steps", "jit_steps"]
+           "copy_page", "Steps", "jit_steps"]

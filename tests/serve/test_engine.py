@@ -238,3 +238,103 @@ def test_sharded_engine_matches_one_device(setup):
     assert a.output_ids == b.output_ids
     for x, y in zip(a.logits, b.logits):
       np.testing.assert_allclose(x, y, atol=REF_TOL, rtol=0)
+
+
+# ----- a finer prefix match unit (--prefix_match_unit=64) ------------------------------------
+# The same model and budget with hits on a 64-token grid. It reuses the compiled steps of the
+# module engine (same model, same cache shapes). A hit of an identical prompt runs the same
+# pieces from the same bits as the cold prefill, so these compare logits bitwise.
+
+UNIT = 64
+
+
+@pytest.fixture(scope="module")
+def grid(setup):
+  cfg, model, eng = setup
+  g, p, r = train.split_model(model)
+  out = Engine(cfg, g, p, r, max_batch=2, prefix_cache_bytes=eng.serve.prefix_cache_bytes,
+               prefix_match_unit=UNIT, tokenizer=ByteTokenizer())
+  assert out.num_pages == eng.num_pages
+  out._steps = eng._steps                               # no second compile
+  return out
+
+
+def assert_bitwise(hit, cold):
+  assert hit.output_ids == cold.output_ids
+  assert len(hit.logits) == len(cold.logits) == len(cold.output_ids)
+  for a, b in zip(hit.logits, cold.logits):
+    assert np.array_equal(a, b)
+
+
+def test_grid_plan_and_boundaries():
+  assert checkpoint_boundaries(100, UNIT) == (64,)
+  assert checkpoint_boundaries(128, UNIT) == (64, 128)          # ends on the grid
+  assert checkpoint_boundaries(64, UNIT) == (64,)               # no hit can use it
+  assert checkpoint_boundaries(1300, UNIT) == (1024, 1280)
+  assert checkpoint_boundaries(1024, UNIT) == (960, 1024)
+  assert prefill_plan(0, 100, 512, UNIT) == [64]                # stops on the checkpoint
+  assert prefill_plan(64, 100, 512, UNIT) == [16, 16, 4]
+  assert prefill_plan(0, 1300, 1024, UNIT) == [1024]
+  assert prefill_plan(576, 1300, 1024, UNIT) == [256, 64, 64, 64]   # to the block boundary
+  assert prefill_plan(1024, 1300, 1024, UNIT) == [256]
+  assert prefill_plan(512, 1024, 512, UNIT) == [256, 64, 64, 64]
+  a = prompt_of(0, 200)
+  assert len(block_hashes(a, UNIT)) == 3 and block_hashes(a, UNIT)[:1] == block_hashes(a[:64], UNIT)
+  from k3_jax.config import ConfigError, ServeConfig
+  for bad in (0, 48, 1024):
+    with pytest.raises(ConfigError, match="prefix_match_unit"):
+      ServeConfig(prefix_match_unit=bad)
+
+
+def test_grid_short_prompt_hits(grid):
+  x = prompt_of(40, 100)                # shorter than one 512-token block
+  cold = run(grid, x, use_prefix_cache=False)       # (still caches its blocks)
+  hit = run(grid, x)
+  assert cold.cached_tokens == 0 and hit.cached_tokens == 64
+  assert_bitwise(hit, cold)
+  longer = np.concatenate([x, prompt_of(41, 60)])     # shares x's 100 tokens: hits 64
+  hit2 = run(grid, longer)
+  cold2 = run(grid, longer, use_prefix_cache=False)
+  assert hit2.cached_tokens == 64
+  assert_bitwise(hit2, cold2)          # the hit resumes where the cold prefill cut too (64)
+
+
+def test_grid_boundary_prompt_and_partial_page_decode(grid):
+  # 640 tokens end on the grid: an identical prompt hits 576 = 512 + 64 (one shared page,
+  # the first 64 latents of the second page copied), then decodes 8 tokens into its copy
+  p = prompt_of(42, 640)
+  cold = run(grid, p, 8, use_prefix_cache=False)
+  hit = run(grid, p, 8)
+  assert hit.cached_tokens == 576
+  assert_bitwise(hit, cold)
+  again = run(grid, p, 8)                              # the source page was not written
+  assert again.cached_tokens == 576
+  assert_bitwise(again, cold)
+  # mid-page, past a block: 1,300 tokens hit 1,280 (two shared pages + a copy of 256)
+  q = prompt_of(43, 1300)
+  coldq = run(grid, q, 6, use_prefix_cache=False)
+  run(grid, q, 2)
+  hitq = run(grid, q, 6)
+  assert hitq.cached_tokens == 1280
+  assert_bitwise(hitq, coldq)
+
+
+def test_grid_eviction(grid):
+  keep = prompt_of(44, 700)
+  cold = run(grid, keep, use_prefix_cache=False)
+  run(grid, keep, 2)
+  before = grid.prefix.stats()["evictions"]
+  for s in range(45, 49):
+    run(grid, prompt_of(s, 900), 2)
+    hot = run(grid, keep, 2)
+    assert hot.cached_tokens == 640
+  stats = grid.prefix.stats()
+  assert stats["evictions"] > before and stats["bytes"] <= stats["budget_bytes"]
+  hit = run(grid, keep)
+  assert hit.cached_tokens == 640
+  assert_bitwise(hit, cold)
+  evicted = run(grid, prompt_of(45, 900), 2)          # the oldest newcomer is gone
+  assert evicted.cached_tokens == 0
+  c = grid.resource_counts()
+  assert c["used_pages"] == c["cached_pages"] == len(grid.prefix.page_entries)   # no leak
+  assert c["pinned_blocks"] == 0 and c["pinned_checkpoints"] == 0

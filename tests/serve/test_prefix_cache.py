@@ -18,3 +18,32 @@ def test_registering_a_child_under_a_full_budget_keeps_its_parent():
   cache.budget = 200
   assert cache.register_block(b"B", b"A", b, step=2)
   assert cache.entries[b"A"].children == 1 and cache.entries[b"B"].parent == b"A"
+
+
+def test_finer_unit_blocks_share_their_page():
+  # U = 128: four blocks per 512-token page. The cache holds one reference per page and
+  # frees the page with its last block; a hit inside a page names the page to copy from.
+  pool = PagePool(8)
+  cache = PrefixCache(pool, num_ckpt_slots=4, budget_bytes=1000, page_bytes=100,
+                      ckpt_bytes=10, unit=128)
+  a, b = pool.alloc(2)
+  hs = [bytes([i]) for i in range(6)]                 # blocks 0-3 on page a, 4-5 on page b
+  for i, h in enumerate(hs):
+    assert cache.register_block(h, hs[i - 1] if i else None, a if i < 4 else b, step=1)
+  assert pool.refs[a] == pool.refs[b] == 2 and cache.used == 200
+  assert cache.alloc_checkpoint(hs[2]) is not None and cache.alloc_checkpoint(hs[5]) is not None
+  hit = cache.lookup(hs, 6, step=2)                   # 768 tokens: page a whole, b copied
+  assert (hit.blocks, hit.tokens, hit.pages, hit.copy_src) == (6, 768, [a], b)
+  assert pool.refs[a] == pool.refs[b] == 3
+  pool.decref([a, b, a, b])                           # the hit and the owner let go
+  cache.unpin_ckpt(hit.ckpt)
+  short = cache.lookup(hs, 4, step=2)                 # 384 tokens: nothing whole, a copied
+  assert (short.tokens, short.pages, short.copy_src) == (384, [], a)
+  pool.decref([a])
+  cache.unpin_ckpt(short.ckpt)
+  assert cache._evict_one() and cache._evict_one()    # blocks 5, 4 (leaves first): page b
+  assert b not in cache.page_entries and pool.refs[b] == 0 and cache.used == 100 + 10
+  assert pool.refs[a] == 1                             # still cached by blocks 0-3
+  while cache._evict_one():
+    pass
+  assert not cache.entries and pool.free == 7 and cache.used == 0
