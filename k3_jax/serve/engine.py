@@ -247,7 +247,13 @@ class Engine:
       if len(self.waiting) >= self.max_queue:
         raise QueueFull(f"{len(self.waiting)} requests are waiting (the bound is "
                         f"{self.max_queue}); retry later")
-      self.waiting.append(req)
+      lead = req.fork_of
+      if lead is not None and lead.state in ("waiting", "prefill") and not lead.cancelled \
+          and np.array_equal(lead.prompt, req.prompt):
+        lead.forks.append(req)
+      else:
+        req.fork_of = None
+        self.waiting.append(req)
       self.lock.notify_all()
     return req
 
@@ -285,7 +291,8 @@ class Engine:
     log.error("engine stopped by a fatal fault: %s: %s", type(e).__name__, e)
     with self.lock:
       self.fatal = e
-      for r in list(self.running) + list(self.waiting):
+      reqs = list(self.running) + list(self.waiting)
+      for r in reqs + [f for r in reqs for f in r.forks]:
         r.error, r.error_type = f"engine failure: {type(e).__name__}: {e}", "engine_error"
         r.finish_reason, r.state = "error", "done"
         self.failed_requests += 1
@@ -330,6 +337,7 @@ class Engine:
       for r in [r for r in self.waiting if r.cancelled]:
         self.waiting.remove(r)
         r.finish_reason, r.state = "cancelled", "done"
+        self._release_forks(r)
         r.done_event.set()
       self._admit()
       pre = [r for r in self.running if r.state == "prefill"]
@@ -349,7 +357,8 @@ class Engine:
         continue
       if r.state == "decode":
         dec.append(r)
-    dec = [r for r in dec if r.state == "decode"]
+    with self.lock:        # (the samples forked off a finished prefill decode too)
+      dec = [r for r in self.running if r.state == "decode"]
     if dec:
       self._decode_all(dec)
     return bool(pre) or bool(dec)
@@ -450,8 +459,65 @@ class Engine:
           logits, self.counts, jnp.int32(r.slot),
           self._sampling([r], 1, self._biases([r]), first=True))
       r.state = "decode"
+      self._fork(r, logits)          # before r's own token, which may already finish it
       self._take(r, got, 0)
     return r.pos - start
+
+  def _fork(self, lead: Request, logits) -> None:
+    """Starts the samples waiting on `lead`'s prefill (Request.fork_of) from it, now that
+    its slot holds the state after the prompt: each gets a slot with that KDA state, shares
+    the prompt's whole pages, continues in a copy of the partial last one, and samples its
+    first token from the same logits with its own parameters. One that finds no slot or
+    pages joins the queue as a request of its own (a cold prefill, prefix cache permitting)."""
+    with self.lock:
+      forks, lead.forks = lead.forks, []
+    n = lead.prompt.size
+    full, part = divmod(n, PAGE)
+    for f in forks:
+      if f.cancelled:
+        f.finish_reason, f.state = "cancelled", "done"
+        f.done_event.set()
+        continue
+      need = math.ceil((n + f.params.max_tokens) / PAGE) - full
+      with self.lock, _shared("the page pool bookkeeping"):
+        if not self.free_slots or (self.pool.free < need and not (
+            self.prefix is not None and self.prefix.free_pages(need))):
+          f.fork_of = None
+          self.waiting.appendleft(f)
+          continue
+        fresh = self.pool.alloc(need)
+        self.pool.incref(lead.pages[:full])
+        slot = self.free_slots.pop()
+        f.slot, f.pages = slot, lead.pages[:full] + fresh
+        self.tables[slot] = 0
+        self.tables[slot, :len(f.pages)] = f.pages
+        f.pos = f.cached_tokens = n
+        f.hashes, f.registered = lead.hashes, lead.registered
+        f.state = "decode"
+        self.running.append(f)
+      try:
+        self.cache, self.counts = self._steps.zero_slot(self.cache, self.counts,
+                                                        jnp.int32(slot))
+        self.cache = self._steps.copy_slot(self.cache, jnp.int32(lead.slot), jnp.int32(slot))
+        if part:
+          self.cache = self._steps.copy_page(self.cache, jnp.int32(lead.pages[full]),
+                                             jnp.int32(fresh[0]))
+        f.decoder = self.tokenizer.stream_decoder() if self.tokenizer is not None else None
+        got, self.counts = self._steps.first_token(
+            logits, self.counts, jnp.int32(slot),
+            self._sampling([f], 1, self._biases([f]), first=True))
+        self._take(f, got, 0)
+      except EngineFatal:
+        raise
+      except Exception as e:
+        self._fail(f, e)
+
+  def _release_forks(self, r: Request) -> None:
+    """The samples waiting on r (which ends before its prefill did) queue on their own."""
+    for f in reversed(r.forks):
+      f.fork_of = None
+      self.waiting.appendleft(f)
+    r.forks = []
 
   def _piece_features(self, r: Request, size: int):
     """Features [size, D] f32 for the placeholders of the prompt piece [r.pos, r.pos + size),
@@ -627,6 +693,8 @@ class Engine:
     r.pages = []
     r.features = r.images = None
     r.finish_reason, r.state = reason, "done"
+    if r.forks:
+      self._release_forks(r)
     if reason == "error":
       self._notify(r)
     else:

@@ -95,6 +95,8 @@ class Request:
   images: dict | None = None         # packed images (data/images.pack_images) whose features
                                      # take the prompt's placeholders, in order
   timeout: float | None = None       # seconds from arrival; then the engine fails it
+  fork_of: "Request | None" = None   # another sample of that request's prompt: it starts
+                                     # from that request's prefill (state and pages copied)
   constraint: object = None          # a grammar (grammar.py): allowed() -> bool [V] before
                                      # each token, advance(id) after, is_done() -> finished
   id: int = dataclasses.field(default_factory=lambda: next(_ids))
@@ -118,6 +120,7 @@ class Request:
   cancelled: bool = False
   seed: int = 0
   logits: list = dataclasses.field(default_factory=list)
+  forks: list = dataclasses.field(default_factory=list)   # samples waiting for this prefill
   token_logprobs: list = dataclasses.field(default_factory=list)  # (params.logprobs set)
   top_logprobs: list = dataclasses.field(default_factory=list)    # [[(id, logprob)], ...]
   arrival: float = dataclasses.field(default_factory=time.monotonic)

@@ -406,7 +406,8 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, start_loop: bool = 
         for j in range(draws):
           c = first if not runs else (None if first is None else constraint())
           req, queue = submit(ids, seeded(params, j), record_logits=k is not None,
-                              constraint=c)
+                              constraint=c, fork_of=lead if j else None)
+          lead = req if j == 0 else lead      # the other draws start from its prefill
           runs.append((i * draws + j, ids, req, queue))
     except BaseException:
       for *_, req, _ in runs:
@@ -588,7 +589,8 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, start_loop: bool = 
     try:
       for j in range(n):
         c = first if j == 0 else (None if first is None else constraint())
-        req, queue = submit(rendered.ids, seeded(params, j), rendered.images, constraint=c)
+        req, queue = submit(rendered.ids, seeded(params, j), rendered.images, constraint=c,
+                            fork_of=choices[0].req if j else None)   # one shared prefill
         choices.append(ChatChoice(j, req, queue, template.parser(rendered),
                                   api_params.ToolCalls(body), k))
     except BaseException:

@@ -139,6 +139,13 @@ def zero_slot(cache, counts, slot):
   return kv.with_kda_states(cache, states), counts.at[slot].set(0)
 
 
+def copy_slot(cache, src, dst):
+  """Slot dst's KDA state := slot src's (a fork: another sample of the same prompt)."""
+  states = kv.kda_states(cache)
+  return kv.with_kda_states(cache, kv.put_rows(states, dst[None],
+                                               kv.take_rows(states, src[None])))
+
+
 def save_ckpt(ckpts, cache, slot, c):
   return kv.put_rows(ckpts, c[None], kv.take_rows(kv.kda_states(cache), slot[None]))
 
@@ -165,6 +172,7 @@ class Steps(NamedTuple):
   decode: Callable
   first_token: Callable
   load_slot: Callable
+  copy_slot: Callable
   zero_slot: Callable
   save_ckpt: Callable
   encode: Callable
@@ -187,6 +195,7 @@ def jit_steps(graphdef, par, jit=jax.jit) -> Steps:
       decode=jit(bind(decode_step, graphdef, par), donate_argnums=(2, 3)),
       first_token=jit(first_token, donate_argnums=(1,)),
       load_slot=jit(load_slot, donate_argnums=(0,)),
+      copy_slot=jit(copy_slot, donate_argnums=(0,)),
       zero_slot=jit(zero_slot, donate_argnums=(0, 1)),
       save_ckpt=jit(save_ckpt, donate_argnums=(0,)),
       encode=jit(bind(encode, graphdef)),
@@ -194,5 +203,6 @@ def jit_steps(graphdef, par, jit=jax.jit) -> Steps:
 
 
 __all__ = ["TOP_K", "Sampling", "DecodeBatch", "Sampled", "sample_logits", "prefill_step",
-           "decode_step", "first_token", "load_slot", "zero_slot", "save_ckpt", "encode",
+           "decode_step", "first_token", "load_slot", "copy_slot", "zero_slot", "save_ckpt",
+           "encode",
            "copy_page", "Steps", "jit_steps"]

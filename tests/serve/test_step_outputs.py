@@ -104,3 +104,27 @@ def test_a_broken_constraint_fails_its_request_alone(engine8):
 def test_bad_sampling_fields_are_refused(engine8, params, match):
   with pytest.raises(RequestError, match=match):
     engine8.submit(prompt_of(1, 5), params)
+
+
+def test_samples_forked_off_one_prefill_equal_separate_requests(engine8):
+  """n samples of one prompt (Request.fork_of) share its prefill: the other samples copy the
+  KDA state and the partial last page and sample from the same logits. Each equals the same
+  request run alone, bitwise; the ones that find no free slot (10 samples, 8 slots) queue
+  as requests of their own and equal it too."""
+  x = prompt_of(21, 45)
+  params = [SamplingParams(max_tokens=5, temperature=1.0, seed=100 + j) for j in range(10)]
+  solo = []
+  for p in params:
+    r = engine8.submit(x, p, record_logits=True)
+    engine8.run_until_done([r])
+    solo.append(r)
+  lead = engine8.submit(x, params[0], record_logits=True)
+  forks = [engine8.submit(x, p, record_logits=True, fork_of=lead) for p in params[1:]]
+  assert len(lead.forks) == 9
+  engine8.run_until_done([lead] + forks)
+  assert sum(f.cached_tokens == x.size for f in forks) == 7      # 7 forked, 2 queued
+  for got, ref in zip([lead] + forks, solo):
+    assert got.output_ids == ref.output_ids
+    assert all(np.array_equal(a, b) for a, b in zip(got.logits, ref.logits))
+  assert len({tuple(r.output_ids) for r in solo}) > 1             # the seeds differ
+  assert len(engine8.free_slots) == engine8.max_batch
