@@ -222,6 +222,7 @@ def test_bad_requests(setup):
   assert not eng.running and not eng.waiting and len(eng.free_slots) == 2
 
 
+@pytest.mark.slow   # 30-80 s of compiles (suite budget); the sharded model itself: tests/sharding
 def test_sharded_engine_matches_one_device(setup):
   """Expert parallelism over 8 CPU devices (--mesh=expert:8) gives the same greedy tokens
   as one device (logits to 1e-4: the expert all-to-all reorders float32 sums)."""
