@@ -66,19 +66,20 @@ def one(units: int, seq_split: int, remat: str, batch: int | None, seq_len: int,
   if extra.get("ep_capacity"):
     cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe,
                                                            ep_capacity=extra["ep_capacity"]))
+  slices = extra.get("num_slices", 1)   # the data axis spans them (sharding/mesh.py)
   tc = dataclasses.replace(configs.get_train("k3"), remat=remat,
-                           batch_size=batch or 2048 // seq_split, seq_len=seq_len,
+                           batch_size=batch or 2048 * slices // seq_split, seq_len=seq_len,
                            grad_accum=extra.get("grad_accum", 1))
-  target = resolve_target(extra.get("topology", "v5p-4096"))
-  fsdp = target.chips // 32 // seq_split
-  mesh = make_mesh(parse_mesh(f"fsdp:{fsdp},expert:32,sequence:{seq_split}"),
-                   target_devices(target))
+  target = resolve_target(extra.get("topology", "v5p-4096"), slices)
+  fsdp = target.chips // slices // 32 // seq_split
+  spec = (f"data:{slices}," if slices > 1 else "") + f"fsdp:{fsdp},expert:32,sequence:{seq_split}"
+  mesh = make_mesh(parse_mesh(spec), target_devices(target))
   fn, args = train_program(cfg, tc, mesh)
   t0 = time.time()
   lowered = fn.lower(*args)
   t1 = time.time()
   row = {"units": units or stack.plan_of(cfg).repeats, "seq_split": seq_split, "remat": remat,
-         "mesh": f"fsdp:{fsdp},expert:32,sequence:{seq_split}",
+         "num_slices": slices, "mesh": spec,
          "global_batch": tc.batch_size, "seq_len": seq_len,
          "lower_s": round(t1 - t0, 1), **hlo_stats(lowered.as_text())}
   del lowered
@@ -87,7 +88,7 @@ def one(units: int, seq_split: int, remat: str, batch: int | None, seq_len: int,
   _, rep = aot.compile_report(fn, args, target.chip_hbm_bytes)
   row.update(compile_s=rep["compile_seconds"],
              per_chip_gib=round(rep["per_chip_total_bytes"] / 2 ** 30, 2),
-             fits=rep["fits"])
+             temp_gib=round(rep.get("temp_bytes", 0) / 2 ** 30, 2), fits=rep["fits"])
   return row
 
 
