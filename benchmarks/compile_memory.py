@@ -2,6 +2,7 @@
 sequence split and the number of scanned units.
 
   python -m benchmarks.compile_memory [--units 2,6] [--seq_splits 1,2,4] [--full]
+                                      [--num_slices 2] [--grad_accum 2]
                                       [--limit_gb 14] [--timeout 1200] [--json out.json]
 
 Each row is one compile in its own child process (`--one`), so its peak RSS is the
@@ -12,7 +13,8 @@ unscanned layer in front and four behind, as in k3's 22 units), on
 v5p-4096 with fsdp:F, expert:32, sequence:S and F * S = 64, global batch 2048 / S x 8192
 (the batch over fsdp x expert, 8192 / S tokens per chip). Columns: the lowered StableHLO
 size, its collective counts, lowering and compile seconds, peak RSS, per-chip GiB.
---full adds the full model (22 units) at each split.
+--full adds the full model (22 units) at each split. --num_slices=N: N slices of v5p-4096,
+the data axis (N) over them, every slice the one-slice mesh, global batch x N.
 
 What it showed (docs/results.md, Compile host memory): the lowered program barely changes
 with the split, and the RSS follows neither the split nor the number of scanned units but
@@ -148,6 +150,8 @@ def main() -> None:
   ap.add_argument("--remat", default="block")
   ap.add_argument("--seq_len", type=int, default=8192)
   ap.add_argument("--full", action="store_true", help="also the full k3 (22 units)")
+  ap.add_argument("--num_slices", type=int, default=1)
+  ap.add_argument("--grad_accum", type=int, default=1)
   ap.add_argument("--limit_gb", type=float, default=14.0)
   ap.add_argument("--timeout", type=float, default=1200.0)
   ap.add_argument("--json")
@@ -164,7 +168,8 @@ def main() -> None:
   for u in units:
     for s in (int(x) for x in a.seq_splits.split(",")):
       spec = {"units": u, "seq_split": s, "remat": a.remat, "seq_len": a.seq_len,
-              "extra": {"ep_capacity": 1.25}}
+              "extra": {"ep_capacity": 1.25, "num_slices": a.num_slices,
+                        "grad_accum": a.grad_accum}}
       row = run_child(spec, a.limit_gb, a.timeout)
       rows.append(row)
       print(" | ".join(str(row.get(c, "-")) for c in COLUMNS)
