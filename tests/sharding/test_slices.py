@@ -59,10 +59,10 @@ def test_multi_slice_pod_layout_is_the_one_slice_layout_per_slice():
   from sharding.topology import resolve_target
   layouts = configs.get_pod_layouts("k3")
   one = pod_layout(layouts, resolve_target("v5p-4096"), "train")
-  # k3 has its own 2-slice layout (2 micro-batches); 4 slices derive from the 1-slice one
+  # k3 has its own 2-slice layout (the same batch); 4 slices derive from the 1-slice one
   two = pod_layout(layouts, resolve_target("v5p-4096", 2), "train")
   assert two.topology == "2*v5p-4096" and two.mesh == "data:2," + one.mesh
-  assert (two.global_batch, two.grad_accum) == (2 * one.global_batch, 2)
+  assert (two.global_batch, two.grad_accum) == (one.global_batch, 1)
   assert pod_layout(layouts, resolve_target("2*v5p-4096"), "train") == two
   four = pod_layout(layouts, resolve_target("v5p-4096", 4), "train")
   assert four.topology == "4*v5p-4096" and four.mesh == "data:4," + one.mesh
