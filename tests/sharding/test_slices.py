@@ -61,7 +61,7 @@ def test_multi_slice_pod_layout_is_the_one_slice_layout_per_slice():
   one = pod_layout(layouts, resolve_target("v5p-4096"), "train")
   # k3 has its own 2-slice layout (the same batch); 4 slices derive from the 1-slice one
   two = pod_layout(layouts, resolve_target("v5p-4096", 2), "train")
-  assert two.topology == "2*v5p-4096" and two.mesh == "data:2," + one.mesh
+  assert two.topology == "2*v5p-4096" and two.mesh.startswith("data:2,")
   assert (two.global_batch, two.grad_accum) == (one.global_batch, 1)
   assert pod_layout(layouts, resolve_target("2*v5p-4096"), "train") == two
   four = pod_layout(layouts, resolve_target("v5p-4096", 4), "train")
