@@ -594,8 +594,8 @@ COMMANDS: dict[str, Command] = {
     "train": Command(cmd_train, "train --config for --steps, resuming from the latest "
                      "checkpoint in --workdir",
                      (*MODEL_FLAGS, "workdir", *TRAIN_CONFIG_FLAGS, "mesh", "num_slices",
-                      "ep_capacity", "max_bad_steps", "checkpoint_step", "init_from", "caption_eval_images",
-                      "profile_steps", *MULTIHOST_FLAGS)),
+                      "ep_capacity", "max_bad_steps", "checkpoint_step", "init_from",
+                      "caption_eval_images", "profile_steps", *MULTIHOST_FLAGS)),
     "generate": Command(cmd_generate, "load the latest checkpoint in --workdir and stream a "
                         "completion of --prompt",
                         ("workdir", "prompt", "max_new_tokens", "temperature", "top_p", "seed",
