@@ -124,7 +124,11 @@ flags.DEFINE_boolean("param_groups", False, "print every parameter's optimizer g
 # compile: ahead-of-time compilation for a TPU target, from any machine
 flags.DEFINE_string("topology", None, "Cloud TPU name (v5p-4096, v5e-256, v6e-256) or explicit "
                     "topology (v5p:8x16x16); 'N*NAME' for N slices")
-flags.DEFINE_integer("slices", 1, "number of slices of --topology (data axis spans them)")
+flags.DEFINE_integer("num_slices", None, "multi-slice data parallelism: the data axis spans "
+                     "this many slices (DCN), every other axis stays inside one. compile: "
+                     "slices of --topology (default 1); train: TPU devices must form that "
+                     "many (slice_index), CPU devices are split into that many fake slices")
+flags.DEFINE_alias("slices", "num_slices")
 flags.DEFINE_enum("step", "train", ["train", "prefill", "decode", "init"], "which step to "
                   "compile (init: the sharded initialisation of the train state)")
 flags.DEFINE_integer("global_batch", None, "global batch in sequences (default: "
@@ -330,7 +334,7 @@ def _train_job(stop) -> None:
     from k3_jax.data import shapes, tokenizers
     shapes.check_seq_len(tc.seq_len, cfg.vision, tokenizers.get_tokenizer(tc.tokenizer))
   profile = parse_steps(FLAGS.profile_steps)
-  mesh = make_mesh(parse_mesh(FLAGS.mesh))
+  mesh = make_mesh(parse_mesh(FLAGS.mesh), slices=FLAGS.num_slices)
   validate_mesh(cfg, mesh, tc.batch_size, tc.seq_len)
   check_resume(FLAGS.workdir, cfg, tc)     # refuses a mismatch before anything is written
   train_iter, evals = train_data(cfg, tc, jax.process_index(), jax.process_count(),
@@ -474,7 +478,7 @@ def cmd_compile() -> None:
     if getattr(FLAGS, name) is not None and getattr(FLAGS, name) < 1:
       raise ConfigError(f"--{name}={getattr(FLAGS, name)}: must be positive")
   aot.limit_malloc_arenas()        # less host memory for the TPU compiler's threads
-  target = resolve_target(FLAGS.topology, FLAGS.slices)
+  target = resolve_target(FLAGS.topology, 1 if FLAGS.num_slices is None else FLAGS.num_slices)
   cfg = _execution_overrides(_model_config(), gmm=FLAGS.gmm)
   # The preset's recommended layout for this target and step fills every flag not given.
   layout = pod_layout(configs.get_pod_layouts(FLAGS.config), target, FLAGS.step)
@@ -589,9 +593,9 @@ class Command:
 COMMANDS: dict[str, Command] = {
     "train": Command(cmd_train, "train --config for --steps, resuming from the latest "
                      "checkpoint in --workdir",
-                     (*MODEL_FLAGS, "workdir", *TRAIN_CONFIG_FLAGS, "mesh", "ep_capacity",
-                      "max_bad_steps", "checkpoint_step", "init_from", "caption_eval_images",
-                      "profile_steps", *MULTIHOST_FLAGS)),
+                     (*MODEL_FLAGS, "workdir", *TRAIN_CONFIG_FLAGS, "mesh", "num_slices",
+                      "ep_capacity", "max_bad_steps", "checkpoint_step", "init_from",
+                      "caption_eval_images", "profile_steps", *MULTIHOST_FLAGS)),
     "generate": Command(cmd_generate, "load the latest checkpoint in --workdir and stream a "
                         "completion of --prompt",
                         ("workdir", "prompt", "max_new_tokens", "temperature", "top_p", "seed",
@@ -602,7 +606,7 @@ COMMANDS: dict[str, Command] = {
                     (*MODEL_FLAGS, "json", "serving_bytes", "param_groups", "optimizer")),
     "compile": Command(cmd_compile, "ahead-of-time compile the train / prefill / decode step "
                        "for a TPU target and report per-chip memory",
-                       (*MODEL_FLAGS, "topology", "slices", "step", "mesh", "global_batch",
+                       (*MODEL_FLAGS, "topology", "num_slices", "step", "mesh", "global_batch",
                         "seq_len", "cache_len", "gmm", "expert_format", "ep_capacity", "json",
                         "batch_size", "grad_accum", "optimizer", "remat")),
     "convert": Command(cmd_convert, "convert an Orbax workdir to Hugging Face safetensors or "

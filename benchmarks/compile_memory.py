@@ -2,6 +2,7 @@
 sequence split and the number of scanned units.
 
   python -m benchmarks.compile_memory [--units 2,6] [--seq_splits 1,2,4] [--full]
+                                      [--num_slices 2] [--grad_accum 2]
                                       [--limit_gb 14] [--timeout 1200] [--json out.json]
 
 Each row is one compile in its own child process (`--one`), so its peak RSS is the
@@ -12,14 +13,16 @@ unscanned layer in front and four behind, as in k3's 22 units), on
 v5p-4096 with fsdp:F, expert:32, sequence:S and F * S = 64, global batch 2048 / S x 8192
 (the batch over fsdp x expert, 8192 / S tokens per chip). Columns: the lowered StableHLO
 size, its collective counts, lowering and compile seconds, peak RSS, per-chip GiB.
---full adds the full model (22 units) at each split.
+--full adds the full model (22 units) at each split. --num_slices=N: N slices of v5p-4096,
+the data axis (N) over them, every slice the one-slice mesh, global batch x N.
 
 What it showed (docs/results.md, Compile host memory): the lowered program barely changes
 with the split, and the RSS follows neither the split nor the number of scanned units but
 the code to generate: the TPU compiler refuses a step clearly too big right after buffer
 assignment (cheap), and code-generates the others in full (LLO lowering of every fusion),
 which is where host memory and time go. Since Newton-Schulz became a loop (it was 46% of
-the step's fusions and collectives) every row compiles here in 5-10 minutes at 10-15.3 GiB.
+the step's fusions and collectives) every row compiles here in 5-10 minutes at 10-15.3 GiB. 2 slices (--num_slices=2): the
+2-slice k3 preset 62.84 GiB per chip, 13.70 GiB peak RSS, 22.8 min wall on a loaded machine.
 Set LIBTPU_INIT_ARGS in the environment to try compiler options per run.
 """
 
@@ -66,19 +69,20 @@ def one(units: int, seq_split: int, remat: str, batch: int | None, seq_len: int,
   if extra.get("ep_capacity"):
     cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe,
                                                            ep_capacity=extra["ep_capacity"]))
+  slices = extra.get("num_slices", 1)   # the data axis spans them (sharding/mesh.py)
   tc = dataclasses.replace(configs.get_train("k3"), remat=remat,
-                           batch_size=batch or 2048 // seq_split, seq_len=seq_len,
+                           batch_size=batch or 2048 * slices // seq_split, seq_len=seq_len,
                            grad_accum=extra.get("grad_accum", 1))
-  target = resolve_target(extra.get("topology", "v5p-4096"))
-  fsdp = target.chips // 32 // seq_split
-  mesh = make_mesh(parse_mesh(f"fsdp:{fsdp},expert:32,sequence:{seq_split}"),
-                   target_devices(target))
+  target = resolve_target(extra.get("topology", "v5p-4096"), slices)
+  fsdp = target.chips // slices // 32 // seq_split
+  spec = (f"data:{slices}," if slices > 1 else "") + f"fsdp:{fsdp},expert:32,sequence:{seq_split}"
+  mesh = make_mesh(parse_mesh(spec), target_devices(target))
   fn, args = train_program(cfg, tc, mesh)
   t0 = time.time()
   lowered = fn.lower(*args)
   t1 = time.time()
   row = {"units": units or stack.plan_of(cfg).repeats, "seq_split": seq_split, "remat": remat,
-         "mesh": f"fsdp:{fsdp},expert:32,sequence:{seq_split}",
+         "num_slices": slices, "mesh": spec,
          "global_batch": tc.batch_size, "seq_len": seq_len,
          "lower_s": round(t1 - t0, 1), **hlo_stats(lowered.as_text())}
   del lowered
@@ -87,7 +91,7 @@ def one(units: int, seq_split: int, remat: str, batch: int | None, seq_len: int,
   _, rep = aot.compile_report(fn, args, target.chip_hbm_bytes)
   row.update(compile_s=rep["compile_seconds"],
              per_chip_gib=round(rep["per_chip_total_bytes"] / 2 ** 30, 2),
-             fits=rep["fits"])
+             temp_gib=round(rep.get("temp_bytes", 0) / 2 ** 30, 2), fits=rep["fits"])
   return row
 
 
@@ -147,6 +151,8 @@ def main() -> None:
   ap.add_argument("--remat", default="block")
   ap.add_argument("--seq_len", type=int, default=8192)
   ap.add_argument("--full", action="store_true", help="also the full k3 (22 units)")
+  ap.add_argument("--num_slices", type=int, default=1)
+  ap.add_argument("--grad_accum", type=int, default=1)
   ap.add_argument("--limit_gb", type=float, default=14.0)
   ap.add_argument("--timeout", type=float, default=1200.0)
   ap.add_argument("--json")
@@ -163,7 +169,8 @@ def main() -> None:
   for u in units:
     for s in (int(x) for x in a.seq_splits.split(",")):
       spec = {"units": u, "seq_split": s, "remat": a.remat, "seq_len": a.seq_len,
-              "extra": {"ep_capacity": 1.25}}
+              "extra": {"ep_capacity": 1.25, "num_slices": a.num_slices,
+                        "grad_accum": a.grad_accum}}
       row = run_child(spec, a.limit_gb, a.timeout)
       rows.append(row)
       print(" | ".join(str(row.get(c, "-")) for c in COLUMNS)

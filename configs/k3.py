@@ -70,6 +70,14 @@ def get_pod_layouts():
                 mesh="fsdp:16,expert:32,sequence:4",
                 global_batch=512, seq_len=8192, remat="block", grad_accum=1,
                 ep_capacity=1.25),
+      # 2 slices (4096 chips, the data axis over DCN): the same 512 x 8192 a step, 1024
+      # tokens per chip, each sequence split 8 ways. The one-slice mesh per slice at
+      # 1024 x 8192 (2048 per chip) needs 100.5 GiB: over slices the compiler peels a
+      # scanned unit out of its loops, 1.5x the layers' buffers (docs/pod-scale.md).
+      PodLayout(topology="2*v5p-4096", step="train",
+                mesh="data:2,fsdp:8,expert:32,sequence:8",
+                global_batch=512, seq_len=8192, remat="block", grad_accum=1,
+                ep_capacity=1.25),
       # 64 chips, 8 sequences decoding against 1M-token caches: experts (MXFP4) and dense
       # weights over the 64 chips; the batch of 8 cannot fill the expert axis, so the MLA
       # latent caches are split over their length instead (rules "cache_seq").

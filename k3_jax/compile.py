@@ -44,7 +44,22 @@ def pod_layout(layouts, target: Target, step: str) -> PodLayout | None:
     if (lay.step == want and t.topology == target.topology
         and t.num_slices == target.num_slices):
       return lay
+  if target.num_slices > 1:            # no layout of its own: the one-slice layout, N times
+    one = pod_layout(layouts, dataclasses.replace(target, num_slices=1), step)
+    if one is not None:
+      return multi_slice_layout(one, target.num_slices)
   return None
+
+
+def multi_slice_layout(layout: PodLayout, slices: int) -> PodLayout:
+  """A one-slice layout on `slices` slices: every slice holds what one slice held (the same
+  axes inside it, the same tokens per chip) and the data axis spans the slices (x slices),
+  so only data parallelism crosses DCN; the global batch grows with it."""
+  mesh = dict(part.split(":") for part in layout.mesh.split(",") if part)
+  data = int(mesh.pop("data", 1)) * slices
+  spec = ",".join([f"data:{data}", *(f"{a}:{n}" for a, n in mesh.items())])
+  return dataclasses.replace(layout, topology=f"{slices}*{layout.topology}", mesh=spec,
+                             global_batch=(layout.global_batch or 0) * slices)
 
 
 def apply_pod_layout(layout: PodLayout | None, cfg: ModelConfig, tc: TrainConfig,

@@ -10,6 +10,11 @@ axes that talk most (the innermost: tensor, sequence, expert) map onto ICI rings
 several slices (devices carry `slice_index`) the data axis spans the slices (DCN, the
 slow links: data parallelism only all-reduces gradients once per step) via
 `create_hybrid_device_mesh`; every other axis stays inside a slice.
+
+`make_mesh(cfg, devices, slices=N)` (`--num_slices=N`): TPU devices must carry N
+slices; devices without slices (CPU, GPU) are split into N fake slices of consecutive
+devices, laid out the same way (the data axis's outer factor is the slice, every other
+axis inside one), so the multi-slice program can be run and compared on CPU devices.
 """
 
 from __future__ import annotations
@@ -73,12 +78,23 @@ def num_slices(devices) -> int:
   return len({getattr(d, "slice_index", 0) or 0 for d in devices})
 
 
-def make_mesh(cfg: MeshConfig = MeshConfig(), devices=None) -> Mesh:
+def make_mesh(cfg: MeshConfig = MeshConfig(), devices=None,
+              slices: int | None = None) -> Mesh:
+  """The mesh of `cfg` over `devices` (default: all). `slices`: the number of slices the
+  devices must form (None: whatever they carry); devices without slices are split into
+  that many fake slices of consecutive devices."""
   devices = list(jax.devices() if devices is None else devices)
   shape = mesh_shape(cfg, len(devices))
-  slices = num_slices(devices)
-  if slices > 1:
-    return Mesh(_multi_slice_order(shape, devices, slices), MESH_AXES)
+  found = num_slices(devices)
+  if slices is not None and slices < 1:
+    raise ConfigError(f"num_slices={slices}: must be >= 1")
+  if slices is not None and slices != found:
+    if found > 1 or devices[0].platform == "tpu":
+      raise ConfigError(f"num_slices={slices}, but the {len(devices)} TPU devices form "
+                        f"{found} slice{'s' if found > 1 else ''} (device.slice_index)")
+    return Mesh(_fake_slice_order(shape, devices, slices), MESH_AXES)
+  if found > 1:
+    return Mesh(_multi_slice_order(shape, devices, found), MESH_AXES)
   return Mesh(_single_slice_order(shape, devices), MESH_AXES)
 
 
@@ -95,15 +111,34 @@ def _single_slice_order(shape, devices) -> np.ndarray:
       return np.asarray(devices).reshape(shape)
 
 
-def _multi_slice_order(shape, devices, slices: int) -> np.ndarray:
+def _slice_shapes(shape, slices: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """(ici, dcn) mesh shapes: the data axis split into slices x data-per-slice."""
   data = shape[MESH_AXES.index("data")]
   if data % slices:
-    raise ConfigError(f"mesh axis data={data}: over {slices} TPU slices the data axis spans "
+    raise ConfigError(f"mesh axis data={data}: over {slices} slices the data axis spans "
                       f"the slices, so it must be a multiple of {slices} "
                       f"(e.g. --mesh=data:{slices},fsdp:-1)")
-  from jax.experimental import mesh_utils
   dcn = tuple(slices if a == "data" else 1 for a in MESH_AXES)
   ici = tuple(s // slices if a == "data" else s for a, s in zip(MESH_AXES, shape))
+  return ici, dcn
+
+
+def _fake_slice_order(shape, devices, slices: int) -> np.ndarray:
+  """The hybrid order over devices without slices: consecutive groups of len/slices
+  devices are the slices; each is laid out as one slice would be (its own mesh of the
+  ici shape) and the slices stacked along the data axis, outermost (data index =
+  slice * data-per-slice + index inside the slice), as create_hybrid_device_mesh does."""
+  if len(devices) % slices:
+    raise ConfigError(f"num_slices={slices} does not divide the {len(devices)} devices")
+  ici, _ = _slice_shapes(shape, slices)
+  n = len(devices) // slices
+  per = [_single_slice_order(ici, devices[i * n:(i + 1) * n]) for i in range(slices)]
+  return np.concatenate(per, axis=MESH_AXES.index("data"))
+
+
+def _multi_slice_order(shape, devices, slices: int) -> np.ndarray:
+  ici, dcn = _slice_shapes(shape, slices)
+  from jax.experimental import mesh_utils
   try:
     return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices)
   except (ValueError, NotImplementedError, AssertionError):

@@ -76,7 +76,8 @@ def test_k3_pod_layout_fills_what_is_not_given():
   layouts = configs.get_pod_layouts("k3")
   lay = pod_layout(layouts, resolve_target("v5p:8x16x16"), "train")
   assert lay is pod_layout(layouts, resolve_target("v5p-4096"), "train") is not None
-  assert pod_layout(layouts, resolve_target("v5p-4096", 2), "train") is None
+  assert pod_layout(layouts, resolve_target("v5p-4096", 2), "train").mesh.startswith("data:2")
+  assert pod_layout(layouts, resolve_target("v5p-128", 2), "train") is None
   cfg, tc = configs.get("k3"), configs.get_train("k3")
   none = dict.fromkeys(LAYOUT_FLAGS)
   c2, t2, kw = apply_pod_layout(lay, cfg, tc, none)
