@@ -32,7 +32,8 @@ from k3_jax import train  # noqa: E402
 from k3_jax.data import bpe  # noqa: E402
 from k3_jax.data import tokenizers as tk  # noqa: E402
 from k3_jax.model import create_model  # noqa: E402
-from k3_jax.serve import chat, grammar  # noqa: E402
+from k3_jax.data import chat  # noqa: E402
+from k3_jax.serve import grammar  # noqa: E402
 from k3_jax.serve.engine import Engine, SamplingParams  # noqa: E402
 from k3_jax.serve.loader import random_weights  # noqa: E402
 

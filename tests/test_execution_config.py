@@ -66,7 +66,8 @@ def test_gmm_field_changes_the_traced_program_not_the_result():
   """moe.gmm picks the grouped matmul at trace time from the config: "ragged_dot" lowers
   to the ragged_dot primitive, "tiled" to plain einsums; both compute the same layer output
   (tolerance: float32 reassociation of the same sums, 1e-5 relative)."""
-  x = jax.random.normal(jax.random.key(0), (2, 8, CFG.d_model), jnp.float32)
+  # 80 tokens: above moe_ops.SMALL_TOKENS, so the grouped-matmul path runs (not moe_small)
+  x = jax.random.normal(jax.random.key(0), (2, 40, CFG.d_model), jnp.float32)
   outs = {}
   for kind in ("tiled", "ragged_dot"):
     layer = MoE(apply_overrides(CFG, [f"moe.gmm={kind}"]), init=Init(3))

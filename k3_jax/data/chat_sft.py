@@ -135,7 +135,7 @@ _K3_ONLY = "tools, tool calls and reasoning"
 
 def render(tokenizer, conv: Conversation) -> tuple[np.ndarray, np.ndarray]:
   """(int32 ids, bool assistant mask) of one conversation, by the server's template."""
-  from k3_jax.serve import chat
+  from k3_jax.data import chat
   rec = conv.record
   k3 = chat.template_for(tokenizer).name == "k3"
   if not k3 and (rec.get("tools") or any(

@@ -10,7 +10,7 @@ chat template, and turns the template parser's Deltas into OpenAI fields with `T
 
 from __future__ import annotations
 
-from k3_jax.serve.chat import ChatError, check_tools, tool_choice_name
+from k3_jax.data.chat import ChatError, check_tools, tool_choice_name
 
 
 class ParamError(ValueError):

@@ -305,7 +305,7 @@ def _arg_type(schema: dict, where: str) -> str:
   values = schema.get("enum") if "enum" in schema else (
       [schema["const"]] if "const" in schema else None)
   if values:
-    from k3_jax.serve.chat import arg_type  # pylint: disable=g-import-not-at-top
+    from k3_jax.data.chat import arg_type  # pylint: disable=g-import-not-at-top
     kinds = {arg_type(v) for v in values}
     if len(kinds) == 1:
       return kinds.pop()
@@ -329,7 +329,7 @@ def _string_body(schema: dict) -> str:
 
 def _call_rules(m: K3Marks, fn: dict, k: int, rules: list[str]) -> str:
   """Rules for the arguments of one function; returns the name of its arguments rule."""
-  from k3_jax.serve.chat import header  # pylint: disable=g-import-not-at-top
+  from k3_jax.data.chat import header  # pylint: disable=g-import-not-at-top
   params = fn.get("parameters") or {"type": "object", "properties": {}}
   where = f"tools[{k}].function.parameters"
   if not isinstance(params, dict) or params.get("type", "object") != "object":
@@ -354,7 +354,7 @@ def tool_call_grammar(sp: dict, tools: list[dict], choice: str) -> str:
   """One K3 call block (and the message's end) after the prompt chat.K3Template.render
   writes for tool_choice `choice` ("required": the tools channel is open; a name: its call
   block is open too)."""
-  from k3_jax.serve.chat import header  # pylint: disable=g-import-not-at-top
+  from k3_jax.data.chat import header  # pylint: disable=g-import-not-at-top
   m = K3Marks(sp)
   rules: list[str] = []
   tail = f"{m.close('tools')} {m.close('message')} {m.eom}"
@@ -379,7 +379,7 @@ def tool_call_grammar(sp: dict, tools: list[dict], choice: str) -> str:
 def for_chat(template, rendered, body: dict, vocab_size: int) -> Constraint | None:
   """The constraint of a chat request (None: unconstrained). `template` is chat.py's,
   `rendered` its Rendered for the request. GrammarError (400) for what cannot be enforced."""
-  from k3_jax.serve.chat import K3Template, check_tools, tool_choice_name  # pylint: disable=g-import-not-at-top
+  from k3_jax.data.chat import K3Template, check_tools, tool_choice_name  # pylint: disable=g-import-not-at-top
   schema = response_schema(body.get("response_format"))
   tools = check_tools(body.get("tools"))
   choice = tool_choice_name(body.get("tool_choice"), tools)

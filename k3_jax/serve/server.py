@@ -31,7 +31,7 @@ from fastapi import Request as HttpRequest   # at module level: FastAPI resolves
 
 from k3_jax.serve import api_params, api_schema, grammar, logprobs
 from k3_jax.serve import completions as cmpl
-from k3_jax.serve.chat import ChatError, template_for
+from k3_jax.data.chat import ChatError, template_for
 from k3_jax.serve.engine import Engine
 from k3_jax.serve.scheduler import EngineFatal, QueueFull, RequestError, SamplingParams
 

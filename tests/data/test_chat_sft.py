@@ -15,7 +15,7 @@ import configs
 from k3_jax import train
 from k3_jax.config import UserError, apply_overrides
 from k3_jax.data import bpe, chat_sft, datasets, prepare, tokenizers
-from k3_jax.serve import chat
+from k3_jax.data import chat
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}]

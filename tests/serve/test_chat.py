@@ -8,7 +8,7 @@ import re
 import pytest
 
 from k3_jax.data.tokenizers import KIMI_SPECIAL_TOKENS, ByteTokenizer
-from k3_jax.serve.chat import (BLOCKS, ChatError, K3Template, PlainTemplate, Rendered,
+from k3_jax.data.chat import (BLOCKS, ChatError, K3Template, PlainTemplate, Rendered,
                                parse_assistant, render_conversation, template_for)
 
 MARKER = re.compile(r"(<\|open\|>|<\|close\|>|<\|sep\|>|<\|end_of_msg\|>)")
@@ -249,7 +249,7 @@ def test_image_parts_render_in_place(k3_tokenizer):
 
 def test_api_params_refusals_and_tool_calls():
   from k3_jax.serve.api_params import ParamError, ToolCalls, refuse_unsupported, render_kwargs
-  from k3_jax.serve.chat import Delta
+  from k3_jax.data.chat import Delta
   refuse_unsupported({"logprobs": True, "response_format": {"type": "text"}, "n": 2,
                       "logit_bias": {"5": 1}}, "chat")
   with pytest.raises(ParamError, match="unsupported: audio, best_of") as e:

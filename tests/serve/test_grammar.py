@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from k3_jax.data import tokenizers as tk
-from k3_jax.serve import chat
+from k3_jax.data import chat
 from k3_jax.serve import grammar as gm
 
 K3_VOCAB = tk.K3_VOCAB_SIZE

@@ -8,7 +8,7 @@ import json
 import openai
 import pytest
 
-from k3_jax.serve.chat import K3Template, template_for
+from k3_jax.data.chat import K3Template, template_for
 
 MODEL = "k3-chat-test"
 # The prompts are 160 and 224 tokens with the test tokenizer: pieces of 64 and 16 tokens

@@ -227,7 +227,7 @@ def test_chat_with_image_matches_a_full_forward(client):
   import jax
   import jax.numpy as jnp
   from k3_jax.data.tokenizers import ByteTokenizer
-  from k3_jax.serve.chat import template_for
+  from k3_jax.data.chat import template_for
   from k3_jax.serve.loader import random_weights
   from flax import nnx
 

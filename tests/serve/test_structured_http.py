@@ -18,7 +18,7 @@ import openai
 import pydantic
 import pytest
 
-from k3_jax.serve.chat import template_for
+from k3_jax.data.chat import template_for
 from k3_jax.serve.scheduler import SamplingParams
 
 MODEL = "k3-structured-test"
