@@ -1,10 +1,10 @@
 """`main.py compile`: ahead-of-time compilation of the real steps for a TPU topology from
 this CPU machine (compile-only devices from libtpu), with the per-chip memory report.
 
-Default suite: the k3_tiny decode step on v5p-8 (4 chips) in the preset's pod layout, k3's
-layout resolution (no compile), and a deliberately too-big
-config (k3_tiny with huge routed experts: 12 MoE layers x 64 experts x 3 x 4096 x 65536
-f32 = 2.4 TB over 4 chips) that must report fits=false. The train step (forward, backward
+Default suite: the k3_tiny decode step on v5p-8 (4 chips) in the preset's pod layout and
+k3's layout resolution (no compile). Slow: a deliberately too-big config (k3_tiny with huge
+routed experts: 12 MoE layers x 64 experts x 3 x 4096 x 65536 f32 = 2.4 TB over 4 chips)
+that must report fits=false. The train step (forward, backward
 and optimizer: several minutes of TPU compiling here) is marked slow."""
 
 import json
@@ -55,6 +55,7 @@ def test_compile_decode_k3_tiny_v5p():
   assert rep["alias_bytes"] > 0
 
 
+@pytest.mark.slow   # ~60 s of compiling; fits == (total <= HBM) is checked on every report
 def test_compile_reports_a_config_that_does_not_fit():
   # An explicit --mesh wins over the preset's layout (fsdp:2,expert:2).
   rep = _compile("--config=k3_tiny", "--topology=v5p-8", "--step=decode", "--mesh=fsdp:4",
