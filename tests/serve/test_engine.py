@@ -152,22 +152,27 @@ def test_hit_after_slot_reuse(setup):
   assert_same(again, first)
 
 
+def _evict_around(eng, keep, newcomers, hit_tokens, cold, same):
+  """Newcomer prompts push the prefix cache past its budget while `keep` stays recently
+  used: `keep` still hits `hit_tokens` (and equals its cold run by `same`), evictions
+  happened within the budget, and the oldest newcomer is gone."""
+  before = eng.prefix.stats()["evictions"]
+  for q in newcomers:
+    run(eng, q, 2)
+    assert run(eng, keep, 2).cached_tokens == hit_tokens   # keeps `keep` recently used
+  stats = eng.prefix.stats()
+  assert stats["evictions"] > before and stats["bytes"] <= stats["budget_bytes"]
+  hit = run(eng, keep)
+  assert hit.cached_tokens == hit_tokens
+  same(hit, cold)
+  assert run(eng, newcomers[0], 2).cached_tokens == 0     # the oldest newcomer is gone
+
 def test_hit_after_eviction_pressure(setup):
   _, _, eng = setup
   keep = prompt_of(11, 1280)
   cold = run(eng, keep)
-  before = eng.prefix.stats()["evictions"]
-  for s in range(12, 15):                               # three new 2-block prompts
-    run(eng, prompt_of(s, 1280), 2)
-    hot = run(eng, keep, 2)                             # keeps `keep` recently used
-    assert hot.cached_tokens == 1024
-  stats = eng.prefix.stats()
-  assert stats["evictions"] > before and stats["bytes"] <= stats["budget_bytes"]
-  hit = run(eng, keep)
-  assert hit.cached_tokens == 1024
-  assert_same(hit, cold)
-  evicted = run(eng, prompt_of(12, 1280), 2)            # the oldest newcomer is gone
-  assert evicted.cached_tokens == 0
+  _evict_around(eng, keep, [prompt_of(s, 1280) for s in range(12, 15)], 1024, cold,
+                assert_same)                            # three new 2-block prompts
   assert eng.pool.free == eng.num_pages - 1 - len(eng.prefix.entries)   # nothing leaked
 
 
@@ -324,18 +329,8 @@ def test_grid_eviction(grid):
   keep = prompt_of(44, 700)
   cold = run(grid, keep, use_prefix_cache=False)
   run(grid, keep, 2)
-  before = grid.prefix.stats()["evictions"]
-  for s in range(45, 49):
-    run(grid, prompt_of(s, 900), 2)
-    hot = run(grid, keep, 2)
-    assert hot.cached_tokens == 640
-  stats = grid.prefix.stats()
-  assert stats["evictions"] > before and stats["bytes"] <= stats["budget_bytes"]
-  hit = run(grid, keep)
-  assert hit.cached_tokens == 640
-  assert_bitwise(hit, cold)
-  evicted = run(grid, prompt_of(45, 900), 2)          # the oldest newcomer is gone
-  assert evicted.cached_tokens == 0
+  _evict_around(grid, keep, [prompt_of(s, 900) for s in range(45, 49)], 640, cold,
+                assert_bitwise)
   c = grid.resource_counts()
   assert c["used_pages"] == c["cached_pages"] == len(grid.prefix.page_entries)   # no leak
   assert c["pinned_blocks"] == 0 and c["pinned_checkpoints"] == 0
