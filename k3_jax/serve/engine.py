@@ -406,8 +406,7 @@ class Engine:
         fresh = self.pool.alloc(fresh_needed)
         self.waiting.popleft()
         slot = self.free_slots.pop()
-      # A fresh slot may still hold another request's state: always overwrite all of it.
-      self.cache, self.counts = self._steps.zero_slot(self.cache, self.counts, jnp.int32(slot))
+      self._seat(slot, hit_pages + fresh)
       if ckpt is not None:
         self.cache = self._steps.load_slot(self.cache, self.ckpts, jnp.int32(slot),
                                            jnp.int32(ckpt))
@@ -421,13 +420,19 @@ class Engine:
         if r.use_prefix_cache:
           self.prefix.count(n, hit_tokens)
       r.slot, r.pages = slot, hit_pages + fresh
-      self.tables[slot] = 0
-      self.tables[slot, :len(r.pages)] = r.pages
       r.pos = r.cached_tokens = hit_tokens
       r.registered = hit_tokens // self.unit
       r.state = "prefill"
       r.decoder = decoder
       self.running.append(r)
+
+  def _seat(self, slot: int, pages: list) -> None:
+    """Readies `slot` for a new request holding `pages`: its KDA state and penalty counts
+    zeroed (a freed slot may still hold another request's; always overwrite all of it) and
+    its page-table row set."""
+    self.cache, self.counts = self._steps.zero_slot(self.cache, self.counts, jnp.int32(slot))
+    self.tables[slot] = 0
+    self.tables[slot, :len(pages)] = pages
 
   def _prefill_chunk(self, r: Request, budget: int) -> int:
     """Runs the request's next prefill chunk: whole blocks (at most `budget` tokens, rounded
@@ -489,15 +494,12 @@ class Engine:
         self.pool.incref(lead.pages[:full])
         slot = self.free_slots.pop()
         f.slot, f.pages = slot, lead.pages[:full] + fresh
-        self.tables[slot] = 0
-        self.tables[slot, :len(f.pages)] = f.pages
         f.pos = f.cached_tokens = n
         f.hashes, f.registered = lead.hashes, lead.registered
         f.state = "decode"
         self.running.append(f)
       try:
-        self.cache, self.counts = self._steps.zero_slot(self.cache, self.counts,
-                                                        jnp.int32(slot))
+        self._seat(slot, f.pages)
         self.cache = self._steps.copy_slot(self.cache, jnp.int32(lead.slot), jnp.int32(slot))
         if part:
           self.cache = self._steps.copy_page(self.cache, jnp.int32(lead.pages[full]),
