@@ -2,7 +2,7 @@
 sequence split and the number of scanned units.
 
   python -m benchmarks.compile_memory [--units 2,6] [--seq_splits 1,2,4] [--full]
-                                      [--num_slices 2] [--grad_accum 2]
+                                      [--num_slices 2] [--grad_accum 2] [--global_batch B]
                                       [--limit_gb 14] [--timeout 1200] [--json out.json]
 
 Each row is one compile in its own child process (`--one`), so its peak RSS is the
@@ -91,7 +91,9 @@ def one(units: int, seq_split: int, remat: str, batch: int | None, seq_len: int,
   _, rep = aot.compile_report(fn, args, target.chip_hbm_bytes)
   row.update(compile_s=rep["compile_seconds"],
              per_chip_gib=round(rep["per_chip_total_bytes"] / 2 ** 30, 2),
-             temp_gib=round(rep.get("temp_bytes", 0) / 2 ** 30, 2), fits=rep["fits"])
+             temp_gib=round((rep.get("temp_bytes") or 0) / 2 ** 30, 2), fits=rep["fits"])
+  if rep.get("compiler_error"):    # refused: the compiler's own words (what it needed)
+    row["compiler_error"] = rep["compiler_error"][:300]
   return row
 
 
@@ -153,6 +155,8 @@ def main() -> None:
   ap.add_argument("--full", action="store_true", help="also the full k3 (22 units)")
   ap.add_argument("--num_slices", type=int, default=1)
   ap.add_argument("--grad_accum", type=int, default=1)
+  ap.add_argument("--global_batch", type=int, default=None,
+                  help="sequences per step (default 2048 / seq_split x num_slices)")
   ap.add_argument("--limit_gb", type=float, default=14.0)
   ap.add_argument("--timeout", type=float, default=1200.0)
   ap.add_argument("--json")
@@ -169,6 +173,7 @@ def main() -> None:
   for u in units:
     for s in (int(x) for x in a.seq_splits.split(",")):
       spec = {"units": u, "seq_split": s, "remat": a.remat, "seq_len": a.seq_len,
+              "batch": a.global_batch,
               "extra": {"ep_capacity": 1.25, "num_slices": a.num_slices,
                         "grad_accum": a.grad_accum}}
       row = run_child(spec, a.limit_gb, a.timeout)

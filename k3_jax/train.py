@@ -167,17 +167,25 @@ def loss_terms(graphdef, params, rest, batch, remat: str = "none", train: bool =
   return jnp.sum(ce * mask), jnp.sum(mask), aux
 
 
-def _microbatches(batch: dict, n: int) -> dict:
+def _microbatches(batch: dict, n: int, par: Parallel = SINGLE) -> dict:
+  """batch's rows as n micro-batches, (n, rows / n, ...). Each micro-batch keeps the batch's
+  layout (rows over the batch axes, the sequence over its axis): left to the partitioner,
+  the reshape may put the micro-batch index on the batch axes, and then each micro-batch
+  runs on a fraction of the chips."""
   if "images" in batch and n > 1:
     raise ValueError(f"grad_accum={n}: batches with images (packed over the whole batch) "
                      "take grad_accum=1")
-  return jax.tree.map(lambda x: x.reshape((n, x.shape[0] // n) + x.shape[1:]), batch)
+  split = lambda x: x.reshape((n, x.shape[0] // n) + x.shape[1:])
+  if n == 1:
+    return jax.tree.map(split, batch)
+  return {k: par.constrain(split(x), (None, "batch", "seq")) for k, x in batch.items()}
 
 
 def train_step(graphdef, optimizer, cfg: ModelConfig, tc: TrainConfig, state: dict,
-               batch: dict, *, par: Parallel = SINGLE):
+               batch: dict, *, par: Parallel = SINGLE, grad_shardings=None):
   """One optimizer step over `batch` (split into tc.grad_accum micro-batches), the model
-  run under `par` (SINGLE = one device).
+  run under `par` (SINGLE = one device). grad_shardings: the parameters' shardings (None on
+  one device); the accumulated gradients are held in them.
 
   The MoE balancing biases are updated from this step's router outputs (averaged over
   micro-batches) and take effect from the next step; the optimizer never sees them.
@@ -194,9 +202,17 @@ def train_step(graphdef, optimizer, cfg: ModelConfig, tc: TrainConfig, state: di
   n_moe, n_mla = plan_of(cfg).moe_rows, plan_of(cfg).mla_rows
   e = cfg.moe.num_experts
 
+  # The accumulation loop's carry is a fresh value to the partitioner: unconstrained, its
+  # gradients may be laid out replicated (at k3 scale, terabytes of temporaries per chip).
+  # Pinned to the parameters' shardings, each micro-batch's gradient is reduce-scattered
+  # into its shard as a one-batch step's is.
+  like_params = ((lambda t: t) if grad_shardings is None else
+                 (lambda t: jax.lax.with_sharding_constraint(t, grad_shardings)))
+
   def micro(carry, mb):
     g_acc, loss_acc, n_acc, load_acc, bias_acc, logit_acc = carry
     (loss_sum, (n, aux)), g = grad_fn(state["params"], mb)
+    g = like_params(g)
     if n_moe:
       load_acc = load_acc + aux["expert_load"]
       bias_acc = bias_acc + aux["new_bias"]
@@ -205,11 +221,12 @@ def train_step(graphdef, optimizer, cfg: ModelConfig, tc: TrainConfig, state: di
     return (jax.tree.map(jnp.add, g_acc, g), loss_acc + loss_sum, n_acc + n, load_acc,
             bias_acc, logit_acc), None
 
-  zeros = (jax.tree.map(jnp.zeros_like, state["params"]), jnp.zeros((), jnp.float32),
+  zeros = (like_params(jax.tree.map(jnp.zeros_like, state["params"])),
+           jnp.zeros((), jnp.float32),
            jnp.zeros((), jnp.float32), jnp.zeros((n_moe, e), jnp.int32),
            jnp.zeros((n_moe, e), jnp.float32),
            jnp.full((n_mla, cfg.mla.num_heads), -jnp.inf, jnp.float32))
-  mbs = _microbatches(batch, tc.grad_accum)
+  mbs = _microbatches(batch, tc.grad_accum, par)
   if tc.grad_accum == 1:      # no loop: a simpler program, faster to compile
     carry, _ = micro(zeros, jax.tree.map(lambda x: x[0], mbs))
   else:
@@ -322,7 +339,8 @@ def _build_steps(cfg: ModelConfig, tc: TrainConfig, mesh: Mesh) -> Steps:
     return {"step": jax.device_put(jnp.zeros((), jnp.int32), state_sh["step"]),
             "params": params, "rest": rest, "opt_state": opt_state}
 
-  train = jax.jit(functools.partial(train_step, graphdef, optimizer, cfg, tc, par=par),
+  train = jax.jit(functools.partial(train_step, graphdef, optimizer, cfg, tc, par=par,
+                                    grad_shardings=state_sh["params"]),
                   in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None),
                   donate_argnums=(0,))
   evaluate = jax.jit(functools.partial(eval_step, graphdef, par=par),
