@@ -335,7 +335,7 @@ def _train_job(stop) -> None:
     shapes.check_seq_len(tc.seq_len, cfg.vision, tokenizers.get_tokenizer(tc.tokenizer))
   profile = parse_steps(FLAGS.profile_steps)
   mesh = make_mesh(parse_mesh(FLAGS.mesh), slices=FLAGS.num_slices)
-  validate_mesh(cfg, mesh, tc.batch_size, tc.seq_len)
+  validate_mesh(cfg, mesh, tc.batch_size, tc.seq_len, grad_accum=tc.grad_accum)
   check_resume(FLAGS.workdir, cfg, tc)     # refuses a mismatch before anything is written
   train_iter, evals = train_data(cfg, tc, jax.process_index(), jax.process_count(),
                                  warn=lambda m: print(m, file=sys.stderr))

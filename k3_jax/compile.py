@@ -109,7 +109,7 @@ def compile_step(cfg: ModelConfig, tc: TrainConfig, target: Target, step: str,
   # sequences than those axes (one 1M-token prompt, 8 long decodes): the batch is then
   # repeated there and the cache length split over them (rules "cache_seq").
   validate_mesh(cfg, mesh, batch if step == "train" else None,
-                seq if step != "decode" else None)
+                seq if step != "decode" else None, grad_accum=tc.grad_accum)
   report = {"config": cfg.name, "step": step, "topology": target.topology,
             "target": target.name, "num_slices": target.num_slices, "chips": target.chips,
             "mesh": {k: int(v) for k, v in mesh.shape.items()}, "global_batch": batch,

@@ -152,9 +152,10 @@ def batch_axes(mesh_sizes: dict) -> tuple[str, ...]:
 
 
 def validate_mesh(cfg: ModelConfig, mesh: Mesh | dict, global_batch: int | None = None,
-                  seq_len: int | None = None) -> None:
-  """Checks that `cfg` (and the batch, if given) divide evenly over the mesh axes that
-  shard them; raises ConfigError naming the field, the mesh axis and its size.
+                  seq_len: int | None = None, grad_accum: int = 1) -> None:
+  """Checks that `cfg` (and the batch, if given: each of its grad_accum micro-batches)
+  divide evenly over the mesh axes that shard them; raises ConfigError naming the field,
+  the mesh axis and its size.
 
   The rules resolver would silently replicate a dimension that does not divide; for the
   dimensions checked here that means every device holding the whole thing (parameters)
@@ -179,8 +180,13 @@ def validate_mesh(cfg: ModelConfig, mesh: Mesh | dict, global_batch: int | None 
   if global_batch is not None:
     axes = batch_axes(sizes)
     n = math.prod(sizes[a] for a in axes)
-    if global_batch % n:
-      raise ConfigError(f"global batch={global_batch} is not divisible by mesh "
+    rows = global_batch // max(grad_accum, 1)
+    if rows % n:
+      what = (f"global batch={global_batch}" if grad_accum <= 1 else
+              f"micro-batch={rows} (global batch {global_batch} / grad_accum {grad_accum})")
+      # At k3 scale a micro-batch left replicated over the expert axis asked the TPU
+      # compiler for 6.09T of temporaries, after a 20-minute compile.
+      raise ConfigError(f"{what} is not divisible by mesh "
                         f"{'*'.join(f'{a}:{sizes[a]}' for a in axes)} = {n} (every device "
                         f"on those axes takes an equal share of the batch)")
   if seq_len is not None:
