@@ -116,6 +116,10 @@ CASES = [
      "flag --optimizer=sgd"),
     # compile
     ("compile", "no topology", ["compile", "--config=k3_tiny"], "compile needs --topology"),
+    ("compile", "micro-batch smaller than the batch shards",
+     ["compile", "--config=k3_tiny", "--topology=v5p-8", "--mesh=fsdp:4", "--step=train",
+      "--global_batch=4", "--grad_accum=2"],
+     "micro-batch=2 (global batch 4 / grad_accum 2) is not divisible by mesh fsdp:4 = 4"),
     ("compile", "unknown topology", ["compile", "--config=k3_tiny", "--topology=v9-8"],
      "topology 'v9-8'"),
     ("compile", "zero slices", ["compile", "--config=k3_tiny", "--topology=v5p-8",
