@@ -202,10 +202,11 @@ def train_step(graphdef, optimizer, cfg: ModelConfig, tc: TrainConfig, state: di
   n_moe, n_mla = plan_of(cfg).moe_rows, plan_of(cfg).mla_rows
   e = cfg.moe.num_experts
 
-  # The accumulation loop's carry is a fresh value to the partitioner: unconstrained, its
-  # gradients may be laid out replicated (at k3 scale, terabytes of temporaries per chip).
-  # Pinned to the parameters' shardings, each micro-batch's gradient is reduce-scattered
-  # into its shard as a one-batch step's is.
+  # The accumulation loop's carry is a fresh value to the partitioner; pinned to the
+  # parameters' shardings, each micro-batch's gradient is reduce-scattered into its shard
+  # as a one-batch step's is. (A guard: the k3 grad_accum refusal, 6.09T of temporaries,
+  # was a micro-batch that did not divide over the batch shards, which validate_mesh
+  # now refuses; the carry was not measured to lose its layout.)
   like_params = ((lambda t: t) if grad_shardings is None else
                  (lambda t: jax.lax.with_sharding_constraint(t, grad_shardings)))
 

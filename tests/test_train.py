@@ -174,7 +174,6 @@ def test_bf16_state_leaves_the_step_in_its_dtypes():
   assert dtypes(new_state) == dtypes(state)
 
 
-
 def test_micro_batch_rows_must_split_over_the_batch_axes():
   """A micro-batch smaller than the batch shards is refused before compiling: the rules would
   replicate its rows over the axes that do not divide them (at k3 scale: 6.09T of
