@@ -251,13 +251,19 @@ def _check_listen(host: str, port: int) -> None:
                       f"--port, or stop the process that holds it)") from None
 
 
-def _check_train_flags() -> None:
-  """train: the flags that are not TrainConfig fields, before the mesh or data are touched."""
+def _check_multihost_flags() -> None:
+  """train, serve: all three multi-host flags or none."""
   from k3_jax.config import UserError
   multihost = [FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id]
   if any(v is not None for v in multihost) and any(v is None for v in multihost):
     raise UserError("multi-host: give all of --coordinator_address, --num_processes and "
                     "--process_id, or none of them (auto-detection on a TPU pod)")
+
+
+def _check_train_flags() -> None:
+  """train: the flags that are not TrainConfig fields, before the mesh or data are touched."""
+  from k3_jax.config import UserError
+  _check_multihost_flags()
   if FLAGS.max_bad_steps < 1:
     raise UserError(f"--max_bad_steps={FLAGS.max_bad_steps}: must be at least 1")
   if FLAGS.caption_eval_images < 0:
@@ -557,7 +563,12 @@ def cmd_serve() -> None:
   if FLAGS.mesh:
     from sharding.mesh import parse_mesh
     parse_mesh(FLAGS.mesh)                       # its syntax; the devices when it is built
-  _check_listen(serve.host, serve.port)          # before the model loads (seconds, GBs)
+  from sharding.distributed import maybe_initialize
+  _check_multihost_flags()
+  maybe_initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+  import jax
+  if jax.process_index() == 0:                   # the one process that listens
+    _check_listen(serve.host, serve.port)        # before the model loads (seconds, GBs)
   run_server(ServeOptions(
       workdir=None if (FLAGS.random_weights or FLAGS.hf_dir) else FLAGS.workdir,
       hf_dir=FLAGS.hf_dir, config=FLAGS.config if FLAGS.random_weights else None,
@@ -619,7 +630,8 @@ COMMANDS: dict[str, Command] = {
     "serve": Command(cmd_serve, "serve --workdir's model (or --hf_dir's) behind an "
                      "OpenAI-compatible HTTP API with continuous batching and a prefix cache",
                      ("workdir", "hf_dir", "random_weights", *MODEL_FLAGS, "seed", "tokenizer",
-                      "expert_format", "mesh", *SERVE_CONFIG_FLAGS, "served_model_name")),
+                      "expert_format", "mesh", *SERVE_CONFIG_FLAGS, "served_model_name",
+                      *MULTIHOST_FLAGS)),
 }
 _OUR_FLAGS = {name for cmd in COMMANDS.values() for name in cmd.flags}
 

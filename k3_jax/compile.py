@@ -15,10 +15,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3_jax import train
-from k3_jax.cache import MLACache, ModelCache, PagedMLACache
+from k3_jax.cache import MLACache, ModelCache
 from k3_jax.config import (EXPERT_FORMATS, ConfigError, ModelConfig, PodLayout, TrainConfig,
                            validate, validate_train)
 from k3_jax.model import create_model, param_counts, prefill
+from k3_jax.serve import kv_pages as kv
 from k3_jax.serve.pack import pack_routed_experts
 from k3_jax.stack import map_cache
 from sharding import aot
@@ -264,7 +265,7 @@ def _paged_decode_program(cfg: ModelConfig, mesh, graphdef, par, p_args, p_shard
   pages = -(-(1 + batch * per_slot) // mesh.size) * mesh.size
   cache = jax.eval_shape(lambda: create_model(cfg, mode="abstract").init_paged_cache(
       batch, pages, PAGE))
-  c_sh = paged_cache_shardings(cache, mesh)
+  c_sh = kv.paged_cache_shardings(cache, mesh)
   b = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)
   i32, f32 = jnp.int32, jnp.float32
   sampling = steps.Sampling(b((batch,), i32), b((batch,), i32), b((batch,), f32),
@@ -283,22 +284,6 @@ def _paged_decode_program(cfg: ModelConfig, mesh, graphdef, par, p_args, p_shard
                donate_argnums=(2, 3))
   return fn, (*p_args, aot.with_shardings(cache, c_sh), aot.with_shardings(counts, n_sh),
               aot.with_shardings(dbatch, d_sh))
-
-
-def paged_cache_shardings(cache: ModelCache, mesh) -> ModelCache:
-  """Shardings of the serving (paged) cache: KDA states on their batch axis; each MLA page
-  pool [(R,) N, P, X] split on its page axis over every mesh axis (N a multiple of the
-  mesh size); the per-slot positions on the batch."""
-  from jax.sharding import NamedSharding, PartitionSpec
-  axes = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1) or None
-
-  def one(e, axis):
-    if not isinstance(e, PagedMLACache):
-      return aot.batch_shardings(e, mesh, axis)
-    spec = lambda a: NamedSharding(mesh, PartitionSpec(*(axes if i == axis else None
-                                                          for i in range(a.ndim))))
-    return PagedMLACache(c_kv=spec(e.c_kv), k_r=spec(e.k_r), page_table=None)
-  return map_cache(one, cache, pos=aot.batch_shardings(cache.pos, mesh, 0))
 
 
 def cache_shardings(cache: ModelCache, mesh) -> ModelCache:

@@ -283,12 +283,16 @@ class ServeConfig:
   drain_timeout: float = option(30.0, "on SIGTERM: seconds in-flight requests may take to "
                                 "finish (new ones get 503) before the server exits")
   max_body_bytes: int = option(4 << 20, "largest request body accepted (larger: HTTP 413)")
+  peer_timeout: float = option(30.0, "multi-host serving: seconds without a heartbeat after "
+                               "which a process counts as lost; the others then exit with "
+                               "status 3 (a supervisor restarts the group)")
 
   def __post_init__(self):
     _require(self.request_timeout >= 0, "request_timeout", self.request_timeout,
              "must be >= 0 (0: no limit)")
     _require(self.drain_timeout >= 0, "drain_timeout", self.drain_timeout, "must be >= 0")
     _require(self.max_body_bytes >= 1, "max_body_bytes", self.max_body_bytes, "must be >= 1")
+    _require(self.peer_timeout > 0, "peer_timeout", self.peer_timeout, "must be > 0")
     _require(self.max_batch >= 1, "max_batch", self.max_batch, "must be >= 1")
     _require(self.max_len is None or self.max_len >= 1, "max_len", self.max_len,
              "must be positive (or None: the model's max_seq_len)")

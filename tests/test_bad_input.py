@@ -172,6 +172,10 @@ CASES = [
      "--host=999.1.1.1", "--port=0"], "--host=999.1.1.1: cannot resolve"),
     ("serve", "port already in use", ["serve", "--random_weights", "--config=k3_tiny",
      "--port={busy_port}"], "already in use"),
+    ("serve", "some multi-host flags only", ["serve", "--random_weights", "--config=k3_tiny",
+     "--num_processes=2", "--port=0"], "multi-host: give all of"),
+    ("serve", "zero peer_timeout", ["serve", "--random_weights", "--config=k3_tiny",
+     "--peer_timeout=0", "--port=0"], "peer_timeout=0"),
 ]
 
 

@@ -62,7 +62,7 @@ def _host_jit(fn, static: tuple):
   jitted = jax.jit(lambda *args: fn(*args, **dict(static)),
                    compiler_options={"xla_backend_optimization_level": 0})
   try:
-    cpu = jax.devices("cpu")[0]
+    cpu = jax.local_devices(backend="cpu")[0]    # this process's (multi-host: not process 0's)
   except RuntimeError:                  # no CPU backend: the default device
     return jitted
 

@@ -100,12 +100,15 @@ class _HostSampled:
   """A step's Sampled read back to the host: the ids always, the rest only when one of
   `reqs` wants it (logits, logprobs)."""
 
-  def __init__(self, got: steps.Sampled, reqs: list[Request]):
-    self.ids = np.asarray(got.ids)
-    self.logits = np.asarray(got.logits) if any(r.record_logits for r in reqs) else None
-    if any(r.params.logprobs is not None for r in reqs):
-      self.logprob, self.top_ids, self.top_logprobs = (
-          np.asarray(a) for a in (got.logprob, got.top_ids, got.top_logprobs))
+  def __init__(self, got: steps.Sampled, reqs: list[Request], fetch=lambda t: t):
+    want_logits = any(r.record_logits for r in reqs)
+    want_lp = any(r.params.logprobs is not None for r in reqs)
+    picked = fetch((got.ids, got.logits if want_logits else None,
+                    (got.logprob, got.top_ids, got.top_logprobs) if want_lp else None))
+    self.ids = np.asarray(picked[0])
+    self.logits = np.asarray(picked[1]) if want_logits else None
+    if want_lp:
+      self.logprob, self.top_ids, self.top_logprobs = (np.asarray(a) for a in picked[2])
 
 
 DECODE_MIN_PAGES = 8      # smallest decode attention window: 8 pages = 4,096 tokens
@@ -113,7 +116,7 @@ DECODE_MIN_PAGES = 8      # smallest decode attention window: 8 pages = 4,096 to
 
 class Engine:
   def __init__(self, cfg: ModelConfig, graphdef, params, rest, serve: ServeConfig | None = None,
-               *, tokenizer=None, mesh=None, **settings):
+               *, tokenizer=None, mesh=None, relay=None, **settings):
     """serve: the engine's settings (k3_jax/config.py ServeConfig, whose defaults are the
     server's), with `settings` (ServeConfig fields, e.g. max_batch=2) replacing some.
     max_len: tokens per sequence (prompt + generated), default the model's max_seq_len.
@@ -122,7 +125,10 @@ class Engine:
     prefix_match_unit: the grid (tokens, a power of two dividing 512) that hits end on; a
     hit inside a page continues in a copy of that page (steps.copy_page). mesh:
     the steps run under its parallel setup (sharding.install.parallel_for) with params
-    placed by their logical axes; None: the single-device program."""
+    placed by their logical axes, the paged cache split on its page axis
+    (kv_pages.paged_cache_shardings); None: the single-device program. relay: a multi-host
+    job's step relay (relay.py): every process builds the same engine over the global mesh
+    and the leader's steps are replayed by the others."""
     serve = dataclasses.replace(serve or ServeConfig(), **settings)
     max_batch, max_len, prefix_cache_bytes = (serve.max_batch, serve.max_len,
                                               serve.prefix_cache_bytes)
@@ -155,10 +161,9 @@ class Engine:
     num_ckpt = min(prefix_cache_bytes // max(self.ckpt_bytes, 1),
                    max(cache_pages, 0) * (PAGE // self.unit))
     self.num_pages = 1 + max_batch * self.pages_per_slot + cache_pages
-    # (own buffers per leaf: init_cache shares one zeros array between the conv windows,
-    # and the steps donate the cache)
-    self.cache = jax.tree.map(lambda a: jnp.array(a, copy=True),
-                              model.init_paged_cache(max_batch, self.num_pages, PAGE))
+    if mesh is not None:      # the page axis splits evenly over the mesh
+      self.num_pages = -(-self.num_pages // mesh.size) * mesh.size
+    self.cache = self._zero_cache(model, max_batch)
     self.pool = PagePool(self.num_pages)
     self.prefix = None
     if prefix_cache_bytes > 0 and num_ckpt > 0:
@@ -167,7 +172,13 @@ class Engine:
       self.ckpts = kv.zeros_rows(kv.kda_states(self.cache), num_ckpt)
     self.counts = jnp.zeros((max_batch, cfg.vocab_size), jnp.int32)
     self.tables = np.zeros((max_batch, self.pages_per_slot), np.int32)
+    self.relay = relay
     self._build_steps()
+    if relay is not None:     # the device state every process made alike, in one order
+      relay.register((self.params, self.rest, self.cache, self.counts,
+                      getattr(self, "ckpts", None), self._no_bias))
+      from k3_jax.serve import logprobs
+      relay.factories["score"] = lambda: logprobs.scorer_for(self)
 
     # ----- host state ---------------------------------------------------------------------
     self.lock = threading.Condition()
@@ -179,6 +190,15 @@ class Engine:
     self.finished_requests = 0
     self.failed_requests = 0
     self.fatal: BaseException | None = None    # set when a device/shared-state fault stopped it
+
+  def _zero_cache(self, model, max_batch: int):
+    """The paged cache, all zeros (init_paged_cache's values), made on its devices: split by
+    kv_pages.paged_cache_shardings on a mesh (never gathered on one device first)."""
+    abstract = jax.eval_shape(lambda: model.init_paged_cache(max_batch, self.num_pages, PAGE))
+    zeros = lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract)
+    if self.mesh is None:
+      return zeros()
+    return jax.jit(zeros, out_shardings=kv.paged_cache_shardings(abstract, self.mesh))()
 
   # ----- compiled steps -----------------------------------------------------------------
   def _parallel(self):
@@ -193,11 +213,26 @@ class Engine:
     self.par = self._parallel()
     seen = self._compiled = set()
     jitted = steps.jit_steps(self.graphdef, self.par)
-    self._steps = steps.Steps(*(_guard(name, fn, seen)
+    self._steps = steps.Steps(*(_guard(name, self.relayed(name, fn), seen)
                                 for name, fn in zip(steps.Steps._fields, jitted)))
+    self._fetch = None
+    if self.relay is not None:   # what the leader reads, replicated onto every host
+      from jax.sharding import NamedSharding, PartitionSpec
+      self._fetch = _guard("fetch", self.relayed("fetch", jax.jit(
+          lambda t: t, out_shardings=NamedSharding(self.mesh, PartitionSpec()))), seen)
+    self._feature_zeros = {}
     v = self.cfg.vocab_size
     self._no_bias = {1: jnp.zeros((1, v), jnp.float32),
                      self.max_batch: jnp.zeros((self.max_batch, v), jnp.float32)}
+
+  def relayed(self, name: str, fn):
+    """fn (a jitted device step) as this engine runs it: published to the other processes
+    first in a multi-host job (relay.py), itself otherwise."""
+    return fn if self.relay is None else self.relay.wrap(name, fn)
+
+  def fetch(self, tree):
+    """Device arrays the host reads, readable here (replicated in a multi-host job)."""
+    return tree if self._fetch is None else self._fetch(tree)
 
   # ----- submission ---------------------------------------------------------------------
   def validate(self, prompt_ids, params: SamplingParams, openai_ranges: bool = True,
@@ -408,11 +443,11 @@ class Engine:
         slot = self.free_slots.pop()
       self._seat(slot, hit_pages + fresh)
       if ckpt is not None:
-        self.cache = self._steps.load_slot(self.cache, self.ckpts, jnp.int32(slot),
-                                           jnp.int32(ckpt))
+        self.cache = self._steps.load_slot(self.cache, self.ckpts, np.int32(slot),
+                                           np.int32(ckpt))
       if copy_src is not None:       # the hit ends inside a page: continue in a copy of it
-        self.cache = self._steps.copy_page(self.cache, jnp.int32(copy_src),
-                                           jnp.int32(fresh[0]))
+        self.cache = self._steps.copy_page(self.cache, np.int32(copy_src),
+                                           np.int32(fresh[0]))
         with _shared("the page pool bookkeeping"):
           self.pool.decref([copy_src])
       if self.prefix is not None:
@@ -430,7 +465,7 @@ class Engine:
     """Readies `slot` for a new request holding `pages`: its KDA state and penalty counts
     zeroed (a freed slot may still hold another request's; always overwrite all of it) and
     its page-table row set."""
-    self.cache, self.counts = self._steps.zero_slot(self.cache, self.counts, jnp.int32(slot))
+    self.cache, self.counts = self._steps.zero_slot(self.cache, self.counts, np.int32(slot))
     self.tables[slot] = 0
     self.tables[slot, :len(pages)] = pages
 
@@ -442,15 +477,15 @@ class Engine:
     n = r.prompt.size
     logits = None
     start = r.pos
-    table_row = jnp.asarray(self.tables[r.slot])
+    table_row = self.tables[r.slot].copy()
     while r.pos < n:
       plan = prefill_plan(r.pos, n, max(PAGE, budget // PAGE * PAGE), self.unit)
       if r.pos > start and plan[0] >= PAGE:
         break                        # whole blocks start a chunk of their own
       for size in plan:
-        tokens = jnp.asarray(r.prompt[r.pos:r.pos + size])
+        tokens = r.prompt[r.pos:r.pos + size]
         logits, self.cache = self._steps.prefill(self.params, self.rest, self.cache,
-                                                 jnp.int32(r.slot), tokens, jnp.int32(r.pos),
+                                                 np.int32(r.slot), tokens, np.int32(r.pos),
                                                  table_row, self._piece_features(r, size))
         r.pos += size
       if self.prefix is not None:
@@ -461,7 +496,7 @@ class Engine:
     if r.pos == n:
       r.features = r.images = None                    # the prompt is in the cache now
       got, self.counts = self._steps.first_token(
-          logits, self.counts, jnp.int32(r.slot),
+          logits, self.counts, np.int32(r.slot),
           self._sampling([r], 1, self._biases([r]), first=True))
       r.state = "decode"
       self._fork(r, logits)          # before r's own token, which may already finish it
@@ -500,13 +535,13 @@ class Engine:
         self.running.append(f)
       try:
         self._seat(slot, f.pages)
-        self.cache = self._steps.copy_slot(self.cache, jnp.int32(lead.slot), jnp.int32(slot))
+        self.cache = self._steps.copy_slot(self.cache, np.int32(lead.slot), np.int32(slot))
         if part:
-          self.cache = self._steps.copy_page(self.cache, jnp.int32(lead.pages[full]),
-                                             jnp.int32(fresh[0]))
+          self.cache = self._steps.copy_page(self.cache, np.int32(lead.pages[full]),
+                                             np.int32(fresh[0]))
         f.decoder = self.tokenizer.stream_decoder() if self.tokenizer is not None else None
         got, self.counts = self._steps.first_token(
-            logits, self.counts, jnp.int32(slot),
+            logits, self.counts, np.int32(slot),
             self._sampling([f], 1, self._biases([f]), first=True))
         self._take(f, got, 0)
       except EngineFatal:
@@ -529,13 +564,16 @@ class Engine:
       return None
     piece = r.prompt[r.pos:r.pos + size]
     if r.images is None or not np.any(piece == v.image_token_id):
-      return jnp.zeros((size, self.cfg.d_model), jnp.float32)
+      if size not in self._feature_zeros:             # one zeros buffer per piece size
+        self._feature_zeros[size] = self._steps.piece_features(
+            self.cfg.d_model, None, np.zeros(size, np.int32))
+      return self._feature_zeros[size]
     if r.features is None:                            # the tower runs once per request
       r.features = self._steps.encode(self.params, self.rest,
-                                      jax.tree.map(jnp.asarray, r.images))
+                                      jax.tree.map(np.asarray, r.images))
     done = int(np.count_nonzero(r.prompt[:r.pos] == v.image_token_id))
-    rows = np.minimum(done + np.arange(size), r.features.shape[0] - 1)
-    return r.features[jnp.asarray(rows)]
+    rows = np.minimum(done + np.arange(size), r.features.shape[0] - 1).astype(np.int32)
+    return self._steps.piece_features(self.cfg.d_model, r.features, rows)
 
   def _register(self, r: Request) -> None:
     """Hands the prompt's finished blocks to the prefix cache, and keeps the KDA state of
@@ -551,8 +589,8 @@ class Engine:
         and r.registered * u >= r.pos:
       c = self.prefix.alloc_checkpoint(r.hashes[r.pos // u - 1])
       if c is not None:
-        self.ckpts = self._steps.save_ckpt(self.ckpts, self.cache, jnp.int32(r.slot),
-                                           jnp.int32(c))
+        self.ckpts = self._steps.save_ckpt(self.ckpts, self.cache, np.int32(r.slot),
+                                           np.int32(c))
 
   def _sampling(self, reqs: list[Request], rows: int, biases: dict | None = None,
                 first: bool = False) -> steps.Sampling:
@@ -618,7 +656,7 @@ class Engine:
     batch = steps.DecodeBatch(tokens, pos, tables[:, :bucket], active, sampling)
     got, self.cache, self.counts = self._steps.decode(self.params, self.rest, self.cache,
                                                       self.counts, batch)
-    host = _HostSampled(got, dec)
+    host = _HostSampled(got, dec, self.fetch)
     for r in dec:
       r.pos += 1
       try:
@@ -630,7 +668,7 @@ class Engine:
 
   def _take(self, r: Request, got, row: int) -> None:
     """Records what the step sampled for `r` at `row` (logits, logprobs), then emits it."""
-    host = got if isinstance(got, _HostSampled) else _HostSampled(got, [r])
+    host = got if isinstance(got, _HostSampled) else _HostSampled(got, [r], self.fetch)
     if r.record_logits:
       r.logits.append(host.logits[row])
     k = r.params.logprobs

@@ -122,6 +122,22 @@ def zeros_rows(states: ModelCache, n: int) -> ModelCache:
   return map_cache(lambda e, axis: jax.tree.map(lambda a: z(a, axis), e), states)
 
 
+def paged_cache_shardings(cache: ModelCache, mesh) -> ModelCache:
+  """Shardings of the serving (paged) cache: KDA states on their batch axis; each MLA page
+  pool [(R,) N, P, X] split on its page axis over every mesh axis (N a multiple of the
+  mesh size); the per-slot positions on the batch."""
+  from jax.sharding import NamedSharding, PartitionSpec
+  axes = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1) or None
+
+  def one(e, axis):
+    if not isinstance(e, PagedMLACache):
+      return aot.batch_shardings(e, mesh, axis)
+    spec = lambda a: NamedSharding(mesh, PartitionSpec(*(axes if i == axis else None
+                                                          for i in range(a.ndim))))
+    return PagedMLACache(c_kv=spec(e.c_kv), k_r=spec(e.k_r), page_table=None)
+  return map_cache(one, cache, pos=aot.batch_shardings(cache.pos, mesh, 0))
+
+
 def tree_bytes(tree, rows: int = 1, batch: int | None = None) -> int:
   """Bytes of `tree`, or of `rows` of its batch rows when it has `batch` of them."""
   total = aot.tree_bytes(tree)
@@ -129,4 +145,5 @@ def tree_bytes(tree, rows: int = 1, batch: int | None = None) -> int:
 
 
 __all__ = ["PAGE", "NULL_PAGE", "PagePool", "with_pages", "without_pages", "kda_states",
-           "with_kda_states", "take_rows", "put_rows", "select_rows", "zeros_rows"]
+           "with_kda_states", "take_rows", "put_rows", "select_rows", "zeros_rows",
+           "paged_cache_shardings"]

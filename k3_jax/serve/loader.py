@@ -25,21 +25,26 @@ class ServeOptions:
   model_name: str | None = None       # the id /v1/models reports (default: the config name)
 
 
-def load_checkpoint(workdir: str, step: int | None = None):
-  """(cfg, graphdef, params, rest) of the newest good checkpoint (or `step`) of a training
-  workdir: parameters and balancing biases only, never the optimizer state."""
-  from k3_jax.checkpoint.inference import load_for_inference
+def _one_device():
   from sharding.mesh import make_mesh
-  loaded = load_for_inference(workdir, make_mesh(devices=jax.devices()[:1]), step)
+  return make_mesh(devices=jax.devices()[:1])
+
+
+def load_checkpoint(workdir: str, step: int | None = None, mesh=None):
+  """(cfg, graphdef, params, rest) of the newest good checkpoint (or `step`) of a training
+  workdir: parameters and balancing biases only, never the optimizer state; each read
+  straight into its shard of `mesh` (default: one device)."""
+  from k3_jax.checkpoint.inference import load_for_inference
+  loaded = load_for_inference(workdir, mesh or _one_device(), step)
   return loaded.cfg, loaded.graphdef, loaded.params, loaded.rest
 
 
-def load_hf(hf_dir: str):
-  """(cfg, graphdef, params, rest) of a Hugging Face directory, read slice by slice."""
+def load_hf(hf_dir: str, mesh=None):
+  """(cfg, graphdef, params, rest) of a Hugging Face directory, read slice by slice into the
+  shards of `mesh` (default: one device): each host reads its own devices' slices only."""
   from flax import nnx
   from k3_jax.checkpoint.sharded_load import load_model_sharded
-  from sharding.mesh import make_mesh
-  cfg, model = load_model_sharded(hf_dir, make_mesh(devices=jax.devices()[:1]))
+  cfg, model = load_model_sharded(hf_dir, mesh or _one_device())
   return (cfg, *nnx.split(model, nnx.Param, ...))
 
 
@@ -80,8 +85,9 @@ def load_checked_tokenizer(spec: str, vocab_size: int, check_byte: bool = True):
   return tok
 
 
-def build_engine(opts: ServeOptions):
-  """(engine, tokenizer, model name) for the options."""
+def build_engine(opts: ServeOptions, relay=None):
+  """(engine, tokenizer, model name) for the options. relay: this process's step relay in a
+  multi-host job (relay.py), which needs a mesh over every host's devices."""
   from k3_jax.checkpoint.inference import trained_tokenizer
   from k3_jax.data import tokenizers
   from k3_jax.serve.engine import Engine
@@ -89,11 +95,18 @@ def build_engine(opts: ServeOptions):
   if len(sources) != 1:
     raise UserError("give exactly one of --workdir (a trained checkpoint), --hf_dir (a Hugging "
                     "Face directory) or --random_weights with --config (smoke tests)")
+  mesh = None
+  if opts.mesh:
+    from sharding.mesh import make_mesh, parse_mesh
+    mesh = make_mesh(parse_mesh(opts.mesh))
+  elif jax.process_count() > 1:
+    raise UserError(f"multi-host serving needs --mesh over all {jax.device_count()} devices of "
+                    f"the {jax.process_count()} processes (e.g. --mesh=expert:-1)")
   if opts.workdir is not None:
-    cfg, graphdef, params, rest = load_checkpoint(opts.workdir)
+    cfg, graphdef, params, rest = load_checkpoint(opts.workdir, mesh=mesh)
     tok_spec = trained_tokenizer(opts.workdir, opts.tokenizer)
   elif opts.hf_dir is not None:
-    cfg, graphdef, params, rest = load_hf(opts.hf_dir)
+    cfg, graphdef, params, rest = load_hf(opts.hf_dir, mesh)
     tok_spec = opts.tokenizer or hf_tokenizer_spec(opts.hf_dir)
   else:
     cfg, graphdef, params, rest = random_weights(opts.config, opts.overrides, opts.seed,
@@ -103,25 +116,55 @@ def build_engine(opts: ServeOptions):
     from k3_jax.serve.pack import pack_state
     graphdef, params, rest = pack_state(graphdef, params, rest)
   tok = load_checked_tokenizer(tok_spec, cfg.vocab_size)
-  mesh = None
-  if opts.mesh:
-    from sharding.mesh import make_mesh, parse_mesh
-    mesh = make_mesh(parse_mesh(opts.mesh))
-  engine = Engine(cfg, graphdef, params, rest, opts.serve, tokenizer=tok, mesh=mesh)
+  engine = Engine(cfg, graphdef, params, rest, opts.serve, tokenizer=tok, mesh=mesh,
+                  relay=relay)
   return engine, tok, opts.model_name or cfg.name
 
 
 def run_server(opts: ServeOptions) -> None:
-  """Builds the engine and serves the OpenAI-compatible API until interrupted."""
+  """Builds the engine and serves the OpenAI-compatible API until interrupted. In a
+  multi-host job (jax.distributed initialised, more than one process) every process builds
+  the engine over the global mesh; process 0 serves HTTP once every process is ready, the
+  others replay its steps (relay.py) until it stops."""
+  from k3_jax.serve import relay as rl
   from k3_jax.serve.server import build_app, serve
   host, port = opts.serve.host, opts.serve.port
+  relay = rl.start(opts.serve.peer_timeout)
+  if relay is not None and not relay.leader:
+    build_engine(opts, relay)
+    relay.group.ready()
+    print(f"process {jax.process_index()} of {jax.process_count()}: engine ready, replaying "
+          "process 0's steps", flush=True)
+    status = relay.follow()
+    relay.group.stop()
+    raise SystemExit(status)
   if host not in ("127.0.0.1", "localhost", "::1"):
     print(f"warning: serving on {host}: the API has no authentication", flush=True)
-  engine, tok, name = build_engine(opts)
+  engine, tok, name = build_engine(opts, relay)
+  if relay is not None:
+    relay.group.ready()
+    relay.group.wait_ready(lambda m: print(m, flush=True))
   app = build_app(engine, tok, name)
+  hosts = "" if relay is None else f" across {jax.process_count()} processes"
   print(f"serving {name} on http://{host}:{port}/v1 ({engine.max_batch} slots, "
-        f"context {engine.max_len})", flush=True)
-  serve(app, host, port)
+        f"context {engine.max_len}{hosts})", flush=True)
+  if relay is None:
+    serve(app, host, port)
+    return
+  status = 0
+  try:
+    serve(app, host, port)
+  except SystemExit as e:
+    status = e.code if isinstance(e.code, int) else 1
+    if status:
+      relay.group.settle()        # a lost peer (the likely cause) is named before we go
+    raise
+  finally:
+    try:
+      relay.stop(status)
+    except Exception as e:          # the coordinator may be gone with the peers
+      print(f"could not stop the other processes: {type(e).__name__}: {e}", flush=True)
+    relay.group.stop()
 
 
 __all__ = ["ServeOptions", "load_checkpoint", "load_hf", "random_weights", "build_engine",

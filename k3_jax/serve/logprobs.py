@@ -92,7 +92,10 @@ class Scorer:
   logits after token i (so row i - 1 predicts token i). One compile per bucket length (a
   power of two, at least 64); calls are serialised (one scoring forward at a time)."""
 
-  def __init__(self, graphdef, params, rest, par, max_len: int):
+  def __init__(self, graphdef, params, rest, par, max_len: int, relayed=lambda n, f: f,
+               fetch=lambda t: t):
+    """relayed / fetch: the engine's (Engine.relayed, Engine.fetch), so that a multi-host
+    job runs the forward on every process and the leader can read its rows."""
     self.max_len = max_len
     self._lock = threading.Lock()
 
@@ -100,7 +103,8 @@ class Scorer:
       logits, _, _ = nnx.merge(graphdef, params, rest)(tokens[None], par=par)
       return logits[0].astype(jnp.float32)
 
-    self._fwd = jax.jit(fwd)
+    self._fwd = relayed("score", jax.jit(fwd))
+    self._fetch = fetch
     self._params, self._rest = params, rest
 
   def bucket(self, n: int) -> int:
@@ -114,15 +118,16 @@ class Scorer:
     padded = np.zeros((self.bucket(ids.size),), np.int32)
     padded[:ids.size] = ids
     with self._lock:
-      out = self._fwd(self._params, self._rest, jnp.asarray(padded))
-      return np.asarray(out[:ids.size])
+      out = self._fwd(self._params, self._rest, padded)
+      return np.asarray(self._fetch(out))[:ids.size]
 
 
 def scorer_for(engine) -> Scorer:
   """The engine's Scorer, made on first use (its parameters and parallel setup)."""
   s = getattr(engine, "_scorer", None)
   if s is None:
-    s = Scorer(engine.graphdef, engine.params, engine.rest, engine.par, engine.max_len)
+    s = Scorer(engine.graphdef, engine.params, engine.rest, engine.par, engine.max_len,
+               engine.relayed, engine.fetch)
     engine._scorer = s
   return s
 

@@ -103,7 +103,13 @@ def make_metrics(engine: Engine):
           ("k3_generation_tokens", "generated tokens", engine.generated_tokens),
           ("k3_request_success", "finished requests", engine.finished_requests),
           ("k3_request_failure", "requests that failed (an error or a timeout)",
-           engine.failed_requests)):
+           engine.failed_requests),
+          *(() if engine.relay is None else (      # multi-host: the plans sent (relay.py)
+              ("k3_relay_plans", "step plans published to the other processes",
+               engine.relay.seq),
+              ("k3_relay_plan_bytes", "bytes of the published plans", engine.relay.sent_bytes),
+              ("k3_relay_send_seconds", "seconds spent publishing plans",
+               engine.relay.send_seconds)))):
         c = CounterMetricFamily(name, doc)
         c.add_metric([], value)
         yield c

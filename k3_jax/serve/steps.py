@@ -13,6 +13,7 @@ memory and roofline `compile` reports is the program `serve` runs.
     copy_page     one MLA page copied into another in every MLA layer (a prefix-cache hit
                   that ends inside a page: the request continues in its own copy)
     encode        packed images -> projected features (models with a vision tower)
+    piece_features  the features of one prefill piece's placeholders (zeros without any)
 
 Sampling happens inside the step (sample_rows): per-slot parameters arrive as a `Sampling`
 pytree whose `bias` [B, V] is added to the logits first (the API's logit_bias, and -inf
@@ -166,6 +167,14 @@ def encode(graphdef, params, rest, images):
   return nnx.merge(graphdef, params, rest).vision(images).astype(jnp.float32)
 
 
+def piece_features(d_model, feats, rows):
+  """rows [T] of the request's image features feats [M, D] (the piece's placeholders, in
+  order); feats None: zeros [T, d_model] (a piece without placeholders)."""
+  if feats is None:
+    return jnp.zeros((rows.shape[0], d_model), jnp.float32)
+  return feats[rows]
+
+
 class Steps(NamedTuple):
   """The jitted steps of one (model, parallel setup); the cache arguments are donated."""
   prefill: Callable
@@ -177,6 +186,7 @@ class Steps(NamedTuple):
   save_ckpt: Callable
   encode: Callable
   copy_page: Callable
+  piece_features: Callable
 
 
 def bind(fn, *static):
@@ -199,10 +209,10 @@ def jit_steps(graphdef, par, jit=jax.jit) -> Steps:
       zero_slot=jit(zero_slot, donate_argnums=(0, 1)),
       save_ckpt=jit(save_ckpt, donate_argnums=(0,)),
       encode=jit(bind(encode, graphdef)),
-      copy_page=jit(copy_page, donate_argnums=(0,)))
+      copy_page=jit(copy_page, donate_argnums=(0,)),
+      piece_features=jit(piece_features, static_argnums=(0,)))
 
 
 __all__ = ["TOP_K", "Sampling", "DecodeBatch", "Sampled", "sample_logits", "prefill_step",
            "decode_step", "first_token", "load_slot", "copy_slot", "zero_slot", "save_ckpt",
-           "encode",
-           "copy_page", "Steps", "jit_steps"]
+           "encode", "copy_page", "piece_features", "Steps", "jit_steps"]

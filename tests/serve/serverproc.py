@@ -49,3 +49,54 @@ def stop_server(proc, grace: float = 20):
     except subprocess.TimeoutExpired:
       proc.kill()
   proc.wait(timeout=30)
+
+
+def start_group(nproc: int, ndev: int, log_dir, flags, timeout: float = 400):
+  """`main.py serve FLAGS` as nproc processes of ndev CPU devices each (a multi-host job on
+  localhost when nproc > 1) -> (processes, base URL, log paths), once process 0's /health
+  answers 200 (failing with a log's tail if any process exits first)."""
+  port, coord = multiproc.free_port("127.0.0.1"), multiproc.free_port()
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT,
+         "XLA_FLAGS": f"--xla_force_host_platform_device_count={ndev}"}
+  procs, logs = [], []
+  for pid in range(nproc):
+    args = [f"--port={port}", *flags]
+    if nproc > 1:
+      args += [f"--coordinator_address=localhost:{coord}", f"--num_processes={nproc}",
+               f"--process_id={pid}"]
+    log = log_dir / f"p{pid}.log"
+    with open(log, "w") as out:
+      procs.append(subprocess.Popen([sys.executable, "main.py", "serve", *args], cwd=ROOT,
+                                    env=env, stdout=out, stderr=subprocess.STDOUT))
+    logs.append(log)
+  base = f"http://127.0.0.1:{port}"
+  deadline = time.monotonic() + timeout
+  while True:
+    for p, log in zip(procs, logs):
+      if p.poll() is not None:
+        stop_group(procs)
+        pytest.fail(f"{log.name} exited with {p.returncode}:\n{log.read_text()[-3000:]}")
+    try:
+      if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+        return procs, base, logs
+    except httpx.HTTPError:
+      pass
+    if time.monotonic() > deadline:
+      stop_group(procs)
+      pytest.fail(f"no /health in {timeout:g} s:\n{logs[0].read_text()[-3000:]}")
+    time.sleep(0.3)
+
+
+def stop_group(procs, grace: float = 30) -> list[int]:
+  """SIGTERM to process 0 (it drains, then stops the others), SIGKILL after `grace`
+  seconds -> every process's exit status."""
+  if procs[0].poll() is None:
+    procs[0].terminate()
+  codes = []
+  for p in procs:
+    try:
+      codes.append(p.wait(timeout=grace))
+    except subprocess.TimeoutExpired:
+      p.kill()
+      codes.append(p.wait(timeout=30))
+  return codes
