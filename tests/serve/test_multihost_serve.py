@@ -2,7 +2,8 @@
 (jax.distributed on localhost, gloo collectives) behind process 0's HTTP port answers like
 1 process x 8 devices and like 1 device, and a lost process ends the group.
 
-Every configuration serves k3_tiny with the same random weights and runs the same workload
+Every configuration serves k3_tiny with the same weights (2 x 4 from a Hugging Face export of
+them, read slice by slice by each process) and runs the same workload
 (`_workload`): a warm-up request, then 8 concurrent ones (4 extending the warm-up's prompt,
 so prefix-cache hits, 3 fresh, 1 streamed and cancelled after a few chunks).
 
@@ -35,9 +36,11 @@ FRESH = ["Pack my box with five dozen liquor jugs.", "Sphinx of black quartz, ju
 CANCELLED = "Jackdaws love my big sphinx of quartz."
 
 
-def launch(nproc: int, ndev: int, log_dir, mesh: bool = True):
+def launch(nproc: int, ndev: int, log_dir, mesh: bool = True, hf_dir: str | None = None):
+  weights = SETTINGS if hf_dir is None else [f"--hf_dir={hf_dir}", "--served_model_name=k3_tiny",
+                                             *SETTINGS[2:]]
   return serverproc.start_group(nproc, ndev, log_dir,
-                                SETTINGS + (["--mesh=expert:-1"] if mesh else []))
+                                weights + (["--mesh=expert:-1"] if mesh else []))
 
 
 def stop(procs) -> list[int]:
@@ -87,11 +90,19 @@ def _workload(base: str) -> dict:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
+  """The workload's answers from each layout. 2 x 4 loads a Hugging Face export of the same
+  weights (--hf_dir: each process reads its own devices' slices, the sharded loader);
+  the others draw them (--random_weights, seed 0)."""
+  import configs
+  from k3_jax.checkpoint import convert
+  from k3_jax.model import create_model
+  hf = str(tmp_path_factory.mktemp("hf") / "k3_tiny")
+  convert.export_model(create_model(configs.get("k3_tiny"), seed=0), hf)
   out = {}
-  for name, (nproc, ndev, mesh) in {"2x4": (2, 4, True), "1x8": (1, 8, True),
-                                    "1x1": (1, 1, False)}.items():
+  for name, (nproc, ndev, mesh, src) in {"2x4": (2, 4, True, hf), "1x8": (1, 8, True, None),
+                                         "1x1": (1, 1, False, None)}.items():
     d = tmp_path_factory.mktemp(name)
-    procs, base, logs = launch(nproc, ndev, d, mesh)
+    procs, base, logs = launch(nproc, ndev, d, mesh, src)
     try:
       t0 = time.monotonic()
       out[name] = _workload(base)
