@@ -204,8 +204,9 @@ def _expert_format() -> str:
   return "dense" if FLAGS.expert_format == "auto" else FLAGS.expert_format
 
 
-def _train_config(cfg):
-  """The preset's TrainConfig with every train flag that was given."""
+def _train_config(cfg, check: bool = True):
+  """The preset's TrainConfig with every train flag that was given (validated unless not
+  `check`: compile validates the batch it was given, not the preset's)."""
   import configs
   from k3_jax.config import validate_train
   given = {n: getattr(FLAGS, n) for n in TRAIN_CONFIG_FLAGS if getattr(FLAGS, n) is not None}
@@ -213,7 +214,8 @@ def _train_config(cfg):
     from k3_jax.data.tokenizers import has_tokenizer     # the released weights' own tokenizer
     if has_tokenizer(FLAGS.init_from):
       given["tokenizer"] = FLAGS.init_from
-  return validate_train(dataclasses.replace(configs.get_train(FLAGS.config), **given), cfg)
+  tc = dataclasses.replace(configs.get_train(FLAGS.config), **given)
+  return validate_train(tc, cfg) if check else tc
 
 
 def _check_workdir(path: str, flag: str = "workdir") -> None:
@@ -491,7 +493,7 @@ def cmd_compile() -> None:
   given = {n: getattr(FLAGS, n) if FLAGS[n].present else None for n in LAYOUT_FLAGS}
   if given["expert_format"] is not None:
     given["expert_format"] = _expert_format()
-  cfg, tc, kw = apply_pod_layout(layout, cfg, _train_config(cfg), given)
+  cfg, tc, kw = apply_pod_layout(layout, cfg, _train_config(cfg, check=False), given)
   rep = compile_step(cfg, tc, target, FLAGS.step, **kw)
   rep["pod_layout"] = (None if layout is None
                        else f"{FLAGS.config}: {layout.topology} {layout.step}")

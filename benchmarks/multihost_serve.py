@@ -1,7 +1,7 @@
 """Multi-host serving on this machine: `main.py serve` as 1 process x 8 CPU devices and as
 2 processes x 4 (jax.distributed on localhost, gloo collectives), side by side in one run.
 
-    PYTHONPATH=. python benchmarks/multihost_serve.py [--tokens=64] [--batch=8] [--json]
+    python -m benchmarks.multihost_serve [--tokens=64] [--batch=8] [--json]
 
 For each layout: start the server (k3_tiny, random weights, --mesh=expert:-1), warm it up
 (the prefill and decode compiles), then time

@@ -180,6 +180,9 @@ def validate_mesh(cfg: ModelConfig, mesh: Mesh | dict, global_batch: int | None 
   if global_batch is not None:
     axes = batch_axes(sizes)
     n = math.prod(sizes[a] for a in axes)
+    if grad_accum > 1 and global_batch % grad_accum:
+      raise ConfigError(f"global batch={global_batch} is not divisible by grad_accum="
+                        f"{grad_accum} (each micro-batch takes an equal share)")
     rows = global_batch // max(grad_accum, 1)
     if rows % n:
       what = (f"global batch={global_batch}" if grad_accum <= 1 else

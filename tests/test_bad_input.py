@@ -132,6 +132,9 @@ CASES = [
      "--step=decode", "--cache_len=0"], "--cache_len=0"),
     ("compile", "non-positive seq_len", ["compile", "--config=k3_tiny", "--topology=v5p-8",
      "--seq_len=0"], "seq_len=0: must be positive"),
+    ("compile", "global batch not divisible by grad_accum", ["compile", "--config=k3_tiny",
+     "--topology=v5p-8", "--global_batch=12", "--grad_accum=8"],
+     "global batch=12 is not divisible by grad_accum=8"),
     # convert
     ("convert", "no --to", ["convert", "--from={t}/empty"], "convert needs --from=SRC"),
     ("convert", "no --from", ["convert", "--to={t}/out"], "convert needs --from=SRC"),

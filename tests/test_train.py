@@ -187,3 +187,5 @@ def test_micro_batch_rows_must_split_over_the_batch_axes():
     validate_mesh(CFG, sizes, 8, grad_accum=2)
   validate_mesh(CFG, sizes, 8)                               # one batch of 8 rows splits
   validate_mesh(CFG, {"fsdp": 4, "sequence": 2}, 8, grad_accum=2)   # sequence: not a batch axis
+  with pytest.raises(ConfigError, match=r"global batch=12 is not divisible by grad_accum=8"):
+    validate_mesh(CFG, {"fsdp": 1}, 12, grad_accum=8)        # not the floor-divided rows
