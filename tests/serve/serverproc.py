@@ -25,19 +25,35 @@ def start_server(launch: str, log_dir, **fmt):
     proc = subprocess.Popen([sys.executable, "-c", launch.format(port=port, **fmt)],
                             cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
   base = f"http://127.0.0.1:{port}"
-  deadline = time.monotonic() + 300
+  _wait_for_health(base, [proc], [log], 300)
+  return proc, base, log
+
+
+def _wait_for_health(base: str, procs, logs, timeout: float) -> None:
+  """Polls base/health until it answers 200; fails the test with a log's tail (and kills
+  the processes) when one of them exits first or `timeout` seconds pass."""
+  deadline = time.monotonic() + timeout
   while True:
-    if proc.poll() is not None:
-      pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+    for p, log in zip(procs, logs):
+      if p.poll() is not None:
+        _kill(procs)
+        pytest.fail(f"{log.name}: the server exited with {p.returncode}:\n"
+                    f"{log.read_text()[-3000:]}")
     try:
       if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-        return proc, base, log
+        return
     except httpx.HTTPError:
       pass
     if time.monotonic() > deadline:
-      proc.kill()
-      pytest.fail(f"server did not come up in 300 s:\n{log.read_text()[-3000:]}")
+      _kill(procs)
+      pytest.fail(f"the server did not come up in {timeout:g} s:\n{logs[0].read_text()[-3000:]}")
     time.sleep(0.3)
+
+
+def _kill(procs) -> None:
+  for p in procs:
+    if p.poll() is None:
+      p.kill()
 
 
 def stop_server(proc, grace: float = 20):
@@ -70,21 +86,8 @@ def start_group(nproc: int, ndev: int, log_dir, flags, timeout: float = 400):
                                     env=env, stdout=out, stderr=subprocess.STDOUT))
     logs.append(log)
   base = f"http://127.0.0.1:{port}"
-  deadline = time.monotonic() + timeout
-  while True:
-    for p, log in zip(procs, logs):
-      if p.poll() is not None:
-        stop_group(procs)
-        pytest.fail(f"{log.name} exited with {p.returncode}:\n{log.read_text()[-3000:]}")
-    try:
-      if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-        return procs, base, logs
-    except httpx.HTTPError:
-      pass
-    if time.monotonic() > deadline:
-      stop_group(procs)
-      pytest.fail(f"no /health in {timeout:g} s:\n{logs[0].read_text()[-3000:]}")
-    time.sleep(0.3)
+  _wait_for_health(base, procs, logs, timeout)
+  return procs, base, logs
 
 
 def stop_group(procs, grace: float = 30) -> list[int]:
