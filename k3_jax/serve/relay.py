@@ -279,8 +279,10 @@ class Relay:
       try:
         return self.client.blocking_key_value_get_bytes(key, 1000)
       except Exception as e:
-        if "DEADLINE_EXCEEDED" not in str(e):
-          raise                   # the coordinator is gone: the watchdog names process 0
+        if "DEADLINE_EXCEEDED" not in str(e):    # the coordinator (process 0) is gone
+          self.group.lost(0, f"its next plan could not be read: "
+                             f"{str(e).splitlines()[0][:200]}")
+          raise
 
   def follow(self) -> int:
     """Replays the leader's plans until it sends STOP; -> the exit status it sent."""
