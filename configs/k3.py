@@ -78,6 +78,12 @@ def get_pod_layouts():
                 mesh="data:2,fsdp:8,expert:32,sequence:8",
                 global_batch=512, seq_len=8192, remat="block", grad_accum=1,
                 ep_capacity=1.25),
+      # 4 slices (8192 chips): the 2-slice layout with the data axis twice as long, 1024 x
+      # 8192 a step, the same 1024 tokens per chip: 62.84 GiB per chip (docs/pod-scale.md).
+      PodLayout(topology="4*v5p-4096", step="train",
+                mesh="data:4,fsdp:8,expert:32,sequence:8",
+                global_batch=1024, seq_len=8192, remat="block", grad_accum=1,
+                ep_capacity=1.25),
       # 64 chips, 8 sequences decoding against 1M-token caches: experts (MXFP4) and dense
       # weights over the 64 chips; the batch of 8 cannot fill the expert axis, so the MLA
       # latent caches are split over their length instead (rules "cache_seq").
