@@ -22,14 +22,13 @@ import argparse
 import asyncio
 import json
 import pathlib
-import re
 import statistics
 import tempfile
 import time
 
 import httpx
 
-from tests.serve.serverproc import start_group, stop_group
+from tests.serve.serverproc import metric_value, start_group, stop_group
 
 FLAGS = ["--config=k3_tiny", "--random_weights", "--max_batch=8", "--max_len=512",
          "--prefix_cache_bytes=0", "--mesh=expert:-1", "--peer_timeout=30"]
@@ -57,9 +56,10 @@ async def _batch(client, n: int, batch: int) -> tuple[int, float]:
   return sum(r.json()["usage"]["completion_tokens"] for r in rs), took
 
 
-def _metric(text: str, name: str) -> float:
-  m = re.search(rf"^{name} (\S+)", text, re.M)
-  return float(m.group(1)) if m else 0.0
+def _grew(name: str, before: str, after: str) -> float:
+  """How much the counter `name` grew between two /metrics pages (0 where absent)."""
+  return (metric_value(after, f"{name}_total", 0.0)
+          - metric_value(before, f"{name}_total", 0.0))
 
 
 async def _measure(base: str, tokens: int, batch: int) -> dict:
@@ -73,16 +73,12 @@ async def _measure(base: str, tokens: int, batch: int) -> dict:
     after = (await client.get("/metrics")).text
   out = {"decode_step_ms": 1e3 * statistics.median(gaps),
          "batch_tokens_per_s": made / took, "batch_tokens": made}
-  plans = _metric(mid, "k3_relay_plans_total") - _metric(before, "k3_relay_plans_total")
+  plans = _grew("k3_relay_plans", before, mid)
   if plans:
-    sent = (_metric(mid, "k3_relay_plan_bytes_total")
-            - _metric(before, "k3_relay_plan_bytes_total"))
-    secs = (_metric(mid, "k3_relay_send_seconds_total")
-            - _metric(before, "k3_relay_send_seconds_total"))
     out.update(stream_plans=plans, plans_per_token=plans / (len(gaps) + 2),
-               plan_bytes=sent / plans, plan_ms=1e3 * secs / plans,
-               batch_plans=_metric(after, "k3_relay_plans_total")
-               - _metric(mid, "k3_relay_plans_total"))
+               plan_bytes=_grew("k3_relay_plan_bytes", before, mid) / plans,
+               plan_ms=1e3 * _grew("k3_relay_send_seconds", before, mid) / plans,
+               batch_plans=_grew("k3_relay_plans", mid, after))
   return out
 
 

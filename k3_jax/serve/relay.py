@@ -60,6 +60,17 @@ class _Handle:
     return _Handle, (self.n,)
 
 
+def _wait(get, key: str):
+  """get(key, timeout_ms) retried while it times out (a blocking read of a key another
+  process has not written yet); any other error is raised."""
+  while True:
+    try:
+      return get(key, 1000)
+    except Exception as e:
+      if "DEADLINE_EXCEEDED" not in str(e):
+        raise
+
+
 def _client():
   from jax._src import distributed
   client = distributed.global_state.client
@@ -77,6 +88,7 @@ class Group:
     self.pid, self.n = jax.process_index(), jax.process_count()
     self.peer_timeout = float(peer_timeout)
     self.leader = self.pid == 0
+    self.period = max(self.peer_timeout / 5, 0.05)      # seconds between heartbeats
     self._stopped = threading.Event()
 
   # ----- liveness ------------------------------------------------------------------------
@@ -92,7 +104,6 @@ class Group:
     return list(range(1, self.n)) if self.leader else [0]
 
   def _watch(self) -> None:
-    period = max(self.peer_timeout / 5, 0.05)
     beat = 0
     last = {q: (None, time.monotonic()) for q in self.watched()}
     reached = time.monotonic()
@@ -119,7 +130,7 @@ class Group:
         if now - reached > self.peer_timeout:
           self.lost(0, f"the coordinator did not answer for {now - reached:.1f} s "
                        f"({type(e).__name__})")
-      self._stopped.wait(period)
+      self._stopped.wait(self.period)
 
   def lost(self, q: int, why: str) -> None:
     """Prints the one line naming the lost process and ends this one."""
@@ -132,7 +143,7 @@ class Group:
   def settle(self) -> None:
     """Waits long enough for the watchdog to notice a lost peer (called before a fatal exit
     that may have been caused by one, so that the exit names it)."""
-    self._stopped.wait(self.peer_timeout + max(self.peer_timeout / 5, 0.05) * 2)
+    self._stopped.wait(self.peer_timeout + 2 * self.period)
 
   # ----- start-up ------------------------------------------------------------------------
   def ready(self) -> None:
@@ -143,13 +154,7 @@ class Group:
     """The leader: blocks until every follower is ready (no overall bound: loading a large
     model takes minutes; the watchdog ends the wait if one dies)."""
     for q in range(1, self.n):
-      while True:
-        try:
-          self.client.blocking_key_value_get(f"{PREFIX}/ready/{q}", 1000)
-          break
-        except Exception as e:
-          if "DEADLINE_EXCEEDED" not in str(e):
-            raise
+      _wait(self.client.blocking_key_value_get, f"{PREFIX}/ready/{q}")
       log(f"process {q} of {self.n} is ready")
 
 
@@ -173,8 +178,8 @@ class Relay:
 
   # ----- handles -------------------------------------------------------------------------
   def register(self, tree) -> None:
-    """Numbers the device arrays of `tree` (engine state made at start-up, in the same order
-    on every process)."""
+    """Numbers the device arrays of `tree`: engine state made at start-up (in the same order
+    on every process) and each relayed call's outputs."""
     for leaf in jax.tree.leaves(tree):
       if isinstance(leaf, jax.Array):
         self._own(leaf)
@@ -234,9 +239,7 @@ class Relay:
         sent, local = self._encode(name, args)
         self._send(name, sent)
         out = fn(*local)
-        for leaf in jax.tree.leaves(out):
-          if isinstance(leaf, jax.Array):
-            self._own(leaf)
+        self.register(out)
         return out
     call.__name__ = getattr(fn, "__name__", name)
     return call
@@ -275,14 +278,11 @@ class Relay:
 
   # ----- a follower ----------------------------------------------------------------------
   def _get(self, key: str) -> bytes:
-    while True:
-      try:
-        return self.client.blocking_key_value_get_bytes(key, 1000)
-      except Exception as e:
-        if "DEADLINE_EXCEEDED" not in str(e):    # the coordinator (process 0) is gone
-          self.group.lost(0, f"its next plan could not be read: "
-                             f"{str(e).splitlines()[0][:200]}")
-          raise
+    try:
+      return _wait(self.client.blocking_key_value_get_bytes, key)
+    except Exception as e:                       # the coordinator (process 0) is gone
+      self.group.lost(0, f"its next plan could not be read: {str(e).splitlines()[0][:200]}")
+      raise
 
   def follow(self) -> int:
     """Replays the leader's plans until it sends STOP; -> the exit status it sent."""
@@ -302,10 +302,7 @@ class Relay:
       if fn is None:
         self.factories[name]()            # registers it (through wrap)
         fn = self.fns[name]
-      out = fn(*self._decode(args))
-      for leaf in jax.tree.leaves(out):
-        if isinstance(leaf, jax.Array):
-          self._own(leaf)
+      self.register(fn(*self._decode(args)))
 
 
 def start(peer_timeout: float) -> Relay | None:

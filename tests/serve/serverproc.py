@@ -56,6 +56,17 @@ def _kill(procs) -> None:
       p.kill()
 
 
+def metric_value(text: str, name: str, default: float | None = None) -> float:
+  """The value of the sample `name` in a /metrics page (Prometheus text); `default` when it
+  is absent, or an AssertionError when there is none."""
+  for line in text.splitlines():
+    if line.startswith(name + " "):
+      return float(line.split()[-1])
+  if default is None:
+    raise AssertionError(f"{name} not in /metrics")
+  return default
+
+
 def stop_server(proc, grace: float = 20):
   """SIGTERM, then SIGKILL after `grace` seconds."""
   if proc.poll() is None:

@@ -16,7 +16,6 @@ order sums differently); 1 device runs unsplit matmuls, whose f32 sums differ by
 import asyncio
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -82,7 +81,7 @@ async def _run(base: str) -> dict:
     jobs += [_complete(client, p, 10) for p in FRESH] + [_cancelled(client)]
     *done, cut = await asyncio.gather(*jobs)
     metrics = (await client.get("/metrics")).text
-  hits = float(re.search(r"^k3_prefix_cache_hits_total (\S+)", metrics, re.M).group(1))
+  hits = serverproc.metric_value(metrics, "k3_prefix_cache_hits_total")
   return {"warm": warm, "done": done, "cut": cut, "hits": hits, "metrics": metrics}
 
 
@@ -132,7 +131,7 @@ def test_two_processes_serve_like_one(results):
   for a, b in zip(results["2x4"]["done"], results["1x8"]["done"]):
     np.testing.assert_allclose(a["lp"], b["lp"], atol=2e-6, rtol=0)
   two = results["2x4"]
-  assert float(re.search(r"^k3_relay_plans_total (\S+)", two["metrics"], re.M).group(1)) > 0
+  assert serverproc.metric_value(two["metrics"], "k3_relay_plans_total") > 0
   assert two["codes"] == [0, 0], two["logs"][1][-2000:]   # SIGTERM drains the whole group
 
 

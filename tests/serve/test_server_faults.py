@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from tests.serve.serverproc import start_server
+from tests.serve.serverproc import metric_value, start_server
 
 MODEL = "k3-test"
 LAUNCH = """
@@ -69,10 +69,7 @@ def post(base, prompt, n=4, **kw):
 
 
 def metric(base, name):
-  for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
-    if line.startswith(name + " "):
-      return float(line.split()[-1])
-  raise AssertionError(f"{name} not in /metrics")
+  return metric_value(httpx.get(f"{base}/metrics", timeout=10).text, name)
 
 
 def test_one_bad_request_fails_alone(server):
