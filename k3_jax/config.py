@@ -274,6 +274,11 @@ class ServeConfig:
   prefix_match_unit: int = option(SERVE_PAGE, "prefix-cache hit granularity in tokens (a "
                                   f"power of two dividing {SERVE_PAGE}): hash entries and "
                                   "KDA checkpoints lie on this grid, a hit ends on a multiple")
+  batch_invariant: bool = option(True, "every prefill call takes one prompt (one shape per "
+                                 "piece size), so a request's logits are bitwise the same "
+                                 "whatever else runs; false: the same-size pieces of up to "
+                                 "max_batch prompts share a call (faster under load; on XLA:CPU "
+                                 "the logits then move in the last bits with the batch)")
   max_queue: int = option(64, "waiting requests before new ones get HTTP 429")
   host: str = option("127.0.0.1", "address to listen on (loopback by default: the API has no "
                      "authentication)")

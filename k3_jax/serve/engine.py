@@ -64,8 +64,9 @@ def _guard(name: str, fn, seen: set):
   which logs the first call of each new argument shape (a compile) with its duration."""
   def call(*args):
     key = (name,) + tuple(getattr(x, "shape", None) for a in args
-                          for x in (jax.tree.leaves(a) if isinstance(a, steps.DecodeBatch)
-                                    else [a]) if hasattr(x, "shape"))
+                          for x in (jax.tree.leaves(a) if isinstance(a, (steps.DecodeBatch,
+                                                                         tuple)) else [a])
+                          if hasattr(x, "shape"))
     new = key not in seen
     t0 = time.monotonic()
     if new:
@@ -136,6 +137,7 @@ class Engine:
     self.cfg, self.tokenizer, self.mesh = cfg, tokenizer, mesh
     self.max_batch, self.prefill_chunk, self.max_queue = (max_batch, serve.prefill_chunk,
                                                           serve.max_queue)
+    self.prefill_rows = 1 if serve.batch_invariant else max_batch   # prompts per prefill call
     self.unit = serve.prefix_match_unit         # prefix-cache hits end on this grid
     self.max_len = max_len or cfg.max_seq_len
     if self.max_len > cfg.max_seq_len:
@@ -376,22 +378,7 @@ class Engine:
         r.done_event.set()
       self._admit()
       pre = [r for r in self.running if r.state == "prefill"]
-      dec = [r for r in self.running if r.state == "decode"]
-    # Prefill: up to prefill_chunk prompt tokens per step, oldest request first (a long
-    # prompt takes the whole budget; several short ones share it).
-    budget = self.prefill_chunk
-    for r in pre:
-      if budget <= 0:
-        break
-      try:
-        budget -= self._prefill_chunk(r, budget)
-      except EngineFatal:
-        raise
-      except Exception as e:
-        self._fail(r, e)
-        continue
-      if r.state == "decode":
-        dec.append(r)
+    self._prefill_all(pre)
     with self.lock:        # (the samples forked off a finished prefill decode too)
       dec = [r for r in self.running if r.state == "decode"]
     if dec:
@@ -469,41 +456,97 @@ class Engine:
     self.tables[slot] = 0
     self.tables[slot, :len(pages)] = pages
 
-  def _prefill_chunk(self, r: Request, budget: int) -> int:
-    """Runs the request's next prefill chunk: whole blocks (at most `budget` tokens, rounded
-    down to whole blocks), or the pieces below a block up to its next block boundary or the
-    prompt's end (several prefill_plan segments, each ending where a checkpoint may be
-    kept); returns the tokens processed."""
-    n = r.prompt.size
-    logits = None
-    start = r.pos
-    table_row = self.tables[r.slot].copy()
-    while r.pos < n:
-      plan = prefill_plan(r.pos, n, max(PAGE, budget // PAGE * PAGE), self.unit)
-      if r.pos > start and plan[0] >= PAGE:
+  def _prefill_all(self, pre: list[Request]) -> None:
+    """This step's prefill: at most `prefill_chunk` prompt tokens over the prefilling
+    requests, oldest first (a long prompt takes the whole budget; several short ones share
+    it), then the step's decode runs, so a long prompt never stalls the running decodes.
+    Each request's pieces are the ones `_pieces` gives it whatever else runs; round k runs
+    every request's k-th piece, the pieces of one size together in calls of up to
+    `prefill_rows` prompts (one call per prompt when batch_invariant)."""
+    budget, plans = self.prefill_chunk, []
+    for r in pre:
+      if budget <= 0:
+        break
+      plans.append((r, self._pieces(r, budget)))
+      budget -= sum(plans[-1][1])
+    for k in range(max((len(p) for _, p in plans), default=0)):
+      groups: dict[int, list[Request]] = {}
+      for r, sizes in plans:
+        if k < len(sizes) and r.state == "prefill":
+          groups.setdefault(sizes[k], []).append(r)
+      for size, reqs in groups.items():
+        for i in range(0, len(reqs), self.prefill_rows):
+          self._prefill_call(reqs[i:i + self.prefill_rows], size)
+
+  def _pieces(self, r: Request, budget: int) -> list[int]:
+    """The lengths of r's prefill calls this step: whole blocks (at most `budget` tokens,
+    rounded down to whole blocks, at least one), or the pieces below a block up to its next
+    block boundary or the prompt's end (several prefill_plan segments, each ending where a
+    checkpoint may be kept)."""
+    n, pos, sizes = r.prompt.size, r.pos, []
+    chunk = max(PAGE, budget // PAGE * PAGE)
+    while pos < n:
+      plan = prefill_plan(pos, n, chunk, self.unit)
+      if pos > r.pos and plan[0] >= PAGE:
         break                        # whole blocks start a chunk of their own
-      for size in plan:
-        tokens = r.prompt[r.pos:r.pos + size]
-        logits, self.cache = self._steps.prefill(self.params, self.rest, self.cache,
-                                                 np.int32(r.slot), tokens, np.int32(r.pos),
-                                                 table_row, self._piece_features(r, size))
-        r.pos += size
+      sizes += plan
+      pos += sum(plan)
+      if plan[0] >= PAGE:
+        break
+    return sizes
+
+  def _prefill_call(self, reqs: list[Request], size: int) -> None:
+    """One prefill call: the next `size` prompt tokens of each of `reqs` (at most
+    prefill_rows), padded to a power-of-two row count (1 when batch_invariant); then each
+    request's blocks go to the prefix cache, and a finished prompt samples its first token.
+    A fault of one request's host work fails it alone."""
+    live = []
+    for r in reqs:
+      try:
+        live.append((r, self._piece_features(r, size)))
+      except EngineFatal:
+        raise
+      except Exception as e:
+        self._fail(r, e)
+    if not live:
+      return
+    rows = 1 << (len(live) - 1).bit_length()
+    pad = [live[0]] * (rows - len(live))
+    tokens = np.stack([r.prompt[r.pos:r.pos + size] for r, _ in live + pad])
+    slots = np.array([r.slot for r, _ in live + pad], np.int32)
+    pos = np.array([r.pos for r, _ in live + pad], np.int32)
+    tables = np.zeros((rows, self.pages_per_slot), np.int32)    # padding: the null page
+    tables[:len(live)] = self.tables[slots[:len(live)]]
+    valid = np.arange(rows) < len(live)
+    feats = None if live[0][1] is None else tuple(f for _, f in live + pad)
+    logits, self.cache = self._steps.prefill(self.params, self.rest, self.cache, slots,
+                                             tokens, pos, tables, valid, feats)
+    for row, (r, _) in enumerate(live):
+      r.pos += size
       if self.prefix is not None:
         with self.lock, _shared("the prefix cache bookkeeping"):
           self._register(r)
-      if plan[0] >= PAGE:
-        break
-    if r.pos == n:
-      r.features = r.images = None                    # the prompt is in the cache now
-      got, self.counts = self._steps.first_token(
-          logits, self.counts, np.int32(r.slot),
-          self._sampling([r], 1, self._biases([r]), first=True))
-      r.state = "decode"
-      self._fork(r, logits)          # before r's own token, which may already finish it
-      self._take(r, got, 0)
-    return r.pos - start
+      if r.pos < r.prompt.size:
+        continue
+      try:
+        self._prompt_done(r, logits, row)
+      except EngineFatal:
+        raise
+      except Exception as e:
+        self._fail(r, e)
 
-  def _fork(self, lead: Request, logits) -> None:
+  def _prompt_done(self, r: Request, logits, row: int) -> None:
+    """r's prompt is in the cache: its first token, from row `row` of the prefill's last
+    logits (and its forks', from the same row)."""
+    r.features = r.images = None
+    got, self.counts = self._steps.first_token(
+        logits, np.int32(row), self.counts, np.int32(r.slot),
+        self._sampling([r], 1, self._biases([r]), first=True))
+    r.state = "decode"
+    self._fork(r, logits, row)       # before r's own token, which may already finish it
+    self._take(r, got, 0)
+
+  def _fork(self, lead: Request, logits, row: int) -> None:
     """Starts the samples waiting on `lead`'s prefill (Request.fork_of) from it, now that
     its slot holds the state after the prompt: each gets a slot with that KDA state, shares
     the prompt's whole pages, continues in a copy of the partial last one, and samples its
@@ -541,7 +584,7 @@ class Engine:
                                              np.int32(fresh[0]))
         f.decoder = self.tokenizer.stream_decoder() if self.tokenizer is not None else None
         got, self.counts = self._steps.first_token(
-            logits, self.counts, np.int32(slot),
+            logits, np.int32(row), self.counts, np.int32(slot),
             self._sampling([f], 1, self._biases([f]), first=True))
         self._take(f, got, 0)
       except EngineFatal:

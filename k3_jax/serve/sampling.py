@@ -34,10 +34,15 @@ def sample(key: jax.Array, logits: jax.Array, temperature: float | jax.Array = 0
   # for a nucleus: greedy and top_p = 1 batches skip it.
   scaled = jax.lax.cond(jnp.any((temperature > 0) & (top_p < 1.0)), nucleus, lambda s: s,
                         scaled)
-  if jnp.ndim(key) == 0:                # one typed key for the whole batch
-    sampled = jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
-  else:
-    sampled = jax.vmap(lambda k, s: jax.random.categorical(k, s))(key, scaled).astype(jnp.int32)
+
+  def draw(scaled):
+    if jnp.ndim(key) == 0:              # one typed key for the whole batch
+      return jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
+    return jax.vmap(lambda k, s: jax.random.categorical(k, s))(key, scaled).astype(jnp.int32)
+
+  # The random draw ([B, V] Gumbel noise) runs only when some row samples: a greedy batch
+  # skips it.
+  sampled = jax.lax.cond(jnp.any(temperature > 0), draw, lambda s: greedy, scaled)
   return jnp.where(temperature > 0, sampled, greedy)
 
 

@@ -4,10 +4,11 @@ The engine (engine.py) runs these, jitted by `jit_steps`, and `compile --step=de
 the same `decode_step` on the same paged cache (k3_jax/compile.py), so the program whose
 memory and roofline `compile` reports is the program `serve` runs.
 
-    prefill_step  one prompt piece of one slot: tokens [T] at positions pos + [0, T)
-                  -> (the last position's logits [V], cache)
+    prefill_step  prompt pieces of R slots, T tokens each: tokens [R, T] at positions
+                  pos[i] + [0, T) -> (each row's last logits [R, V], cache)
     decode_step   one token for every slot (idle ones masked) -> (Sampled, cache, counts)
-    first_token   the token sampled from a prompt's last logits -> (Sampled, counts)
+    first_token   the token sampled from a prompt's last logits (a row of prefill's)
+                  -> (Sampled, counts)
     zero_slot / load_slot / save_ckpt   a slot's KDA state: zeroed, loaded from or saved to
                   a prefix-cache checkpoint row
     copy_page     one MLA page copied into another in every MLA layer (a prefix-cache hit
@@ -90,19 +91,41 @@ def sample_logits(logits: jax.Array, counts: jax.Array, s: Sampling) -> Sampled:
   return Sampled(ids, chosen, top_ids.astype(jnp.int32), top_lp, raw)
 
 
-def prefill_step(graphdef, par, params, rest, cache: ModelCache, slot, tokens, pos, table_row,
-                 feats=None):
-  """tokens [T] at positions pos + [0, T) of slot `slot` -> (last logits [V], cache).
-  feats [T, D]: the features of the piece's image placeholders, in order (models with a
-  tower; zeros for a piece without placeholders)."""
+def prefill_step(graphdef, par, params, rest, cache: ModelCache, slots, tokens, pos, tables,
+                 valid, feats=None):
+  """Prompt pieces of R slots at once, every piece T tokens: row i holds tokens [T] of slot
+  slots[i] at positions pos[i] + [0, T), with page-table row tables[i]
+  -> (each row's last logits [R, V], cache).
+
+  Rows with valid[i] False pad the call to its compiled row count: they read slot
+  slots[i]'s state but write nothing back (their KDA state is dropped; their table row is
+  the null page, where their latents go). feats: a model with a vision tower gets, per row,
+  the features [T, D] of that piece's image placeholders in order (zeros for a piece
+  without any); scatter_features takes them in row-major order over the whole call."""
   model = nnx.merge(graphdef, params, rest)
   states = kv.kda_states(cache)
-  sub = kv.with_kda_states(cache, kv.take_rows(states, slot[None]))
-  sub = kv.with_pages(sub, pos[None], table_row[None])
-  logits, new, _ = model(tokens[None], cache=sub, image_features=feats, last_only=True, par=par)
+  sub = kv.with_kda_states(cache, kv.take_rows(states, slots))
+  sub = kv.with_pages(sub, pos, tables)
+  image_features = None if feats is None else row_major_features(
+      tokens, jnp.stack(feats), model.cfg.vision.image_token_id)
+  logits, new, _ = model(tokens, cache=sub, image_features=image_features, last_only=True,
+                         par=par)
   new = kv.without_pages(new)
-  out = kv.with_kda_states(new, kv.put_rows(states, slot[None], kv.kda_states(new)))
-  return logits[0, -1], out.replace(pos=cache.pos)
+  keep = jnp.where(valid, slots, kv.num_rows(states))           # out of range: dropped
+  out = kv.with_kda_states(new, kv.put_rows(states, keep, kv.kda_states(new)))
+  return logits[:, -1], out.replace(pos=cache.pos)
+
+
+def row_major_features(tokens, feats, placeholder_id: int):
+  """Per-row placeholder features feats [R, T, D] (row i's placeholders take its rows in
+  order) -> [R T, D] in the row-major placeholder order scatter_features reads."""
+  r, t = tokens.shape
+  mask = tokens == placeholder_id                                  # [R, T]
+  local = jnp.clip(jnp.cumsum(mask, axis=1) - 1, 0, t - 1)         # rank within the row
+  rank = jnp.cumsum(mask.reshape(-1)) - 1                          # rank within the call
+  picked = jnp.take_along_axis(feats, local[..., None], axis=1).reshape(r * t, -1)
+  dest = jnp.where(mask.reshape(-1), rank, r * t)                  # others: dropped
+  return jnp.zeros_like(picked).at[dest].set(picked, mode="drop")
 
 
 def decode_step(graphdef, par, params, rest, cache: ModelCache, counts, batch: DecodeBatch):
@@ -121,11 +144,11 @@ def decode_step(graphdef, par, params, rest, cache: ModelCache, counts, batch: D
   return got, out, counts
 
 
-def first_token(logits, counts, slot, sampling: Sampling):
-  """The token sampled from the prompt's last logits [V] (nothing generated yet, so no
-  penalty applies; `sampling` has one row), counted in the slot's generated-token counts
-  like every later one. -> (Sampled [1], counts)."""
-  got = sample_logits(logits[None], jnp.zeros((1, logits.shape[-1]), jnp.int32), sampling)
+def first_token(logits, row, counts, slot, sampling: Sampling):
+  """The token sampled from a prompt's last logits, row `row` of a prefill's [R, V]
+  (nothing generated yet, so no penalty applies; `sampling` has one row), counted in the
+  slot's generated-token counts like every later one. -> (Sampled [1], counts)."""
+  got = sample_logits(logits[row][None], jnp.zeros((1, logits.shape[-1]), jnp.int32), sampling)
   return got, counts.at[slot, got.ids[0]].add(1)
 
 
@@ -203,7 +226,7 @@ def jit_steps(graphdef, par, jit=jax.jit) -> Steps:
   return Steps(
       prefill=jit(bind(prefill_step, graphdef, par), donate_argnums=(2,)),
       decode=jit(bind(decode_step, graphdef, par), donate_argnums=(2, 3)),
-      first_token=jit(first_token, donate_argnums=(1,)),
+      first_token=jit(first_token, donate_argnums=(2,)),
       load_slot=jit(load_slot, donate_argnums=(0,)),
       copy_slot=jit(copy_slot, donate_argnums=(0,)),
       zero_slot=jit(zero_slot, donate_argnums=(0, 1)),
@@ -214,5 +237,5 @@ def jit_steps(graphdef, par, jit=jax.jit) -> Steps:
 
 
 __all__ = ["TOP_K", "Sampling", "DecodeBatch", "Sampled", "sample_logits", "prefill_step",
-           "decode_step", "first_token", "load_slot", "copy_slot", "zero_slot", "save_ckpt",
+           "decode_step", "row_major_features", "first_token", "load_slot", "copy_slot", "zero_slot", "save_ckpt",
            "encode", "copy_page", "piece_features", "Steps", "jit_steps"]

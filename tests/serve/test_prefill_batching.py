@@ -1,0 +1,83 @@
+"""Prefill batching (docs/serving.md): with batch_invariant=False the same-size prompt pieces
+of several requests run as one prefill call (steps.prefill_step over R rows, padded to a
+power of two), and give what one-request-per-call prefill gives.
+
+Tolerance: 1e-5 on float32 logits of O(1). The rows compute the same functions as single
+calls, but XLA:CPU blocks a matmul by its row count, so the summation order of a row's dot
+products can change with the batch (measured: 1.2e-6 at most); greedy tokens are equal.
+With batch_invariant (the default) every prefill call has one row: one shape per piece
+size, so a request's logits are bitwise the same whatever else runs
+(test_batch_invariance.py).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from k3_jax.ops.vision import scatter_features
+from k3_jax.serve.engine import Engine, SamplingParams
+from k3_jax.serve.steps import row_major_features
+from tests.serve.test_engine import prompt_of
+
+TOL = 1e-5
+# pieces (scheduler.prefill_plan): 20 = 16 + 4, 68 = 64 + 4: round 0 runs three 16-token
+# pieces in one call (4 rows, one of them padding) and one 64-token piece; round 1 four
+# 4-token pieces in one call
+LENGTHS = (20, 20, 20, 68)
+
+
+def _run(eng, prompts, n=4, shapes=None):
+  """Runs `prompts` together; `shapes` (a list) gets each prefill call's tokens [R, T]."""
+  steps = eng._steps
+  if shapes is not None:
+    eng._steps = steps._replace(
+        prefill=lambda *a: shapes.append(a[4].shape) or steps.prefill(*a))
+  try:
+    reqs = [eng.submit(q, SamplingParams(max_tokens=n), record_logits=True) for q in prompts]
+    eng.run_until_done(reqs)
+  finally:
+    eng._steps = steps
+  return reqs
+
+
+def test_batched_prefill_matches_one_prompt_per_call(engine8):
+  prompts = [prompt_of(40 + i, n) for i, n in enumerate(LENGTHS)]
+  solo = [_run(engine8, [q])[0] for q in prompts]
+  assert Engine(engine8.cfg, engine8.graphdef, engine8.params, engine8.rest, max_batch=2,
+                max_len=512, prefix_cache_bytes=0, batch_invariant=False).prefill_rows == 2
+  engine8.prefill_rows = engine8.max_batch
+  shapes = []
+  try:
+    together = _run(engine8, prompts, shapes=shapes)
+  finally:
+    engine8.prefill_rows = 1
+  assert sorted(shapes) == [(1, 64), (4, 4), (4, 16)]
+  for a, b in zip(together, solo):
+    assert a.output_ids == b.output_ids
+    for x, y in zip(a.logits, b.logits):
+      np.testing.assert_allclose(x, y, atol=TOL, rtol=0)
+  counts = engine8.resource_counts()          # the padding row held nothing
+  assert counts["free_slots"] == 8 and counts["used_pages"] == 0
+
+
+def test_invariant_engine_prefills_one_prompt_per_call(engine8):
+  shapes = []
+  _run(engine8, [prompt_of(60 + i, 20) for i in range(3)], shapes=shapes)
+  assert sorted(shapes) == [(1, 4)] * 3 + [(1, 16)] * 3
+
+
+def test_row_major_features_matches_per_row_scatter():
+  """Each row's placeholders take that row's features in order, as scatter_features gives
+  for the row alone."""
+  rng = np.random.default_rng(0)
+  r, t, d, ph = 3, 8, 4, 7
+  tokens = rng.integers(0, ph, (r, t)).astype(np.int32)
+  tokens[0, [1, 2, 6]] = ph                          # row 1 has no placeholders
+  tokens[2, [0, 5]] = ph
+  feats = rng.standard_normal((r, t, d)).astype(np.float32)
+  x = jnp.asarray(rng.standard_normal((r, t, d)).astype(np.float32))
+  got = scatter_features(x, tokens, row_major_features(jnp.asarray(tokens), feats, ph), ph)
+  for i in range(r):
+    want = scatter_features(x[i:i + 1], tokens[i:i + 1], feats[i], ph)[0]
+    assert np.array_equal(np.asarray(got[i]), np.asarray(want))
