@@ -89,7 +89,7 @@ def decode_step_time(eng, pos, runs):
   z, zf = np.zeros(b, np.int32), np.zeros(b, np.float32)
   sampling = steps.Sampling(z, z, zf, np.ones(b, np.float32), zf, zf, eng._no_bias[b])
   batch = lambda: steps.DecodeBatch(z, np.full(b, pos, np.int32), eng.tables[:, :bucket].copy(),
-                                    np.ones(b, bool), sampling)
+                                    np.ones(b, bool), sampling, z, np.zeros(b, bool))
   times = []
   for i in range(runs + 1):                       # the first call compiles
     t0 = time.perf_counter()

@@ -272,7 +272,8 @@ def _paged_decode_program(cfg: ModelConfig, mesh, graphdef, par, p_args, p_shard
                             b((batch,), f32), b((batch,), f32), b((batch,), f32),
                             b((batch, cfg.vocab_size), f32))
   dbatch = steps.DecodeBatch(b((batch,), i32), b((batch,), i32), b((batch, per_slot), i32),
-                             b((batch,), jnp.bool_), sampling)
+                             b((batch,), jnp.bool_), sampling, b((batch,), i32),
+                             b((batch,), jnp.bool_))
   counts = b((batch, cfg.vocab_size), i32)
   d_sh, n_sh = aot.batch_shardings(dbatch, mesh, 0), aot.batch_shardings(counts, mesh, 0)
   out_sh = aot.batch_shardings(jax.eval_shape(

@@ -279,6 +279,9 @@ class ServeConfig:
                                  "whatever else runs; false: the same-size pieces of up to "
                                  "max_batch prompts share a call (faster under load; on XLA:CPU "
                                  "the logits then move in the last bits with the batch)")
+  overlap: bool = option(True, "dispatch each decode step before reading back the previous "
+                         "one's tokens (one step ahead: the host's emit, detokenise and stop "
+                         "checks run while the device computes); false: read each step first")
   max_queue: int = option(64, "waiting requests before new ones get HTTP 429")
   host: str = option("127.0.0.1", "address to listen on (loopback by default: the API has no "
                      "authentication)")

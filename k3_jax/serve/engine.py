@@ -138,6 +138,8 @@ class Engine:
     self.max_batch, self.prefill_chunk, self.max_queue = (max_batch, serve.prefill_chunk,
                                                           serve.max_queue)
     self.prefill_rows = 1 if serve.batch_invariant else max_batch   # prompts per prefill call
+    self.overlap = serve.overlap
+    self._pending = None     # a dispatched decode step whose tokens are unread (overlap)
     self.unit = serve.prefix_match_unit         # prefix-cache hits end on this grid
     self.max_len = max_len or cfg.max_seq_len
     if self.max_len > cfg.max_seq_len:
@@ -178,7 +180,7 @@ class Engine:
     self._build_steps()
     if relay is not None:     # the device state every process made alike, in one order
       relay.register((self.params, self.rest, self.cache, self.counts,
-                      getattr(self, "ckpts", None), self._no_bias))
+                      getattr(self, "ckpts", None), self._no_bias, self._prev))
       from k3_jax.serve import logprobs
       relay.factories["score"] = lambda: logprobs.scorer_for(self)
 
@@ -226,6 +228,7 @@ class Engine:
     v = self.cfg.vocab_size
     self._no_bias = {1: jnp.zeros((1, v), jnp.float32),
                      self.max_batch: jnp.zeros((self.max_batch, v), jnp.float32)}
+    self._prev = jnp.zeros((self.max_batch,), jnp.int32)    # the last decode step's ids
 
   def relayed(self, name: str, fn):
     """fn (a jitted device step) as this engine runs it: published to the other processes
@@ -296,7 +299,7 @@ class Engine:
 
   # ----- the step -----------------------------------------------------------------------
   def has_work(self) -> bool:
-    return bool(self.waiting or self.running)
+    return bool(self.waiting or self.running or self._pending is not None)
 
   def resource_counts(self) -> dict:
     """Slots, pages and prefix-cache pins in use (for /metrics and tests). With nothing
@@ -337,6 +340,7 @@ class Engine:
         r.done_event.set()
       self.running.clear()
       self.waiting.clear()
+      self._pending = None
       self.lock.notify_all()
 
   def _notify(self, r: Request) -> None:
@@ -381,9 +385,10 @@ class Engine:
     self._prefill_all(pre)
     with self.lock:        # (the samples forked off a finished prefill decode too)
       dec = [r for r in self.running if r.state == "decode"]
-    if dec:
+    unread = self._pending is not None
+    if dec or unread:
       self._decode_all(dec)
-    return bool(pre) or bool(dec)
+    return bool(pre) or bool(dec) or unread
 
   def run_until_done(self, requests=None, max_steps: int = 1_000_000) -> None:
     """Steps until the given requests (default: all) are done."""
@@ -636,17 +641,19 @@ class Engine:
                                            np.int32(c))
 
   def _sampling(self, reqs: list[Request], rows: int, biases: dict | None = None,
-                first: bool = False) -> steps.Sampling:
+                first: bool = False, ahead: set = frozenset()) -> steps.Sampling:
     """The Sampling rows of `reqs` at their slots (row 0 when `first`: the prompt's first
     token, which no penalty touches). biases: request id -> its bias row (_bias_row); with
-    none the bias is a zeros array kept on the device."""
+    none the bias is a zeros array kept on the device. ahead: the id()s of requests whose
+    last token is still unread (their token index is one more than the host has seen)."""
     seeds, n = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
     temp, top_p = np.zeros(rows, np.float32), np.ones(rows, np.float32)
     pres, freq = np.zeros(rows, np.float32), np.zeros(rows, np.float32)
     bias = np.zeros((rows, self.cfg.vocab_size), np.float32) if biases else None
     for r in reqs:
       s, p = (0 if first else r.slot), r.params
-      seeds[s], n[s], temp[s], top_p[s] = r.seed, len(r.output_ids), p.temperature, p.top_p
+      seeds[s], temp[s], top_p[s] = r.seed, p.temperature, p.top_p
+      n[s] = len(r.output_ids) + (id(r) in ahead)
       if not first:
         pres[s], freq[s] = p.presence_penalty, p.frequency_penalty
       if biases and r.id in biases:
@@ -673,37 +680,84 @@ class Engine:
     return row
 
   def _decode_all(self, dec: list[Request]) -> None:
-    b = self.max_batch
-    tokens, pos, active = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, bool)
-    tables = np.zeros_like(self.tables)               # idle rows: the null page
+    """One decode step over all slots for the decoding requests `dec`.
+
+    With `overlap` (ServeConfig) the step is dispatched before the previous step's tokens
+    are read (one step ahead): a slot whose last token is still unread takes it from the
+    device (DecodeBatch.from_prev), and the previous step's tokens are read and emitted
+    (detokenised, stop-checked, pushed to their streams) while this step runs. A request is
+    carried ahead only when its unread token cannot end it by length and it has no
+    constraint (whose bias row needs that token first; any constrained request makes the
+    step wait). When the unread token does end it (a stop id or string), its ahead row is
+    wasted: that row wrote past the request's tokens in its own pages, and is dropped."""
+    pend, self._pending = self._pending, None
+    if pend is not None and (not self.overlap or any(r.constraint is not None for r in dec)):
+      self._read_decode(pend)
+      pend = None
+      dec = [r for r in dec if r.state == "decode"]
+    unread = {id(r) for r, _ in pend[1]} if pend is not None else set()
+    ahead = {id(r) for r in dec if id(r) in unread and not r.cancelled
+             and len(r.output_ids) + 2 <= r.params.max_tokens}
+    now = [r for r in dec if id(r) not in unread or id(r) in ahead]
     biases = {}
-    for r in list(dec):          # a request's own fault (e.g. its constraint) fails it alone
+    for r in list(now):          # a request's own fault (e.g. its constraint) fails it alone
       try:
         biases.update(self._biases([r]))
       except EngineFatal:
         raise
       except Exception as e:
         self._fail(r, e)
-        dec.remove(r)
-    if not dec:
-      return
-    sampling = self._sampling(dec, b, biases)
-    for r in dec:
-      tokens[r.slot], pos[r.slot], active[r.slot] = r.last_token, r.pos, True
-      tables[r.slot] = self.tables[r.slot]
+        now.remove(r)
+    got = None
+    if now:
+      got = self._dispatch_decode(now, biases, ahead)
+    if pend is not None:
+      self._read_decode(pend)        # overlapped with the step just dispatched
+    if got is not None:
+      if self.overlap:
+        self._pending = got
+      else:
+        self._read_decode(got)
+
+  def _dispatch_decode(self, now: list[Request], biases: dict, ahead: set):
+    """Dispatches the decode step for `now` (those whose id is in `ahead` take their unread
+    token from the device) -> (the step's Sampled, [(request, slot)])."""
+    b = self.max_batch
+    tokens, pos, active = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, bool)
+    from_prev = np.zeros(b, bool)
+    tables = np.zeros_like(self.tables)               # idle rows: the null page
+    for r in now:
+      s = r.slot
+      active[s], tables[s] = True, self.tables[s]
+      if id(r) in ahead:
+        from_prev[s], pos[s] = True, r.pos + 1
+      else:
+        tokens[s], pos[s] = r.last_token, r.pos
+    sampling = self._sampling(now, b, biases, ahead=ahead)
     # Attend over a power-of-two bucket of pages that covers the longest active sequence
     # (at least DECODE_MIN_PAGES), not the whole max_len: short requests on a long-context
     # engine stay cheap, and only log2(max_len / 4K) decode shapes ever compile.
-    need = max(r.pos // PAGE + 1 for r in dec)
+    need = int(pos.max()) // PAGE + 1
     bucket = min(self.pages_per_slot, max(DECODE_MIN_PAGES, 1 << (need - 1).bit_length()))
-    batch = steps.DecodeBatch(tokens, pos, tables[:, :bucket], active, sampling)
+    batch = steps.DecodeBatch(tokens, pos, tables[:, :bucket], active, sampling, self._prev,
+                              from_prev)
     got, self.cache, self.counts = self._steps.decode(self.params, self.rest, self.cache,
                                                       self.counts, batch)
-    host = _HostSampled(got, dec, self.fetch)
-    for r in dec:
+    self._prev = got.ids
+    return got, [(r, r.slot) for r in now]
+
+  def _read_decode(self, pend) -> None:
+    """Reads a dispatched decode step's tokens back and emits them, for the requests of it
+    that are still decoding (one that ended meanwhile drops its row)."""
+    got, rows = pend
+    live = [(r, slot) for r, slot in rows if r.state == "decode" and r.slot == slot]
+    if not live:
+      return
+    host = _HostSampled(got, [r for r, _ in live], self.fetch)
+    for r, slot in live:
       r.pos += 1
       try:
-        self._take(r, host, r.slot)
+        self._take(r, host, slot)
       except EngineFatal:
         raise
       except Exception as e:

@@ -67,6 +67,9 @@ class DecodeBatch:
   tables: jax.Array         # int32 [B, M]: its page table (idle rows: the null page)
   active: jax.Array         # bool [B]: idle slots keep their KDA state
   sampling: Sampling
+  prev: jax.Array           # int32 [B]: the previous decode step's ids (kept on the device)
+  from_prev: jax.Array      # bool [B]: the slot's token is prev's, not `tokens` (the host
+                            # dispatched this step before reading that one: one step ahead)
 
 
 @_pytree
@@ -134,8 +137,9 @@ def decode_step(graphdef, par, params, rest, cache: ModelCache, counts, batch: D
   generated-token counts, for the penalties) gains the active slots' new tokens."""
   model = nnx.merge(graphdef, params, rest)
   states = kv.kda_states(cache)
-  logits, new, _ = model(batch.tokens[:, None], cache=kv.with_pages(cache, batch.pos,
-                                                                     batch.tables), par=par)
+  tokens = jnp.where(batch.from_prev, batch.prev, batch.tokens)
+  logits, new, _ = model(tokens[:, None], cache=kv.with_pages(cache, batch.pos, batch.tables),
+                         par=par)
   new = kv.without_pages(new)
   out = kv.with_kda_states(new, kv.select_rows(batch.active, kv.kda_states(new), states))
   out = out.replace(pos=cache.pos)
