@@ -160,7 +160,7 @@ class Partial(NamedTuple):
   acc: jax.Array            # [B, H, R] exp(logit - m)-weighted sum of the latents
 
 
-def _rescale(m: jax.Array, m_new: jax.Array) -> jax.Array:
+def rescale(m: jax.Array, m_new: jax.Array) -> jax.Array:
   """exp(m - m_new), 0 where m = -inf (nothing seen), whatever m_new."""
   base = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
   return jnp.exp(m - base)
@@ -169,7 +169,7 @@ def _rescale(m: jax.Array, m_new: jax.Array) -> jax.Array:
 def merge_partials(a: Partial, b: Partial) -> Partial:
   """The partial over the union of two disjoint key sets."""
   m = jnp.maximum(a[0], b[0])
-  ca, cb = _rescale(a[0], m), _rescale(b[0], m)
+  ca, cb = rescale(a[0], m), rescale(b[0], m)
   return Partial(m, a[1] * ca + b[1] * cb, a[2] * ca[..., None] + b[2] * cb[..., None])
 
 
@@ -241,7 +241,7 @@ def paged_decode_partial(q_latent: jax.Array, q_rope: jax.Array, pool_c: jax.Arr
     m, l, acc = carry
     m_new = jnp.maximum(m, logits.max(-1))
     p = jnp.exp(logits - jnp.where(jnp.isfinite(m_new), m_new, 0.0)[..., None])
-    corr = _rescale(m, m_new)
+    corr = rescale(m, m_new)
     return (m_new, l * corr + p.sum(-1),
             acc * corr[..., None] + jnp.einsum("bhs,bsr->bhr", p, c,
                                                preferred_element_type=jnp.float32))
