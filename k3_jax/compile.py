@@ -157,8 +157,8 @@ def paged_loop_costs(cfg: ModelConfig, batch: int, length: int, shards: int,
   from k3_jax.ops.attention import pages_per_block
   from k3_jax.serve.kv_pages import PAGE
   c = cfg.mla
-  block = pages_per_block(platform)
   cols = -(-(-(-length // PAGE)) // shards)
+  block = min(pages_per_block(platform), cols)
   steps = -(-cols // block)
   layers = sum(1 for mixer, _ in cfg.layer_kinds() if mixer == "mla")
   keys = batch * block * PAGE * max(steps - 1, 0) * layers          # keys read per chip

@@ -219,6 +219,7 @@ def paged_decode_partial(q_latent: jax.Array, q_rope: jax.Array, pool_c: jax.Arr
   b, h, r = q_latent.shape
   m_cols = pages.shape[1]
   pg = pool_c.shape[-2]
+  block = max(1, min(block, m_cols))                   # never more pages a step than columns
   nb = -(-m_cols // block)
   pad = nb * block - m_cols
   if pad:   # padded columns: the null page at a position no query sees
