@@ -17,12 +17,12 @@ from flax import nnx
 from k3_jax import train
 from k3_jax.cache import MLACache, ModelCache
 from k3_jax.config import (EXPERT_FORMATS, ConfigError, ModelConfig, PodLayout, TrainConfig,
-                           validate, validate_train)
+                           jnp_dtype, validate, validate_train)
 from k3_jax.model import create_model, param_counts, prefill
 from k3_jax.serve import kv_pages as kv
 from k3_jax.serve.pack import pack_routed_experts
 from k3_jax.stack import map_cache
-from sharding import aot
+from sharding import aot, roofline
 from sharding.install import parallel_for
 from sharding.mesh import make_mesh, parse_mesh, validate_mesh
 from sharding.rules import tree_shardings
@@ -130,13 +130,41 @@ def compile_step(cfg: ModelConfig, tc: TrainConfig, target: Target, step: str,
                 step_function=("k3_jax.serve.steps.decode_step (the engine's, paged cache)"
                                if step == "decode" else "k3_jax.model.prefill"))
   tokens = batch if step == "decode" else batch * seq
+  extra = None
+  if step == "decode":
+    extra = (f"paged decode attention: the page loop's iterations past the first of each "
+             f"MLA layer, every slot at {length} tokens",
+             paged_loop_costs(cfg, batch, length, kv.page_shards(mesh),
+                              parallel_for(mesh).platform))
   _, rep = aot.compile_report(fn, args, target.chip_hbm_bytes, target.generation,
-                              model_flops(cfg, step, tokens, target.chips))
+                              model_flops(cfg, step, tokens, target.chips), extra)
   if step == "decode" and rep.get("roofline"):
     low = decode_min_bytes(cfg, expert_format, batch, length) / target.chips
     rep["roofline"]["analytic_min_bytes_per_chip"] = low
     rep["roofline"]["hbm_bytes_vs_min"] = rep["roofline"]["hbm_bytes_per_chip"] / low
   return {**report, **_with_rates(rep, tokens, target.chips)}
+
+
+def paged_loop_costs(cfg: ModelConfig, batch: int, length: int, shards: int,
+                     platform: str) -> roofline.Costs:
+  """Per chip, what the program text cannot show of the paged decode attention
+  (ops/attention.paged_decode_partial): its loop over pages runs as many steps as the
+  longest sequence needs, a trip count the text does not fix, so the roofline counts one
+  step per MLA layer. With every slot at `length` tokens a shard runs ceil(columns /
+  block) steps over its ceil(ceil(length / 512) / shards) columns; each reads `block`
+  pages of (kv_lora + rope) latents per sequence and multiplies them twice per head
+  (logits, weighted sum). Returns the steps past the first."""
+  from k3_jax.ops.attention import pages_per_block
+  from k3_jax.serve.kv_pages import PAGE
+  c = cfg.mla
+  cols = -(-(-(-length // PAGE)) // shards)
+  block = min(pages_per_block(platform), cols)
+  steps = -(-cols // block)
+  layers = sum(1 for mixer, _ in cfg.layer_kinds() if mixer == "mla")
+  keys = batch * block * PAGE * max(steps - 1, 0) * layers          # keys read per chip
+  width = c.kv_lora_rank + c.qk_rope_head_dim
+  return roofline.Costs(flops=2.0 * keys * c.num_heads * (width + c.kv_lora_rank),
+                        hbm_bytes=float(keys * width * jnp.dtype(jnp_dtype(cfg.dtype)).itemsize))
 
 
 ROUTED = ("w_gate", "w_up", "w_down")     # the routed experts' weights (layers/moe.py)
@@ -256,13 +284,13 @@ def _serving_program(cfg: ModelConfig, mesh, step: str, batch: int, seq: int, le
 def _paged_decode_program(cfg: ModelConfig, mesh, graphdef, par, p_args, p_shardings,
                           batch: int, length: int):
   """(jitted serve.steps.decode_step, abstract sharded args): the engine's decode over its
-  paged cache (every slot at up to `length` tokens: ceil(length / 512) pages each plus the
-  null page, rounded up to a multiple of the mesh so the page axis splits evenly), with the
+  paged cache (every slot at up to `length` tokens: ceil(length / 512) pages each, striped
+  over the page axis's shards with the null page, kv_pages.pool_pages), with the
   per-slot sampling inputs (a logit bias row per slot) and the cache and counts donated."""
   from k3_jax.serve import steps
   from k3_jax.serve.kv_pages import PAGE
   per_slot = -(-length // PAGE)
-  pages = -(-(1 + batch * per_slot) // mesh.size) * mesh.size
+  pages = kv.pool_pages(batch, per_slot, 0, kv.page_shards(mesh))
   cache = jax.eval_shape(lambda: create_model(cfg, mode="abstract").init_paged_cache(
       batch, pages, PAGE))
   c_sh = kv.paged_cache_shardings(cache, mesh)

@@ -44,12 +44,16 @@ class ParallelOps:
                       w_kvb, scale, dtype, q_segment_ids, kv_segment_ids, q_offset)
     absorbed_attention  k3_jax.ops.attention.blockwise_absorbed_attention(q_latent, q_rope,
                       c_kv, k_rope, scale, q_pos) (prefill over a cache)
+    paged_attention   k3_jax.layers.mla.paged_attention(q_latent, q_rope, pool_c, pool_r,
+                      unit, table, pos, scale, block) (decode over page pools: the softmax
+                      partials of the cached positions)
   """
   moe_dispatch: Callable | None = None
   chunk_kda: Callable | None = None
   short_conv: Callable | None = None
   latent_attention: Callable | None = None
   absorbed_attention: Callable | None = None
+  paged_attention: Callable | None = None
 
 
 def _callables(ops: ParallelOps) -> bool:

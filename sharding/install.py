@@ -1,7 +1,7 @@
 """The `Parallel` of a mesh (k3_jax/partitioning.py), the value model code is called with:
 the logical-axis rules for its `constrain` calls, the per-shard wrapping of its kernels, the
 mesh's platform, and the mesh-parallel ops (expert-parallel MoE, context-parallel KDA and
-MLA) where the mesh has those axes.
+MLA, the paged decode attention over split page pools) where the mesh has those axes.
 
 Kept apart from sharding/rules.py (the leaf table every other sharding module reads) because
 it imports the modules that build the parallel ops.
@@ -14,13 +14,14 @@ import functools
 from jax.sharding import Mesh
 
 from k3_jax import partitioning
-from sharding import context, expert, kernels
+from sharding import context, expert, kernels, paged
 from sharding.rules import named_sharding
 
 
 def mesh_parallel_ops(mesh: Mesh) -> partitioning.ParallelOps:
   """The explicit-collective ops for `mesh` (fields None where the mesh lacks the axis)."""
-  return partitioning.ParallelOps(**expert.parallel_ops(mesh), **context.parallel_ops(mesh))
+  return partitioning.ParallelOps(**expert.parallel_ops(mesh), **context.parallel_ops(mesh),
+                                  **paged.parallel_ops(mesh))
 
 
 @functools.lru_cache(maxsize=64)

@@ -384,13 +384,16 @@ class _Walker:
     return out
 
   def boundary_bytes(self, comp: str, ins: Instr) -> float:
-    """HBM bytes an instruction reads and writes. Slicing reads only its slice and an
+    """HBM bytes an instruction reads and writes. Slicing reads only its slice, a gather
+    only the rows it gathers (a paged decode reads its pages, not the pool), and an
     in-place dynamic-update-slice writes only its update (a scanned layer reads its own
     weights, not the whole stack), inside a fusion as on its own."""
     table = self.comps[comp]
     size = lambda name: type_bytes(table[name].type) if name in table else 0.0
     if ins.op == "dynamic-slice":
       return 2 * type_bytes(ins.type)
+    if ins.op == "gather" and len(ins.operands) > 1:
+      return 2 * type_bytes(ins.type) + size(ins.operands[1])
     if ins.op == "dynamic-update-slice" and len(ins.operands) > 1:
       return 2 * size(ins.operands[1])
     called = _attr(ins.attrs, "calls") if ins.op == "fusion" else None
@@ -407,7 +410,7 @@ class _Walker:
     for k, o in enumerate(ins.operands):
       p = params.get(k)
       us = users.get(p, []) if p else []
-      if us and all(u.op == "dynamic-slice" and u.operands[0] == p for u in us):
+      if us and all(u.op in ("dynamic-slice", "gather") and u.operands[0] == p for u in us):
         total += sum(type_bytes(u.type) for u in us)
       elif us and all(u.op == "dynamic-update-slice" and u.operands[0] == p for u in us):
         total += sum(type_bytes(body[u.operands[1]].type) for u in us if u.operands[1] in body)

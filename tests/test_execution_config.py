@@ -83,7 +83,7 @@ def test_parallel_ops_is_a_typed_record():
   assert partitioning.SINGLE.ops == partitioning.ParallelOps()         # one device: none
   fields = {f.name for f in dataclasses.fields(partitioning.ParallelOps)}
   assert fields == {"moe_dispatch", "chunk_kda", "short_conv", "latent_attention",
-                    "absorbed_attention"}
+                    "absorbed_attention", "paged_attention"}
   with pytest.raises(TypeError):
     partitioning.ParallelOps(chunk_kdaa=lambda *a: a)                  # a misspelt op
   with pytest.raises(TypeError, match="ParallelOps"):

@@ -123,6 +123,13 @@ class MLA(nnx.Module):
     return attend(q_nope, q_rope, c_kv, k_r, self.kv_b.w[...], self.scale, self.dtype,
                   segment_ids, segment_ids)
 
+  def _absorb_query(self, q_nope, q_rope):
+    """(q_nope . W_kvb_k [B, T, H, R], q_rope [B, T, H, P]) in f32, and W_kvb_v [R, H, V]."""
+    w = self.kv_b.w[...].astype(jnp.float32)                           # [R, H, n + v]
+    w_k, w_v = w[..., :self.c.qk_nope_head_dim], w[..., self.c.qk_nope_head_dim:]
+    q_lat = jnp.einsum("bthn,rhn->bthr", q_nope.astype(jnp.float32), w_k)
+    return q_lat, q_rope.astype(jnp.float32), w_v
+
   @jax.named_scope("absorbed_attention")
   def _absorbed(self, x, q_nope, q_rope, c_kv_all, k_r_all, q_pos, par: Parallel = SINGLE):
     """Absorbed attention of the queries at positions q_pos [B, T] over latents [B, S, R] /
@@ -130,12 +137,8 @@ class MLA(nnx.Module):
     masked softmax over the cache. A prompt (prefill): blockwise, never the [H, T, S]
     logits, and on a mesh that splits the sequence each shard takes its own queries
     (sharding/context.py)."""
-    c = self.c
     b, t = q_pos.shape
-    w = self.kv_b.w[...].astype(jnp.float32)                           # [R, H, n + v]
-    w_k, w_v = w[..., :c.qk_nope_head_dim], w[..., c.qk_nope_head_dim:]
-    q_lat = jnp.einsum("bthn,rhn->bthr", q_nope.astype(jnp.float32), w_k)
-    q_rope = q_rope.astype(jnp.float32)
+    q_lat, q_rope, w_v = self._absorb_query(q_nope, q_rope)
     if t == 1:
       s = c_kv_all.shape[1]
       mask = attn_ops.causal_mask(q_pos, jnp.broadcast_to(jnp.arange(s)[None], (b, s)))
@@ -150,6 +153,25 @@ class MLA(nnx.Module):
     o = jnp.einsum("bthr,rhv->bthv", o_lat, w_v)                       # [B, T, H, V]
     return self._output(x, o), max_logit
 
+  @jax.named_scope("paged_decode_attention")
+  def _paged_decode(self, x, q_nope, q_rope, new_c, new_r, pool_c, pool_r, unit, table, pos,
+                    par: Parallel = SINGLE):
+    """One token per sequence at positions pos [B]: attention over the cached positions
+    < pos read from the pages in place (never a gathered copy of the sequence) merged with
+    the token's own latents (new_c [B, 1, R], new_r [B, 1, P]), flash-decoding style. On a
+    mesh whose page axis is split, each shard reads its own pages and the partials combine
+    across shards (par.ops.paged_attention)."""
+    q_lat, q_rope, w_v = self._absorb_query(q_nope, q_rope)
+    q_lat, q_rope = q_lat[:, 0], q_rope[:, 0]                          # [B, H, R], [B, H, P]
+    attend = par.ops.paged_attention or paged_attention
+    cached = attend(q_lat, q_rope, pool_c, pool_r, unit, table, pos, self.scale,
+                    attn_ops.pages_per_block(par.platform))
+    own = attn_ops.token_partial(q_lat, q_rope, new_c[:, 0], new_r[:, 0], self.scale)
+    part = attn_ops.merge_partials(cached, own)
+    o_lat = attn_ops.finish_partial(part)[:, None]                     # [B, 1, H, R]
+    o = jnp.einsum("bthr,rhv->bthv", o_lat, w_v)                       # [B, 1, H, V]
+    return self._output(x, o), part.m.max(axis=0)
+
   def _paged(self, x, q_nope, q_rope, c_kv, k_r, cache, pos, par: Parallel = SINGLE):
     """Tokens at per-sequence positions pos[b] + [0, T): write their latents into the pages
     the page table names, then attend over the sequence's pages (gathered in order)."""
@@ -162,10 +184,16 @@ class MLA(nnx.Module):
     q_pos = pos[:, None] + jnp.arange(t, dtype=jnp.int32)[None]        # [B, T]
     m = table.shape[1]
     new_c, new_r = c_kv.astype(self.dtype), k_r.astype(self.dtype)
+    if t == 1 and cache.unit is not None:
+      # A scanned layer: the stacked pools are read in place at this unit's index and only
+      # the new latents go back, for the scan to write after the loop (model._run_units).
+      y, max_logit = self._paged_decode(x, q_nope, q_rope, new_c, new_r, cache.c_kv,
+                                        cache.k_r, cache.unit, table, pos, par)
+      return y, PagedMLACache(c_kv=new_c, k_r=new_r, page_table=table,
+                              unit=cache.unit), max_logit
     if cache.unit is not None:
-      # A scanned layer: gather the sequence's pages straight from the stacked pools (no
-      # per-layer copy of a pool), put this call's latents at their positions in the
-      # gathered view, and hand the latents back for the scan to write after the loop.
+      # A scanned layer's prompt piece: gather the sequence's pages straight from the
+      # stacked pools, put this call's latents at their positions in the gathered view.
       rows = jnp.arange(b)[:, None]
       c_all = cache.c_kv[cache.unit, table].reshape(b, m * page_size, -1)
       r_all = cache.k_r[cache.unit, table].reshape(b, m * page_size, -1)
@@ -177,10 +205,25 @@ class MLA(nnx.Module):
     page, off = page_slots(table, q_pos, page_size)                    # [B, T] each
     pool_c = cache.c_kv.at[page, off].set(new_c)                       # [N, P, R]
     pool_r = cache.k_r.at[page, off].set(new_r)                        # [N, P, Pr]
+    new_cache = PagedMLACache(c_kv=pool_c, k_r=pool_r, page_table=table)
+    if t == 1:   # the same attention as a scanned layer's (the pool's copy of the token unread)
+      y, max_logit = self._paged_decode(x, q_nope, q_rope, new_c, new_r, pool_c, pool_r, None,
+                                        table, pos, par)
+      return y, new_cache, max_logit
     c_all = pool_c[table].reshape(b, m * page_size, -1)                # [B, S = M P, R]
     r_all = pool_r[table].reshape(b, m * page_size, -1)                # [B, S, Pr]
     y, max_logit = self._absorbed(x, q_nope, q_rope, c_all, r_all, q_pos, par)
-    return y, PagedMLACache(c_kv=pool_c, k_r=pool_r, page_table=table), max_logit
+    return y, new_cache, max_logit
+
+
+def paged_attention(q_latent, q_rope, pool_c, pool_r, unit, table, pos, scale, block=1):
+  """One device's paged decode attention: every column of the page table [B, M] (column j
+  holds positions j P ... (j + 1) P - 1) over the pool -> the softmax Partial of the
+  positions < pos [B] (k3_jax/ops/attention.py paged_decode_partial, `block` pages a step)."""
+  page_size = pool_c.shape[-2]
+  col_pos = jnp.arange(table.shape[1], dtype=jnp.int32) * page_size
+  return attn_ops.paged_decode_partial(q_latent, q_rope, pool_c, pool_r, table, col_pos, pos,
+                                       scale, unit, block)
 
 
 def page_slots(table: jax.Array, q_pos: jax.Array, page_size: int):

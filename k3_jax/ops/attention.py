@@ -8,6 +8,8 @@ anyway.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -145,3 +147,106 @@ def blockwise_absorbed_attention(q_latent: jax.Array, q_rope: jax.Array, c_kv: j
   o, max_logit = jax.lax.map(query_block, blocks)      # [nq, B, bq, H, R], [nq, H]
   o = jnp.moveaxis(o, 0, 1).reshape(b, nq * bq, h, r)[:, :t]
   return o, max_logit.max(0)
+
+
+# ----- paged decode: one query per sequence over its cached pages, flash-decoding style -----
+
+class Partial(NamedTuple):
+  """Softmax partials of one query per sequence over some of its keys, the state of an
+  online softmax. Partials over disjoint key sets combine exactly (`merge_partials`, or
+  across shards with pmax / psum)."""
+  m: jax.Array              # [B, H] running max logit, -inf where nothing was seen
+  l: jax.Array              # [B, H] sum of exp(logit - m)
+  acc: jax.Array            # [B, H, R] exp(logit - m)-weighted sum of the latents
+
+
+def rescale(m: jax.Array, m_new: jax.Array) -> jax.Array:
+  """exp(m - m_new), 0 where m = -inf (nothing seen), whatever m_new."""
+  base = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+  return jnp.exp(m - base)
+
+
+def merge_partials(a: Partial, b: Partial) -> Partial:
+  """The partial over the union of two disjoint key sets."""
+  m = jnp.maximum(a[0], b[0])
+  ca, cb = rescale(a[0], m), rescale(b[0], m)
+  return Partial(m, a[1] * ca + b[1] * cb, a[2] * ca[..., None] + b[2] * cb[..., None])
+
+
+def finish_partial(p: Partial) -> jax.Array:
+  """acc / l: the attention output [B, H, R] (0 for a query that saw nothing)."""
+  m, l, acc = p
+  return acc / jnp.where(l > 0, l, 1.0)[..., None]
+
+
+def token_partial(q_latent: jax.Array, q_rope: jax.Array, c_kv: jax.Array, k_rope: jax.Array,
+                  scale: float) -> Partial:
+  """The partial of each query over one key per sequence (its own token's latents):
+  q_latent [B, H, R], q_rope [B, H, P] f32, c_kv [B, R], k_rope [B, P]."""
+  c, k = c_kv.astype(jnp.float32), k_rope.astype(jnp.float32)
+  logit = (jnp.einsum("bhr,br->bh", q_latent, c, preferred_element_type=jnp.float32)
+           + jnp.einsum("bhp,bp->bh", q_rope, k, preferred_element_type=jnp.float32)) * scale
+  return Partial(logit, jnp.ones_like(logit), jnp.broadcast_to(c[:, None], q_latent.shape))
+
+
+# Pages read per step of the paged decode loop, by target platform: XLA:CPU runs a step's
+# small matmuls fastest one 512-token page at a time (benchmarks/serve.py, docs/results.md);
+# a TPU pays a fixed cost per loop step, so it takes more pages a step.
+PAGES_PER_BLOCK = {"cpu": 1}
+DEFAULT_PAGES_PER_BLOCK = 16
+
+
+def pages_per_block(platform: str) -> int:
+  return PAGES_PER_BLOCK.get(platform, DEFAULT_PAGES_PER_BLOCK)
+
+
+def paged_decode_partial(q_latent: jax.Array, q_rope: jax.Array, pool_c: jax.Array,
+                         pool_r: jax.Array, pages: jax.Array, col_pos: jax.Array,
+                         q_pos: jax.Array, scale: float, unit: jax.Array | None = None,
+                         block: int = 1) -> Partial:
+  """The softmax partial of one query per sequence over its cached keys, read from the page
+  pool in place: blocks of `block` pages at a time (gathered from the pool, never the whole
+  sequence), an online softmax over the blocks (FP32), and only as many blocks as the
+  longest sequence needs (a dynamic trip count, so the cost tracks the bytes read).
+
+  q_latent [B, H, R], q_rope [B, H, P] f32; pool_c [N, Pg, R], pool_r [N, Pg, P] (or, with
+  `unit`, stacked pools [U, N, Pg, X] read at that index); pages [B, M] int32 page ids;
+  col_pos [M] int32: column j holds positions col_pos[j] + [0, Pg), increasing in j;
+  q_pos [B]: key positions < q_pos[b] are visible (the query's own token is not in the
+  pool: `token_partial`). Blocks past every query are skipped and partly visible ones
+  masked, so a row's result does not depend on the other rows (batch invariance) nor on
+  M beyond what it sees."""
+  b, h, r = q_latent.shape
+  m_cols = pages.shape[1]
+  pg = pool_c.shape[-2]
+  block = max(1, min(block, m_cols))                   # never more pages a step than columns
+  nb = -(-m_cols // block)
+  pad = nb * block - m_cols
+  if pad:   # padded columns: the null page at a position no query sees
+    pages = jnp.pad(pages, ((0, 0), (0, pad)))
+    col_pos = jnp.pad(col_pos, (0, pad), constant_values=jnp.iinfo(jnp.int32).max // 2)
+  n_vis = jnp.sum(col_pos < jnp.max(q_pos))            # columns any query can see
+  trips = (n_vis + block - 1) // block
+  lead = () if unit is None else (unit,)
+
+  def step(i, carry):
+    ids = jax.lax.dynamic_slice_in_dim(pages, i * block, block, axis=1)     # [B, block]
+    first = jax.lax.dynamic_slice_in_dim(col_pos, i * block, block)          # [block]
+    c = pool_c[lead + (ids,)].reshape(b, block * pg, r).astype(jnp.float32)
+    k = pool_r[lead + (ids,)].reshape(b, block * pg, -1).astype(jnp.float32)
+    logits = (jnp.einsum("bhr,bsr->bhs", q_latent, c, preferred_element_type=jnp.float32)
+              + jnp.einsum("bhp,bsp->bhs", q_rope, k,
+                           preferred_element_type=jnp.float32)) * scale
+    kv_pos = (first[:, None] + jnp.arange(pg, dtype=first.dtype)[None]).reshape(-1)
+    logits = jnp.where((kv_pos[None] < q_pos[:, None])[:, None], logits, -jnp.inf)
+    m, l, acc = carry
+    m_new = jnp.maximum(m, logits.max(-1))
+    p = jnp.exp(logits - jnp.where(jnp.isfinite(m_new), m_new, 0.0)[..., None])
+    corr = rescale(m, m_new)
+    return (m_new, l * corr + p.sum(-1),
+            acc * corr[..., None] + jnp.einsum("bhs,bsr->bhr", p, c,
+                                               preferred_element_type=jnp.float32))
+
+  init = (jnp.full((b, h), -jnp.inf, jnp.float32), jnp.zeros((b, h), jnp.float32),
+          jnp.zeros((b, h, r), jnp.float32))
+  return Partial(*jax.lax.fori_loop(0, trips, step, init))

@@ -164,11 +164,10 @@ class Engine:
     # at most one checkpoint per cached block (PAGE // unit blocks per page)
     num_ckpt = min(prefix_cache_bytes // max(self.ckpt_bytes, 1),
                    max(cache_pages, 0) * (PAGE // self.unit))
-    self.num_pages = 1 + max_batch * self.pages_per_slot + cache_pages
-    if mesh is not None:      # the page axis splits evenly over the mesh
-      self.num_pages = -(-self.num_pages // mesh.size) * mesh.size
+    shards = kv.page_shards(mesh)
+    self.num_pages = kv.pool_pages(max_batch, self.pages_per_slot, cache_pages, shards)
     self.cache = self._zero_cache(model, max_batch)
-    self.pool = PagePool(self.num_pages)
+    self.pool = PagePool(self.num_pages, shards)
     self.prefix = None
     if prefix_cache_bytes > 0 and num_ckpt > 0:
       self.prefix = PrefixCache(self.pool, num_ckpt, prefix_cache_bytes, self.page_bytes,
@@ -424,13 +423,14 @@ class Engine:
           hit_tokens, hit_pages, copy_src, ckpt = hit.tokens, hit.pages, hit.copy_src, hit.ckpt
         pinned = hit_pages + ([copy_src] if copy_src is not None else [])
         fresh_needed = need - len(hit_pages)
-        if self.pool.free < fresh_needed and not (
-            self.prefix is not None and self.prefix.free_pages(fresh_needed)):
+        first = len(hit_pages)                        # the fresh pages' first column
+        if not self.pool.fits(fresh_needed, first) and not (
+            self.prefix is not None and self.prefix.free_pages(fresh_needed, first)):
           self.pool.decref(pinned)                    # roll the pins back; wait for memory
           if self.prefix is not None:
             self.prefix.unpin_ckpt(ckpt)
           return
-        fresh = self.pool.alloc(fresh_needed)
+        fresh = self.pool.alloc(fresh_needed, first)
         self.waiting.popleft()
         slot = self.free_slots.pop()
       self._seat(slot, hit_pages + fresh)
@@ -568,12 +568,12 @@ class Engine:
         continue
       need = math.ceil((n + f.params.max_tokens) / PAGE) - full
       with self.lock, _shared("the page pool bookkeeping"):
-        if not self.free_slots or (self.pool.free < need and not (
-            self.prefix is not None and self.prefix.free_pages(need))):
+        if not self.free_slots or (not self.pool.fits(need, full) and not (
+            self.prefix is not None and self.prefix.free_pages(need, full))):
           f.fork_of = None
           self.waiting.appendleft(f)
           continue
-        fresh = self.pool.alloc(need)
+        fresh = self.pool.alloc(need, full)            # columns full, full + 1, ...
         self.pool.incref(lead.pages[:full])
         slot = self.free_slots.pop()
         f.slot, f.pages = slot, lead.pages[:full] + fresh

@@ -13,38 +13,64 @@ cache and the requests that hit it is freed when the last holder lets go).
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from k3_jax.cache import KDAState, ModelCache, PagedMLACache, replace
 from k3_jax.stack import map_cache
-from sharding import aot
+from sharding import aot, paged
 
 PAGE = 512          # tokens per MLA page = one prefix-cache hash block (docs/architecture.md section 9)
 NULL_PAGE = 0
 
 
 class PagePool:
-  """Reference-counted page ids 1..num_pages-1 (0 is the null page)."""
+  """Reference-counted page ids 1..num_pages-1 (0 is the null page), striped over `shards`.
 
-  def __init__(self, num_pages: int):
+  On a mesh the page pools split on their page axis into `shards` equal blocks of ids
+  (shard s holds ids s N / shards ... (s + 1) N / shards - 1; paged_cache_shardings), and
+  page-table column j of every sequence takes its page from shard j % shards, so a
+  shard's own columns are the pages it holds and the decode attention reads them where
+  they lie (sharding/paged.py). A page keeps its column for life: a prefix-cache page is
+  shared at the column of its block, a copied page is copied into a page of the same
+  column. One shard: the single-device pool (ids handed out lowest first)."""
+
+  def __init__(self, num_pages: int, shards: int = 1):
     if num_pages < 2:
       raise ValueError(f"a page pool needs at least 2 pages (one is the null page), got {num_pages}")
-    self.num_pages = num_pages
+    if shards < 1 or num_pages % shards:
+      raise ValueError(f"num_pages={num_pages} does not split over {shards} page shards")
+    self.num_pages, self.shards = num_pages, shards
+    self.per_shard = num_pages // shards
     self.refs = np.zeros(num_pages, np.int32)
     self.refs[NULL_PAGE] = 1 << 30                  # never freed, never handed out
-    self._free = list(range(num_pages - 1, 0, -1))
+    self._free = [[p for p in range((s + 1) * self.per_shard - 1, s * self.per_shard - 1, -1)
+                   if p != NULL_PAGE] for s in range(shards)]
 
   @property
   def free(self) -> int:
-    return len(self._free)
+    return sum(len(f) for f in self._free)
 
-  def alloc(self, n: int) -> list[int] | None:
-    """n fresh pages (refcount 1 each), or None (nothing taken) when fewer are free."""
-    if n > len(self._free):
+  def shard_of(self, page: int) -> int:
+    return page // self.per_shard
+
+  def _need(self, n: int, start: int) -> np.ndarray:
+    """Pages per shard that columns start .. start + n - 1 take."""
+    return np.bincount(np.arange(start, start + n) % self.shards, minlength=self.shards)
+
+  def fits(self, n: int, start: int = 0) -> bool:
+    """Could `alloc(n, start)` succeed now?"""
+    return all(len(f) >= k for f, k in zip(self._free, self._need(n, start)))
+
+  def alloc(self, n: int, start: int = 0) -> list[int] | None:
+    """n fresh pages (refcount 1 each) for page-table columns start .. start + n - 1 (column
+    j's from shard j % shards), or None (nothing taken) when a shard has too few free."""
+    if not self.fits(n, start):
       return None
-    out = [self._free.pop() for _ in range(n)]
+    out = [self._free[j % self.shards].pop() for j in range(start, start + n)]
     self.refs[out] = 1
     return out
 
@@ -58,7 +84,21 @@ class PagePool:
       assert self.refs[p] > 0, f"page {p} released twice"
       self.refs[p] -= 1
       if self.refs[p] == 0:
-        self._free.append(p)
+        self._free[self.shard_of(p)].append(p)
+
+
+def page_shards(mesh) -> int:
+  """Into how many blocks the page axis splits on `mesh` (1 without one)."""
+  return 1 if mesh is None else math.prod(mesh.shape[a] for a in paged.page_axes(mesh))
+
+
+def pool_pages(max_batch: int, pages_per_slot: int, extra: int = 0, shards: int = 1) -> int:
+  """Pages in a pool for `max_batch` slots of `pages_per_slot` columns plus `extra` (the
+  prefix cache's), striped over `shards` (PagePool): each shard holds its columns' pages of
+  every slot, its share of the extra ones and one more (the null page on shard 0; the
+  others keep the split even). One shard: 1 + max_batch * pages_per_slot + extra."""
+  per = max_batch * -(-pages_per_slot // shards) + -(-extra // shards) + 1
+  return per * shards
 
 
 # ----- the cache pytree ---------------------------------------------------------------
@@ -136,7 +176,7 @@ def paged_cache_shardings(cache: ModelCache, mesh) -> ModelCache:
   pool [(R,) N, P, X] split on its page axis over every mesh axis (N a multiple of the
   mesh size); the per-slot positions on the batch."""
   from jax.sharding import NamedSharding, PartitionSpec
-  axes = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1) or None
+  axes = paged.page_axes(mesh) or None
 
   def one(e, axis):
     if not isinstance(e, PagedMLACache):
@@ -153,6 +193,7 @@ def tree_bytes(tree, rows: int = 1, batch: int | None = None) -> int:
   return total if batch is None else total * rows // batch
 
 
-__all__ = ["PAGE", "NULL_PAGE", "PagePool", "with_pages", "without_pages", "kda_states",
-           "with_kda_states", "take_rows", "put_rows", "num_rows", "select_rows", "zeros_rows",
+__all__ = ["PAGE", "NULL_PAGE", "PagePool", "page_shards", "pool_pages", "with_pages",
+           "without_pages", "kda_states", "with_kda_states", "take_rows", "put_rows", "num_rows",
+           "select_rows", "zeros_rows",
            "paged_cache_shardings"]

@@ -216,9 +216,10 @@ class PrefixCache:
         return False
     return True
 
-  def free_pages(self, n: int) -> bool:
-    """Evicts until the pool has n free pages (for an allocation); False if it cannot."""
-    while self.pool.free < n:
+  def free_pages(self, n: int, start: int = 0) -> bool:
+    """Evicts until the pool can allocate n pages for columns start .. start + n - 1
+    (PagePool.fits); False if it cannot."""
+    while not self.pool.fits(n, start):
       if not self._evict_one():
         return False
     return True

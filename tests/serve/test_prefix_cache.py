@@ -47,3 +47,31 @@ def test_finer_unit_blocks_share_their_page():
   while cache._evict_one():
     pass
   assert not cache.entries and pool.free == 7 and cache.used == 0
+
+
+def test_striped_pool_gives_each_column_a_page_of_its_shard():
+  # 4 shards of 4 ids (shard s: 4s .. 4s + 3; the null page 0 on shard 0): column j's page
+  # comes from shard j % 4, freed pages go back to their shard, and an allocation that one
+  # shard cannot serve takes nothing even when the pool as a whole has pages left.
+  pool = PagePool(16, shards=4)
+  assert pool.free == 15 and [pool.shard_of(p) for p in (0, 3, 4, 15)] == [0, 0, 1, 3]
+  a = pool.alloc(6)                                   # columns 0-5
+  assert [pool.shard_of(p) for p in a] == [0, 1, 2, 3, 0, 1]
+  assert len(set(a)) == 6 and 0 not in a
+  b = pool.alloc(3, start=2)                          # a fork's columns 2-4
+  assert [pool.shard_of(p) for p in b] == [2, 3, 0]
+  assert not pool.fits(1, start=0) and pool.alloc(1) is None    # shard 0 is empty
+  assert pool.free == 6 and pool.fits(2, start=1)
+  pool.decref(a[:1])
+  assert pool.fits(1) and pool.alloc(1) == a[:1]      # back on shard 0, at column 0 again
+  one = PagePool(8)                                   # one shard: ids from the lowest
+  assert one.alloc(3) == [1, 2, 3] and one.alloc(2, start=5) == [4, 5]
+
+
+def test_pool_pages_leave_every_shard_its_columns():
+  from k3_jax.serve.kv_pages import pool_pages
+  assert pool_pages(2, 4, 3) == 1 + 2 * 4 + 3         # one shard: as before striping
+  n = pool_pages(2, 4, 3, shards=8)                   # 4 columns over 8 shards
+  pool = PagePool(n, shards=8)
+  assert pool.alloc(4) and pool.alloc(4) and pool.alloc(3, start=4)   # 2 slots + extra
+  assert pool_pages(8, 2048, 0, 64) == 16448          # the k3 v5p-128 decode compile

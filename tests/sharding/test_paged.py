@@ -1,0 +1,43 @@
+"""The paged decode attention on 8 CPU devices (sharding/paged.py): pools split on their
+page axis, the pages of each sequence striped over the shards by the PagePool, each shard
+over its own columns, the softmax partials combined over the mesh; equal to one device's
+(k3_jax/layers/mla.paged_attention) to float32 rounding, for flat and stacked (scanned)
+pools, on a one-axis and a two-axis mesh."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from k3_jax.layers.mla import paged_attention
+from k3_jax.serve.kv_pages import PagePool
+from sharding import paged
+from sharding.mesh import make_mesh, parse_mesh
+
+
+@pytest.mark.parametrize("spec,stacked", [("data:8", False), ("expert:4,fsdp:2", True)])
+def test_sharded_paged_attention_matches_one_device(spec, stacked):
+  mesh = make_mesh(parse_mesh(spec))
+  b, h, r, pr, page, m, n = 3, 2, 8, 4, 4, 11, 64
+  pool = PagePool(n, shards=8)
+  pool.alloc(9)
+  table = np.zeros((b, m), np.int32)
+  pos = np.array([0, 17, 43], np.int32)                  # nothing cached / 5 pages / all 11
+  for i, p in enumerate(pos):
+    cols = p // page + 1
+    table[i, :cols] = pool.alloc(cols)
+  k = jax.random.split(jax.random.key(0), 4)
+  units = (2,) if stacked else ()
+  pool_c = jax.random.normal(k[0], units + (n, page, r))
+  pool_r = jax.random.normal(k[1], units + (n, page, pr))
+  q_lat, q_rope = jax.random.normal(k[2], (b, h, r)), jax.random.normal(k[3], (b, h, pr))
+  unit = jnp.int32(1) if stacked else None
+  want = paged_attention(q_lat, q_rope, pool_c, pool_r, unit, table, pos, 0.3)
+  split = NamedSharding(mesh, P(*((None,) * len(units)), paged.page_axes(mesh), None, None))
+  pool_c, pool_r = jax.device_put(pool_c, split), jax.device_put(pool_r, split)
+  got = jax.jit(lambda *a: paged.paged_attention(mesh, *a, 0.3, 2))(
+      q_lat, q_rope, pool_c, pool_r, unit, table, pos)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, rtol=0, atol=1e-5)
+  assert np.isneginf(got.m[0]).all() and (got.l[0] == 0).all()   # row 0 sees nothing
