@@ -21,7 +21,8 @@
    <= 1.1 where that bound allows it; at or near the bound otherwise.
 3. Throughput: the same 8 requests (128-token prompts, 32 new tokens each, greedy) through
    an engine with 1 slot, one with 8 slots, and one with 8 slots whose prefill batches the
-   prompts' same-size pieces into one call (batch_invariant=False). Target: >= 6x tokens/s.
+   prompts' same-size pieces into one call (batch_invariant=False); and 1 slot without host
+   overlap (overlap=False), for what dispatching one step ahead gains. Target: >= 6x tokens/s.
 
 4. vs transformers: greedy tokens/s of the engine and of transformers' generate on the same
    converted 15M-parameter Kimi-Linear, batch 1 and 8 (bench_vs_transformers), and the
@@ -130,10 +131,11 @@ def bench_throughput(config, new_tokens):
   rng = np.random.default_rng(1)
   prompts = [rng.integers(1, cfg.vocab_size, 128).astype(np.int32) for _ in range(8)]
   res, outs = {}, {}
-  for name, slots, invariant in (("1_slots", 1, True), ("8_slots", 8, True),
-                                 ("8_slots_batched_prefill", 8, False)):
+  for name, slots, invariant, overlap in (
+      ("1_slots_no_overlap", 1, True, False), ("1_slots", 1, True, True),
+      ("8_slots", 8, True, True), ("8_slots_batched_prefill", 8, False, True)):
     eng = Engine(cfg, g, p, r, SINGLE_STREAM, max_batch=slots, max_len=512,
-                 batch_invariant=invariant)
+                 batch_invariant=invariant, overlap=overlap)
     warm = [eng.submit(q, SamplingParams(max_tokens=4)) for q in prompts[:slots]]
     eng.run_until_done(warm)                                  # compiles
     t0 = time.perf_counter()
@@ -145,6 +147,7 @@ def bench_throughput(config, new_tokens):
   base = res["tokens_per_s_1_slots"]
   res["ratio"] = res["tokens_per_s_8_slots"] / base
   res["ratio_batched_prefill"] = res["tokens_per_s_8_slots_batched_prefill"] / base
+  res["overlap_gain_1_slot"] = base / res["tokens_per_s_1_slots_no_overlap"]
   res["same_tokens"] = all(o == outs["1_slots"] for o in outs.values())
   return res
 
@@ -254,8 +257,9 @@ def main():
     print(f"throughput 8 requests: 1 slot {t['tokens_per_s_1_slots']:.1f} tok/s, 8 slots "
           f"{t['tokens_per_s_8_slots']:.1f} tok/s (ratio {t['ratio']:.2f}), 8 slots with batched "
           f"prefill {t['tokens_per_s_8_slots_batched_prefill']:.1f} tok/s (ratio "
-          f"{t['ratio_batched_prefill']:.2f}; target >= 6), same tokens: {t['same_tokens']}",
-          flush=True)
+          f"{t['ratio_batched_prefill']:.2f}; target >= 6), same tokens: {t['same_tokens']}; "
+          f"1 slot without host overlap {t['tokens_per_s_1_slots_no_overlap']:.1f} tok/s "
+          f"(overlap gains {t['overlap_gain_1_slot']:.2f}x)", flush=True)
   if "vs_transformers" in only:
     out["vs_transformers"] = t = bench_vs_transformers(a.quick)
     for b in (1, 8):
