@@ -383,6 +383,28 @@ class _Walker:
         out.hbm_bytes += self.boundary_bytes(comp, ins)
     return out
 
+  def _sliced_reads(self, body: dict, name: str, users: dict, depth: int = 0) -> float | None:
+    """Bytes a fusion reads of its value `name` when every use of it ends in a slice or a
+    gather (operand 0), possibly through element-wise relayouts on the way (bitcast, copy,
+    convert, a nested loop fusion of it alone): a loop fusion computes only its output's
+    elements, so a scanned layer's slice of relaid stacked weights reads that slice, not
+    the stack. None when some use reads it whole."""
+    us = users.get(name, [])
+    if not us or depth > 8:
+      return None
+    total = 0.0
+    for u in us:
+      if u.op in ("dynamic-slice", "gather") and u.operands[0] == name:
+        total += type_bytes(u.type)
+        continue
+      through = u.op in ("bitcast", "copy", "convert") or (
+          u.op == "fusion" and len(u.operands) == 1 and "kind=kLoop" in u.attrs)
+      got = self._sliced_reads(body, u.name, users, depth + 1) if through else None
+      if got is None:
+        return None
+      total += got
+    return total
+
   def boundary_bytes(self, comp: str, ins: Instr) -> float:
     """HBM bytes an instruction reads and writes. Slicing reads only its slice, a gather
     only the rows it gathers (a paged decode reads its pages, not the pool), and an
@@ -410,8 +432,9 @@ class _Walker:
     for k, o in enumerate(ins.operands):
       p = params.get(k)
       us = users.get(p, []) if p else []
-      if us and all(u.op in ("dynamic-slice", "gather") and u.operands[0] == p for u in us):
-        total += sum(type_bytes(u.type) for u in us)
+      sliced = self._sliced_reads(body, p, users) if p else None
+      if sliced is not None:
+        total += sliced
       elif us and all(u.op == "dynamic-update-slice" and u.operands[0] == p for u in us):
         total += sum(type_bytes(body[u.operands[1]].type) for u in us if u.operands[1] in body)
       else:

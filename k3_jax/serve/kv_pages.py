@@ -145,11 +145,12 @@ def put_rows(states: ModelCache, rows: jax.Array, values: ModelCache) -> ModelCa
 
 
 def num_rows(states: ModelCache) -> int:
-  """The batch size of a kda_states tree (its sequence slots)."""
+  """The batch size of a kda_states tree (its sequence slots; 0 for a model without KDA
+  layers, whose tree holds nothing to index)."""
   sizes = []
   map_cache(lambda e, axis: sizes.extend(a.shape[axis] for a in jax.tree.leaves(e)) or e,
             states)
-  return sizes[0]
+  return sizes[0] if sizes else 0
 
 
 def select_rows(mask: jax.Array, new: ModelCache, old: ModelCache) -> ModelCache:

@@ -57,6 +57,7 @@ def paged_logits(cfg, model, prompt, num_pages, table, mesh=None):
   return np.stack(out)
 
 
+@pytest.mark.slow   # ~20 s of compiles (suite budget); the op at 2e-6: tests/ops/test_attention.py
 def test_paged_decode_matches_contiguous_model():
   cfg = tiny_serving_config()
   model = create_model(cfg, seed=3)

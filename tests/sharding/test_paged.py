@@ -2,7 +2,7 @@
 page axis, the pages of each sequence striped over the shards by the PagePool, each shard
 over its own columns, the softmax partials combined over the mesh; equal to one device's
 (k3_jax/layers/mla.paged_attention) to float32 rounding, for flat and stacked (scanned)
-pools, on a one-axis and a two-axis mesh."""
+pools, on a one-axis (slow) and a two-axis mesh."""
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +16,9 @@ from sharding import paged
 from sharding.mesh import make_mesh, parse_mesh
 
 
-@pytest.mark.parametrize("spec,stacked", [("data:8", False), ("expert:4,fsdp:2", True)])
+@pytest.mark.parametrize("spec,stacked", [
+    pytest.param("data:8", False, marks=pytest.mark.slow),   # suite budget: one default case
+    ("expert:4,fsdp:2", True)])
 def test_sharded_paged_attention_matches_one_device(spec, stacked):
   mesh = make_mesh(parse_mesh(spec))
   b, h, r, pr, page, m, n = 3, 2, 8, 4, 4, 11, 64

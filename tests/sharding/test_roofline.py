@@ -101,3 +101,33 @@ def test_batched_matmuls_written_as_convolutions_count_real_taps_only(one_slice)
     dims = dict(zip(eq.split("->")[0].replace(",", ""), xs + ws))
     assert rl.program_costs(text).flops == 2 * np.prod(list(dims.values()), dtype=np.int64)
   assert rl._conv_flops((8, 4), (4, 5), (8, 5), "dim_labels=bf_io->bf") == 2 * 8 * 4 * 5
+
+
+def test_a_slice_of_relaid_stacked_weights_reads_the_slice():
+  """A loop fusion that relays out a stacked operand (a nested copy fusion) and slices one
+  layer of it reads that layer: a scanned unit's per-layer weights, not the whole stack."""
+  from sharding.roofline import program_costs
+  hlo = """HloModule m, entry_computation_layout={(u8[22,4,8]{2,1,0}, s32[])->u8[4,8]{1,0}}
+
+%copy_fusion (p: u8[22,4,8]) -> u8[22,4,8] {
+  %p = u8[22,4,8]{2,1,0} parameter(0)
+  ROOT %c = u8[22,4,8]{1,2,0} copy(%p)
+}
+
+%fused (param_0: u8[22,4,8], param_1: s32[]) -> u8[4,8] {
+  %param_0 = u8[22,4,8]{2,1,0} parameter(0)
+  %relaid = u8[22,4,8]{1,2,0} fusion(%param_0), kind=kLoop, calls=%copy_fusion
+  %param_1 = s32[] parameter(1)
+  %zero = s32[] constant(0)
+  %ds = u8[1,4,8]{2,1,0} dynamic-slice(%relaid, %param_1, %zero, %zero), dynamic_slice_sizes={1,4,8}
+  ROOT %b = u8[4,8]{1,0} bitcast(%ds)
+}
+
+ENTRY %main (w: u8[22,4,8], i: s32[]) -> u8[4,8] {
+  %w = u8[22,4,8]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  ROOT %f = u8[4,8]{1,0} fusion(%w, %i), kind=kLoop, calls=%fused
+}
+"""
+  # reads the 32-byte slice and the 4-byte index, writes 32 bytes (not 704 + 4 + 32)
+  assert program_costs(hlo).hbm_bytes == 32 + 4 + 32
