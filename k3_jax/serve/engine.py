@@ -350,6 +350,18 @@ class Engine:
       except Exception:
         log.exception("the update callback of failed request %s raised", r.id)
 
+  def _own(self, r: Request, fn, *args) -> bool:
+    """fn(*args) as request r's own work: an exception fails r alone (EngineFatal, a fault
+    of the shared state, passes). -> whether it ran through."""
+    try:
+      fn(*args)
+      return True
+    except EngineFatal:
+      raise
+    except Exception as e:
+      self._fail(r, e)
+      return False
+
   def _fail(self, r: Request, e: BaseException | str, error_type: str = "request_error"
             ) -> None:
     """Fails one request alone: records why, frees its slot, pages and pins, wakes it."""
@@ -507,12 +519,7 @@ class Engine:
     A fault of one request's host work fails it alone."""
     live = []
     for r in reqs:
-      try:
-        live.append((r, self._piece_features(r, size)))
-      except EngineFatal:
-        raise
-      except Exception as e:
-        self._fail(r, e)
+      self._own(r, lambda: live.append((r, self._piece_features(r, size))))
     if not live:
       return
     rows = 1 << (len(live) - 1).bit_length()
@@ -531,14 +538,8 @@ class Engine:
       if self.prefix is not None:
         with self.lock, _shared("the prefix cache bookkeeping"):
           self._register(r)
-      if r.pos < r.prompt.size:
-        continue
-      try:
-        self._prompt_done(r, logits, row)
-      except EngineFatal:
-        raise
-      except Exception as e:
-        self._fail(r, e)
+      if r.pos == r.prompt.size:
+        self._own(r, self._prompt_done, r, logits, row)
 
   def _prompt_done(self, r: Request, logits, row: int) -> None:
     """r's prompt is in the cache: its first token, from row `row` of the prefill's last
@@ -700,14 +701,8 @@ class Engine:
              and len(r.output_ids) + 2 <= r.params.max_tokens}
     now = [r for r in dec if id(r) not in unread or id(r) in ahead]
     biases = {}
-    for r in list(now):          # a request's own fault (e.g. its constraint) fails it alone
-      try:
-        biases.update(self._biases([r]))
-      except EngineFatal:
-        raise
-      except Exception as e:
-        self._fail(r, e)
-        now.remove(r)
+    now = [r for r in now        # a request's own fault (e.g. its constraint) fails it alone
+           if self._own(r, lambda: biases.update(self._biases([r])))]
     got = None
     if now:
       got = self._dispatch_decode(now, biases, ahead)
@@ -756,12 +751,7 @@ class Engine:
     host = _HostSampled(got, [r for r, _ in live], self.fetch)
     for r, slot in live:
       r.pos += 1
-      try:
-        self._take(r, host, slot)
-      except EngineFatal:
-        raise
-      except Exception as e:
-        self._fail(r, e)
+      self._own(r, self._take, r, host, slot)
 
   def _take(self, r: Request, got, row: int) -> None:
     """Records what the step sampled for `r` at `row` (logits, logprobs), then emits it."""
