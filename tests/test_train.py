@@ -56,6 +56,8 @@ def test_loss_falls_on_a_repeated_batch():
   assert losses[-1] < losses[0] - 0.3, losses
 
 
+@pytest.mark.slow   # 38 s of 8-device compiles (suite budget); the sharded optimizer step
+# alone stays in the default suite (tests/optim/test_muon.py)
 def test_sharded_equals_single_device():
   batches = _batches(2, seed=1)
   s1, l1 = _run(_steps("single"), batches)

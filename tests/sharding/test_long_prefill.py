@@ -9,6 +9,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 import configs
@@ -19,6 +20,7 @@ from sharding.mesh import make_mesh, parse_mesh
 T = 64
 
 
+@pytest.mark.slow   # 13 s (suite budget); the sequence split itself: test_context_parallel
 def test_batch_of_one_prefill_on_a_mesh_equals_one_device():
   # k3_tiny cut to 6 layers keeping every kind the path shards (dense and MoE FFNs, KDA and
   # MLA mixers, a scan of 2 x [KDA, MLA] units and unscanned layers around it): 4 layer
