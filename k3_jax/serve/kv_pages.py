@@ -135,22 +135,13 @@ def take_rows(states: ModelCache, rows: jax.Array) -> ModelCache:
 
 def put_rows(states: ModelCache, rows: jax.Array, values: ModelCache) -> ModelCache:
   """states with batch rows `rows` [n] replaced by `values` (same layout, n rows); a row
-  index past the batch (num_rows) writes nothing."""
+  index past the batch writes nothing."""
   def put(a, v, axis):
     if axis == 0:
       return a.at[rows].set(v.astype(a.dtype), mode="drop")
     return a.at[:, rows].set(v.astype(a.dtype), mode="drop")
   return map_cache(lambda e, ve, axis: jax.tree.map(lambda a, v: put(a, v, axis), e, ve),
                    states, values)
-
-
-def num_rows(states: ModelCache) -> int:
-  """The batch size of a kda_states tree (its sequence slots; 0 for a model without KDA
-  layers, whose tree holds nothing to index)."""
-  sizes = []
-  map_cache(lambda e, axis: sizes.extend(a.shape[axis] for a in jax.tree.leaves(e)) or e,
-            states)
-  return sizes[0] if sizes else 0
 
 
 def select_rows(mask: jax.Array, new: ModelCache, old: ModelCache) -> ModelCache:
@@ -195,6 +186,6 @@ def tree_bytes(tree, rows: int = 1, batch: int | None = None) -> int:
 
 
 __all__ = ["PAGE", "NULL_PAGE", "PagePool", "page_shards", "pool_pages", "with_pages",
-           "without_pages", "kda_states", "with_kda_states", "take_rows", "put_rows", "num_rows",
+           "without_pages", "kda_states", "with_kda_states", "take_rows", "put_rows",
            "select_rows", "zeros_rows",
            "paged_cache_shardings"]

@@ -114,7 +114,7 @@ def prefill_step(graphdef, par, params, rest, cache: ModelCache, slots, tokens, 
   logits, new, _ = model(tokens, cache=sub, image_features=image_features, last_only=True,
                          par=par)
   new = kv.without_pages(new)
-  keep = jnp.where(valid, slots, kv.num_rows(states))           # out of range: dropped
+  keep = jnp.where(valid, slots, jnp.iinfo(jnp.int32).max)      # out of range: dropped
   out = kv.with_kda_states(new, kv.put_rows(states, keep, kv.kda_states(new)))
   return logits[:, -1], out.replace(pos=cache.pos)
 
@@ -241,5 +241,5 @@ def jit_steps(graphdef, par, jit=jax.jit) -> Steps:
 
 
 __all__ = ["TOP_K", "Sampling", "DecodeBatch", "Sampled", "sample_logits", "prefill_step",
-           "decode_step", "row_major_features", "first_token", "load_slot", "copy_slot", "zero_slot", "save_ckpt",
-           "encode", "copy_page", "piece_features", "Steps", "jit_steps"]
+           "decode_step", "row_major_features", "first_token", "load_slot", "copy_slot",
+           "zero_slot", "save_ckpt", "encode", "copy_page", "piece_features", "Steps", "jit_steps"]
