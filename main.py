@@ -505,6 +505,9 @@ def cmd_compile() -> None:
   if rep["step"] == "init":
     from k3_jax.compile import init_lines
     print(init_lines(rep))
+  elif rep["step"] == "decode":
+    from k3_jax.compile import decode_lines
+    print(decode_lines(rep))
 
 
 def _compile_header(name: str, target, rep: dict, from_layout: bool) -> str:

@@ -417,6 +417,38 @@ def _bwd_kernel(*refs, scale, has_seg):
 # pallas_call builders (kernel layout: [B, H, Tp, X]).
 # --------------------------------------------------------------------------
 
+
+def chunk_matmul_flops(C: int, K: int, V: int, backward: bool = False,
+                       emit_out: bool = True) -> int:
+  """Matmul FLOPs of one grid step (one chunk of one (batch, head)) of the forward or
+  backward kernel, counted from the dots the kernel body runs (_Chunk, _Factors,
+  _unit_lower_inverse and the kernels' own; without o the forward's Aqk is unused and
+  traced away); tests/pallas check it against the dots of the traced kernel. Elementwise
+  work (a few [C, K] and [C, C] passes) is left out."""
+  t1, t2 = _tiles(C)
+  n1, n2 = C // t1, t1 // t2
+  groups = (n1 - 1) + n2                        # _Factors groups: one [C, K] x [K, C] dot each
+  cube = 2 * C ** 3                             # one [C, C] x [C, C] dot
+  inverse = (t1 - 1) * cube + ((n1 + 1) * cube if n1 > 1 else 0)
+  scores = groups * 2 * C * C * K
+  chunk = scores + inverse + 2 * C * C * (K + V)                 # Akk, A, W, U
+  ckv, ccv, cck = 2 * C * K * V, 2 * C * C * V, 2 * C * C * K
+  if not backward:                   # W S, Kout^T Vn; with o: Aqk, Qin S, Aqk Vn (else unused)
+    return chunk + 2 * ckv + (scores + ckv + ccv if emit_out else 0)
+  # W S; dVn (2); dS (2); dQin; dKout; dAqk; dW; dA (2); dBk; dBv; dL (2 cubes); scores_bwd x 2
+  return (chunk + scores + ckv + (ccv + ckv) + 2 * ckv + 2 * ckv + ccv + ckv + (cck + ccv) + cck + ccv
+          + 2 * cube + 2 * groups * 2 * cck)
+
+
+def _cost(flops_per_step: int, steps: int, args, out_shape) -> pl.CostEstimate:
+  """A pallas_call's cost: FLOPs per grid step times the steps; bytes = every operand read
+  and every output written once (each block is fetched once: the chunk blocks move with the
+  grid, the per-(batch, head) state blocks stay put over the chunk axis)."""
+  nbytes = lambda a: math.prod(a.shape) * jnp.dtype(a.dtype).itemsize
+  return pl.CostEstimate(flops=int(flops_per_step) * steps, transcendentals=0,
+                         bytes_accessed=sum(nbytes(a) for a in (*args, *out_shape)
+                                            if a is not None))
+
 _PARAMS = pltpu.CompilerParams(
     dimension_semantics=("parallel", "parallel", "arbitrary"))
 
@@ -462,6 +494,8 @@ def _fwd_call(q, k, v, G, beta, s0, segc, segr, *, C, scale, emit_out,
       in_specs=in_specs, out_specs=tuple(out_specs),
       scratch_shapes=[pltpu.VMEM((K, V), _F32)],
       compiler_params=_PARAMS, interpret=interpret,
+      cost_estimate=_cost(chunk_matmul_flops(C, K, V, emit_out=emit_out), B * H * N, args,
+                          out_shape),
       name="kda_chunk_fwd")(*args)
   outs = list(outs)
   o = outs.pop(0) if emit_out else None
@@ -500,6 +534,8 @@ def _bwd_call(q, k, v, G, beta, states, do, dsf, segc, segr, *, C, scale,
       in_specs=in_specs, out_specs=tuple(out_specs),
       scratch_shapes=[pltpu.VMEM((K, V), _F32)],
       compiler_params=_PARAMS, interpret=interpret,
+      cost_estimate=_cost(chunk_matmul_flops(C, K, V, backward=True), B * H * N, args,
+                          out_shape),
       name="kda_chunk_bwd")(*args)
 
 

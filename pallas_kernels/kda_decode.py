@@ -82,6 +82,19 @@ def _decode_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, s_out_ref
     o_ref[0, pl.ds(h, 1), :] = jnp.sum(q_col * s, axis=0, keepdims=True).astype(o_ref.dtype)
 
 
+def decode_cost(q, k, v, g, beta, state) -> pl.CostEstimate:
+  """The kernel's analytic cost. Per head, vector work on the [K, V] state (no matmul):
+  decay, k^T S (multiply, sum), the rank-1 update (multiply, add) and q^T S (multiply,
+  sum), 7 K V; and three row-to-column moves of 2 K^2 each. Bytes: the FP32 state read
+  and written once, q, k, v, g, beta read and o written."""
+  b, h, k_dim, v_dim = state.shape
+  nbytes = lambda a: a.size * jnp.dtype(a.dtype).itemsize
+  return pl.CostEstimate(
+      flops=b * h * (7 * k_dim * v_dim + 6 * k_dim * k_dim), transcendentals=b * h * k_dim,
+      bytes_accessed=(2 * b * h * k_dim * v_dim * 4 + sum(map(nbytes, (q, k, v, g, beta)))
+                      + nbytes(v)))
+
+
 def kda_decode_step(q, k, v, g, beta, state, scale=None, interpret=False):
   """One decode step as a Pallas kernel; see the module docstring for shapes.
 
@@ -104,9 +117,10 @@ def kda_decode_step(q, k, v, g, beta, state, scale=None, interpret=False):
       input_output_aliases={5: 1},
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
       interpret=interpret,
+      cost_estimate=decode_cost(q, k, v, g, beta, state),
       name="kda_decode_step",
   )(q, k, v, g, beta.reshape(b, h, 1), state.astype(jnp.float32))
   return o, new_state
 
 
-__all__ = ["kda_decode_step", "head_block"]
+__all__ = ["kda_decode_step", "head_block", "decode_cost"]

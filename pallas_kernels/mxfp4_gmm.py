@@ -443,6 +443,7 @@ def _mxfp4_gmm(x, xs, wc, ws, group_sizes, *, lhs_fmt, out_dtype, tiling, interp
           vmem_limit_bytes=int(min(max(2 * need, 32 << 20), 64 << 20))),
       cost_estimate=cost,
       interpret=interpret,
+      name="mxfp4_gmm",
   )
   out = call(*meta, *args)
   return out[:m] if m_pad != m else out

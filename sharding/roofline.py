@@ -16,10 +16,12 @@ loop body by its trip count, and adds up per chip:
   lowers the cross-slice part of a collective to `send`/`recv` pairs handled by the
   megascale runtime; each send's buffer is counted against the collective it came from.
 
-What it cannot count is listed in the result: the FLOPs of custom calls (Pallas kernels)
-are opaque to XLA (their count and output bytes are given; their operands and outputs are
-counted as HBM bytes), and a loop whose trip count the text does not determine is counted
-once.
+Pallas kernels are custom calls XLA cannot see into. Each of ours attaches its analytic
+cost to its pallas_call (`pl.CostEstimate`: FLOPs and HBM bytes from its static shapes, in
+the call's backend config), and the walk adds those, per kernel name, under
+`pallas_kernels`. A custom call without an estimate is listed under `not_counted` (its
+count and output bytes; its operands and outputs are counted as HBM bytes, its FLOPs not),
+and so is a loop whose trip count the text does not determine (counted once).
 
 `roofline()` turns the counts into times at a chip's peak rates (CHIPS, with sources) and
 names the bound: step time = the largest of compute, HBM, ICI and DCN time (perfect
@@ -242,6 +244,7 @@ class Costs:
   collectives: dict = dataclasses.field(default_factory=dict)   # kind -> {count, bytes, wire_bytes}
   dcn: dict = dataclasses.field(default_factory=dict)           # from-collective -> bytes
   custom_calls: dict = dataclasses.field(default_factory=dict)  # target -> {count, output_bytes}
+  kernels: dict = dataclasses.field(default_factory=dict)       # name -> {count, flops, hbm_bytes}
   unknown_trip_loops: int = 0
 
   def add(self, other: "Costs", times: float = 1.0) -> None:
@@ -253,11 +256,31 @@ class Costs:
         mine[f] += times * v[f]
     for k, v in other.dcn.items():
       self.dcn[k] = self.dcn.get(k, 0.0) + times * v
-    for k, v in other.custom_calls.items():
-      mine = self.custom_calls.setdefault(k, {"count": 0, "output_bytes": 0.0})
-      for f in mine:
-        mine[f] += times * v[f]
+    for mine_all, theirs, fields in ((self.custom_calls, other.custom_calls,
+                                      ("count", "output_bytes")),
+                                     (self.kernels, other.kernels,
+                                      ("count", "flops", "hbm_bytes"))):
+      for k, v in theirs.items():
+        mine = mine_all.setdefault(k, dict.fromkeys(fields, 0.0))
+        for f in mine:
+          mine[f] += times * v[f]
     self.unknown_trip_loops += other.unknown_trip_loops
+
+
+_COST_ESTIMATE = re.compile(r'"cost_estimate":\{"flops":"?(\d+)"?,\s*"transcendentals":"?(\d+)"?,'
+                            r'\s*"bytes_accessed":"?(\d+)"?')
+
+
+def _kernel_costs(ins: "Instr") -> tuple[str, float, float] | None:
+  """(kernel name, FLOPs, HBM bytes) of a Pallas call from the cost estimate its
+  pallas_call attached (pl.CostEstimate, in the backend config: the kernel's own analytic
+  count from its static shapes; pallas_kernels/ give one for every kernel), or None when it
+  has none. The name is the instruction's, which XLA derives from the pallas_call's name."""
+  m = _COST_ESTIMATE.search(ins.attrs)
+  if m is None:
+    return None
+  name = re.sub(r"\.\d+$", "", ins.name).lstrip("_") or "pallas_call"
+  return name, float(m.group(1)), float(m.group(3))
 
 
 class _Walker:
@@ -374,12 +397,23 @@ class _Walker:
         out.dcn[src] = out.dcn.get(src, 0.0) + sum(
             _dtype_bytes(dt) * math.prod(d) for dt, d in data)
       target = re.search(r'custom_call_target="([^"]+)"', ins.attrs) if op == "custom-call" else None
+      kernel = None
       if target and target.group(1) in PALLAS_TARGETS:
-        t = target.group(1)
-        c = out.custom_calls.setdefault(t, {"count": 0, "output_bytes": 0.0})
-        c["count"] += 1
-        c["output_bytes"] += type_bytes(ins.type)
-      if not fused and op not in _FREE:
+        kernel = _kernel_costs(ins)
+        if kernel is None:
+          c = out.custom_calls.setdefault(target.group(1), {"count": 0, "output_bytes": 0.0})
+          c["count"] += 1
+          c["output_bytes"] += type_bytes(ins.type)
+        else:
+          name, flops, nbytes = kernel
+          c = out.kernels.setdefault(name, {"count": 0, "flops": 0.0, "hbm_bytes": 0.0})
+          c["count"] += 1
+          c["flops"] += flops
+          c["hbm_bytes"] += nbytes
+          out.flops += flops
+          if not fused:
+            out.hbm_bytes += nbytes
+      if not fused and op not in _FREE and kernel is None:
         out.hbm_bytes += self.boundary_bytes(comp, ins)
     return out
 
@@ -408,7 +442,7 @@ class _Walker:
   def boundary_bytes(self, comp: str, ins: Instr) -> float:
     """HBM bytes an instruction reads and writes. Slicing reads only its slice, a gather
     only the rows it gathers (a paged decode reads its pages, not the pool), and an
-    in-place dynamic-update-slice writes only its update (a scanned layer reads its own
+    in-place dynamic-update-slice or scatter writes only its update (a scanned layer reads its own
     weights, not the whole stack), inside a fusion as on its own."""
     table = self.comps[comp]
     size = lambda name: type_bytes(table[name].type) if name in table else 0.0
@@ -418,6 +452,8 @@ class _Walker:
       return 2 * type_bytes(ins.type) + size(ins.operands[1])
     if ins.op == "dynamic-update-slice" and len(ins.operands) > 1:
       return 2 * size(ins.operands[1])
+    if ins.op == "scatter" and len(ins.operands) == 3:
+      return 2 * size(ins.operands[2]) + size(ins.operands[1])
     called = _attr(ins.attrs, "calls") if ins.op == "fusion" else None
     body = self.comps.get(called or "")
     if not body:
@@ -435,19 +471,30 @@ class _Walker:
       sliced = self._sliced_reads(body, p, users) if p else None
       if sliced is not None:
         total += sliced
-      elif us and all(u.op == "dynamic-update-slice" and u.operands[0] == p for u in us):
-        total += sum(type_bytes(body[u.operands[1]].type) for u in us if u.operands[1] in body)
+      elif us and all(_in_place(u) and u.operands[0] == p for u in us):
+        total += sum(type_bytes(body[_update(u)].type) for u in us if _update(u) in body)
       else:
         total += size(o)
     root = body.get(self.roots.get(called, ""))
     outs = ([body.get(n) for n in root.operands] if root is not None and root.op == "tuple"
             else [root])
     for r in outs:
-      if r is not None and r.op == "dynamic-update-slice" and r.operands[1] in body:
-        total += type_bytes(body[r.operands[1]].type)
+      if r is not None and _in_place(r) and _update(r) in body:
+        total += type_bytes(body[_update(r)].type)
       elif r is not None:
         total += type_bytes(r.type)
     return total
+
+
+def _in_place(ins: Instr) -> bool:
+  """An update XLA does in the buffer of its operand 0: a dynamic-update-slice, or a
+  scatter of one operand (operand, indices, updates); it touches only the update."""
+  return ((ins.op == "dynamic-update-slice" and len(ins.operands) > 1)
+          or (ins.op == "scatter" and len(ins.operands) == 3))
+
+
+def _update(ins: Instr) -> str:
+  return ins.operands[1] if ins.op == "dynamic-update-slice" else ins.operands[2]
 
 
 def program_costs(hlo_text: str) -> Costs:
@@ -467,6 +514,9 @@ def roofline(costs: Costs, generation: str, model_flops: float | None = None) ->
                          for k, c in sorted(costs.collectives.items())},
          "ici_wire_bytes_per_chip": ici_wire, "dcn_bytes_per_chip": dcn,
          "dcn_by_collective": {k: round(v) for k, v in sorted(costs.dcn.items())},
+         "pallas_kernels": {k: {"count": int(v["count"]), "flops": v["flops"],
+                                "hbm_bytes": v["hbm_bytes"]}
+                            for k, v in sorted(costs.kernels.items())},
          "not_counted": {"custom_calls": {k: {"count": int(v["count"]),
                                               "output_bytes": round(v["output_bytes"])}
                                           for k, v in costs.custom_calls.items()},
@@ -503,11 +553,15 @@ def format_roofline(r: dict) -> str:
   if r["dcn_bytes_per_chip"]:
     by = ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in r["dcn_by_collective"].items())
     lines.append(f"DCN           {r['dcn_bytes_per_chip'] / 2**20:.2f} MiB per chip ({by})")
+  if r.get("pallas_kernels"):
+    pk = ", ".join(f"{k} x{v['count']} ({v['flops'] / 1e12:.3f} TFLOP, "
+                   f"{v['hbm_bytes'] / 1e9:.2f} GB)" for k, v in r["pallas_kernels"].items())
+    lines.append(f"Pallas        from the kernels' cost estimates, per chip: {pk}")
   nc = r["not_counted"]
   if nc["custom_calls"] or nc["loops_of_unknown_trip_count"]:
     cc = ", ".join(f"{k} x{v['count']}" for k, v in nc["custom_calls"].items())
-    lines.append(f"not counted   custom calls (Pallas kernels): {cc or 'none'}; loops of "
-                 f"unknown trip count counted once: {nc['loops_of_unknown_trip_count']}")
+    lines.append(f"not counted   custom calls without a cost estimate: {cc or 'none'}; loops "
+                 f"of unknown trip count counted once: {nc['loops_of_unknown_trip_count']}")
   return "\n".join(lines)
 
 

@@ -131,3 +131,79 @@ ENTRY %main (w: u8[22,4,8], i: s32[]) -> u8[4,8] {
 """
   # reads the 32-byte slice and the 4-byte index, writes 32 bytes (not 704 + 4 + 32)
   assert program_costs(hlo).hbm_bytes == 32 + 4 + 32
+
+
+def test_pallas_calls_add_their_cost_estimates():
+  """A Pallas custom call counts the FLOPs and HBM bytes of the cost estimate in its
+  backend config (by kernel name), in place of its boundary bytes, times its loop's trip
+  count; one without an estimate stays under not_counted with its boundary bytes."""
+  from sharding.roofline import program_costs, roofline
+  est = ('backend_config={"custom_call_config":{"body":"AAAA","cost_estimate":{"flops":'
+         '"1000","transcendentals":"0","bytes_accessed":"500","remote_bytes_transferred":"0"}}}')
+  hlo = f"""HloModule m, entry_computation_layout={{(f32[64]{{0}})->f32[64]{{0}}}}
+
+%body (p: (s32[], f32[64])) -> (s32[], f32[64]) {{
+  %p = (s32[], f32[64]{{0}}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[64]{{0}} get-tuple-element(%p), index=1
+  %one = s32[] constant(1)
+  %n = s32[] add(%i, %one)
+  %_mxfp4_gmm.3 = f32[64]{{0}} custom-call(%x), custom_call_target="tpu_custom_call", {est}
+  ROOT %t = (s32[], f32[64]{{0}}) tuple(%n, %_mxfp4_gmm.3)
+}}
+
+%cond (p: (s32[], f32[64])) -> pred[] {{
+  %p = (s32[], f32[64]{{0}}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %lim = s32[] constant(3)
+  ROOT %lt = pred[] compare(%i, %lim), direction=LT
+}}
+
+ENTRY %main (a: f32[64]) -> f32[64] {{
+  %a = f32[64]{{0}} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[64]{{0}}) tuple(%zero, %a)
+  %w = (s32[], f32[64]{{0}}) while(%init), condition=%cond, body=%body
+  %y = f32[64]{{0}} get-tuple-element(%w), index=1
+  ROOT %other.1 = f32[64]{{0}} custom-call(%y), custom_call_target="tpu_custom_call", backend_config={{"custom_call_config":{{"body":"AAAA"}}}}
+}}
+"""
+  c = program_costs(hlo)
+  assert c.kernels == {"mxfp4_gmm": {"count": 3, "flops": 3000.0, "hbm_bytes": 1500.0}}
+  assert c.custom_calls == {"tpu_custom_call": {"count": 1, "output_bytes": 256.0}}
+  assert c.flops == 3000.0
+  # the estimates, the other call's operand and output, and the loop counter's add and
+  # compare (12 and 9 bytes) three times
+  assert c.hbm_bytes == 1500.0 + 256 + 256 + 3 * (12 + 9)
+  r = roofline(c, "v5p")
+  assert r["pallas_kernels"]["mxfp4_gmm"]["count"] == 3
+  assert r["not_counted"]["custom_calls"]["tpu_custom_call"]["count"] == 1
+
+
+def test_an_in_place_scatter_touches_only_its_rows():
+  """A pool written by a scatter (a fusion whose root scatters into its operand 0, which
+  nothing else reads) touches the rows it writes, not the pool: here 2 rows of 8 x 4 f32."""
+  from sharding.roofline import program_costs
+  hlo = """HloModule m, entry_computation_layout={(f32[1000,8,4]{2,1,0}, s32[2,1]{1,0}, f32[2,8,4]{2,1,0})->f32[1000,8,4]{2,1,0}}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  ROOT %b = f32[] parameter(1)
+}
+
+%fused (param_0: f32[1000,8,4], param_1: s32[2,1], param_2: f32[2,8,4]) -> f32[1000,8,4] {
+  %param_0 = f32[1000,8,4]{2,1,0} parameter(0)
+  %param_1 = s32[2,1]{1,0} parameter(1)
+  %param_2 = f32[2,8,4]{2,1,0} parameter(2)
+  ROOT %s = f32[1000,8,4]{2,1,0} scatter(%param_0, %param_1, %param_2), update_window_dims={1,2}, inserted_window_dims={0}, scatter_dims_to_operand_dims={0}, index_vector_dim=1, to_apply=%add
+}
+
+ENTRY %main (pool: f32[1000,8,4], idx: s32[2,1], new: f32[2,8,4]) -> f32[1000,8,4] {
+  %pool = f32[1000,8,4]{2,1,0} parameter(0)
+  %idx = s32[2,1]{1,0} parameter(1)
+  %new = f32[2,8,4]{2,1,0} parameter(2)
+  ROOT %f = f32[1000,8,4]{2,1,0} fusion(%pool, %idx, %new), kind=kLoop, calls=%fused
+}
+"""
+  rows = 2 * 8 * 4 * 4
+  assert program_costs(hlo).hbm_bytes == rows + 8 + rows + rows   # pool rows, indices, updates
