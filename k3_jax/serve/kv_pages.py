@@ -163,14 +163,26 @@ def zeros_rows(states: ModelCache, n: int) -> ModelCache:
   return map_cache(lambda e, axis: jax.tree.map(lambda a: z(a, axis), e), states)
 
 
+def _leaf_name(path) -> str:
+  last = path[-1] if path else None
+  return str(getattr(last, "name", getattr(last, "key", last)))
+
+
 def paged_cache_shardings(cache: ModelCache, mesh) -> ModelCache:
-  """Shardings of the serving (paged) cache: KDA states on their batch axis; each MLA page
+  """Shardings of the serving (paged) cache: KDA states on their batch axis, and a state's
+  K dimension over the mesh axes the batch cannot use (a decode batch of 8 on 64 chips
+  would otherwise hold every state on every chip, read and written whole each step; the
+  decode's sums over K become all-reduces of [B, H, V], ops/kda.decode_step); each MLA page
   pool [(R,) N, P, X] split on its page axis over every mesh axis (N a multiple of the
   mesh size); the per-slot positions on the batch."""
   from jax.sharding import NamedSharding, PartitionSpec
   axes = paged.page_axes(mesh) or None
 
   def one(e, axis):
+    if isinstance(e, KDAState):       # the state's K over the axes the batch leaves unused
+      k_dim = axis + KDAState.STATE_SPLIT_AXIS
+      return aot.batch_shardings(e, mesh, axis,
+                                 lambda path: k_dim if _leaf_name(path) == "state" else None)
     if not isinstance(e, PagedMLACache):
       return aot.batch_shardings(e, mesh, axis)
     spec = lambda a: NamedSharding(mesh, PartitionSpec(*(axes if i == axis else None

@@ -79,7 +79,8 @@ def test_paged_decode_matches_contiguous_model():
 def test_sharded_paged_decode_matches_one_device():
   """8 devices, the pools split on their page axis and the sequence's pages striped over
   the shards (PagePool): each shard attends over its own pages, the partials combine over
-  the mesh (sharding/paged.py), and the logits equal one device's to 1e-5. (Pages on the
+  the mesh (sharding/paged.py), the KDA states are split on K, and the logits equal one
+  device's to 1e-5. (Pages on the
   wrong shards fail it: 80% of the logits off.)"""
   assert len(jax.devices()) == 8
   cfg = tiny_serving_config()
@@ -91,6 +92,13 @@ def test_sharded_paged_decode_matches_one_device():
   table[0, :2] = pool.alloc(2)
   assert [pool.shard_of(q) for q in table[0, :2]] == [0, 1]
   mesh = make_mesh(parse_mesh("data:8"))
+  # A batch of 2 cannot use the 8-way axis: each KDA state is split on K instead
+  # (kv_pages.paged_cache_shardings), and the decode's sums over K are all-reduces.
+  cache = jax.eval_shape(lambda: model.init_paged_cache(2, 32, PAGE))
+  states = [e.state for e in jax.tree.leaves(kv.paged_cache_shardings(cache, mesh),
+                                             is_leaf=lambda x: hasattr(x, "conv_q"))
+            if hasattr(e, "conv_q")]
+  assert states and all(s.spec[-2] == "data" for s in states)
   got = paged_logits(cfg, model, prompt, 32, table, mesh)
   want = paged_logits(cfg, model, prompt, 32, table)
   np.testing.assert_allclose(got, want, atol=TOL, rtol=0)

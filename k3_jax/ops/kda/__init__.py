@@ -125,6 +125,20 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
   return out if output_final_state else (out, None)
 
 
+def _k_split(state: jax.Array, par: Parallel) -> bool:
+  """Is a [B, H, K, V] decode state split on K on par's mesh (the serving cache's layout:
+  K over the mesh axes the batch leaves unused)?"""
+  if par.resolver is None:
+    return False
+  spec = par.resolver(state.shape, STATE_AXES).spec
+  return len(spec) > 2 and spec[2] is not None
+
+
+# The serving cache's names for a state's dimensions (kv_pages.paged_cache_shardings):
+# "cache_seq" takes the mesh axes the batch leaves unused.
+STATE_AXES = ("batch", None, "cache_seq", None)
+
+
 @jax.named_scope("recurrent_step")
 def decode_step(q, k, v, g, beta, state, scale=None, backend: str = "reference",
                 par: Parallel = SINGLE):
@@ -132,7 +146,11 @@ def decode_step(q, k, v, g, beta, state, scale=None, backend: str = "reference",
   [B, H]; state [B, H, K, V] f32. Returns (o [B, H, V] in v.dtype, new state [B, H, K, V]
   f32)."""
   check_decode_shapes(q, k, v, g, beta, state)
-  if resolve_backend(backend, par) == "reference":
+  if resolve_backend(backend, par) == "reference" or _k_split(state, par):
+    # A state split on K (a serving batch too small for the mesh: kv_pages.
+    # paged_cache_shardings) runs the plain-JAX step, partitioned as it lies: each chip
+    # updates its rows of K and the sums over K become all-reduces of [B, H, V]. The
+    # kernel needs whole K, so it would gather every state onto every chip instead.
     return kda_decode_step(q, k, v, g, beta, state, scale)
   from pallas_kernels import kda_decode          # lazy: only the Pallas backend needs it
   vec = ("batch", "heads", None)
