@@ -31,6 +31,16 @@ ceil(c n k / P), so the buffer holds c times the balanced load; a source's rows 
 destination beyond that (its highest-numbered experts' rows, deterministically) are dropped:
 they contribute 0 to the combine. With Quantile Balancing the per-expert load of a batch is
 close to n k / E, so c around 1.5-2 rarely drops; None (the default) never drops.
+
+Replicated tokens (a decode batch smaller than the expert axis, e.g. 8 tokens on expert:64):
+when no expert axis shards the tokens (`token_axes` could not use it), every device already
+holds every token, and the exchange above would have each of the P devices send the same
+pairs to the owners (P times the rows, each pair computed P times). Instead each device
+keeps the pairs whose expert is one of its own (at most n min(k, E_l), a static bound),
+orders them by local expert (stable), runs the same local grouped matmul over just those
+rows, combines them with their router weights into a partial [n, D] f32 sum, and one psum
+over the expert axis adds the partial sums: no all-to-all, dropless (capacity_factor does
+not apply). Token axes that are not expert axes (data) still split the tokens.
 """
 
 from __future__ import annotations
@@ -85,7 +95,10 @@ def expert_parallel_dispatch(mesh: Mesh, x: jax.Array, weights: jax.Array,
   "auto" (ragged on TPU meshes). gmm: the local grouped matmul; default ragged_dot on TPU,
   the tiled plain-JAX gmm elsewhere. capacity_factor: None (dropless) or c > 0: at most
   ceil(c n k / P) rows per (source, destination), the rest dropped (see the module
-  docstring).
+  docstring). When the expert axis does not split the tokens (N not divisible by it, a
+  small decode batch), every device computes its own experts' pairs of all its tokens and
+  the partial results are summed over the expert axis instead: no exchange, no rounding of
+  the expert outputs, always dropless (`exchange` and `capacity_factor` are not used).
   """
   if exchange not in EXCHANGES:
     raise ValueError(f"exchange={exchange!r}: expected one of {EXCHANGES}")
@@ -108,9 +121,12 @@ def expert_parallel_dispatch(mesh: Mesh, x: jax.Array, weights: jax.Array,
   if capacity_factor is not None and not capacity_factor > 0:
     raise ValueError(f"capacity_factor={capacity_factor} must be positive (or None for "
                      "dropless)")
-  body = functools.partial(_local_dispatch, ex=ex, p=p, exchange=exchange, gmm=gmm,
-                           capacity=capacity_factor,
-                           activation=activation, beta1=beta1, beta2=beta2)
+  ffn = dict(gmm=gmm, activation=activation, beta1=beta1, beta2=beta2)
+  if any(a in tok for a in ex):
+    body = functools.partial(_local_dispatch, ex=ex, p=p, exchange=exchange,
+                             capacity=capacity_factor, **ffn)
+  else:                                     # tokens replicated over the expert axis
+    body = functools.partial(_replicated_dispatch, ex=ex, **ffn)
   fn = jax.shard_map(body, mesh=mesh, in_specs=(tok_spec, tok_spec, tok_spec, w_spec, w_spec,
                                                 w_spec),
                      out_specs=tok_spec, check_vma=False)
@@ -208,6 +224,33 @@ def _local_dispatch(x, weights, expert_ids, w_gate, w_up, w_down, *, ex, p, exch
   pairs = jnp.take(sorted_out, inverse, axis=0).astype(jnp.float32).reshape(n, k, d)
   y = jnp.sum(pairs * weights.astype(jnp.float32)[..., None], axis=1)  # [n, D]
   return y.astype(x.dtype)
+
+
+def _replicated_dispatch(x, weights, expert_ids, w_gate, w_up, w_down, *, ex, gmm,
+                         activation, beta1, beta2):
+  """One device's part when every device of the expert group holds the same tokens: its
+  own experts' pairs only, then a psum over the expert axis. x [n, D]; weights,
+  expert_ids [n, k]; w_* the local experts [E_l, ...]."""
+  n, k = expert_ids.shape
+  el = w_gate.shape[0]
+  rows = n * min(k, el)     # local pairs at most: a token's k experts are distinct
+  local = expert_ids.reshape(-1) - jax.lax.axis_index(ex) * el         # [n k]
+  local = jnp.where((local >= 0) & (local < el), local, el)            # not mine: el
+  order = jnp.argsort(local, stable=True)[:rows]                       # mine first, by expert
+  group_sizes = jnp.bincount(local, length=el + 1)[:el].astype(jnp.int32)  # [E_l]
+  valid = jnp.arange(rows) < group_sizes.sum()                         # [rows] real pairs
+  token = order // k                                                   # [rows]
+  xs = jnp.take(x, token, axis=0)                                      # [rows, D]
+  with jax.named_scope("experts"):
+    gate = gmm(xs, w_gate, group_sizes)                                # [rows, F] f32
+    up = gmm(xs, w_up, group_sizes)
+    h = glu(gate, up, activation, beta1=beta1, beta2=beta2).astype(x.dtype)
+    out = gmm(h, w_down, group_sizes).astype(jnp.float32)              # [rows, D]
+  w = jnp.take(weights.reshape(-1), order).astype(jnp.float32)         # [rows]
+  # where(), not a multiply: padding rows are exactly 0 whatever gmm left in them
+  contrib = jnp.where(valid[:, None], out * w[:, None], 0.0)
+  y = jnp.zeros((n, x.shape[1]), jnp.float32).at[token].add(contrib)   # [n, D] partial
+  return jax.lax.psum(y, ex).astype(x.dtype)
 
 
 def _ragged_all_to_all_reference(operand, output, input_offsets, send_sizes, output_offsets,

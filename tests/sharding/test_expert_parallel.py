@@ -1,7 +1,11 @@
 """Expert parallelism: the shard_map'd MoE dispatch equals the single-device dispatch (forward
 and gradients) for expert axes 2, 4 and 8 with uneven routing; the MoE layer on an expert
 mesh equals the layer on one device (outputs, load counts, QB bias, gradients); the TPU path
-(ragged_all_to_all + ragged_dot) compiles for a TPU topology ahead of time."""
+(ragged_all_to_all + ragged_dot) compiles for a TPU topology ahead of time; tokens the
+expert axis does not split (a small decode batch) take the exchange-free psum path, with the
+same result (plain and packed MXFP4 experts) and the MXFP4 kernel on TPU."""
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -234,3 +238,104 @@ def test_ep_capacity_is_a_config_field_jit_sees():
   if cfg.moe.num_shared_experts:
     y = y + m.shared(xf)
   np.testing.assert_allclose(bounded, y.reshape(x.shape), rtol=1e-5, atol=1e-6)
+
+
+# Replicated tokens: NR tokens, which neither expert axis (4, 8) divides, so every device of
+# the expert group holds them all and takes the psum path (no all-to-all).
+NR = 6
+
+
+@pytest.fixture(scope="module")
+def few(data):
+  """The first NR tokens of `data`, routed to experts 0-5 only: with 8 expert shards devices
+  6 and 7 own no chosen expert (no local pairs), with 4 device 3 owns none."""
+  d = dict(data)
+  for name in ("x", "weights", "ids"):
+    d[name] = data[name][:NR]
+  return d
+
+
+def _dispatch_args(d):
+  return (d["x"], d["weights"], d["ids"], d["w_gate"], d["w_up"], d["w_down"])
+
+
+@pytest.fixture(scope="module")
+def few_reference(few):
+  """(output, (loss, grads)) of the one-device dispatch on `few`."""
+  d = few
+  return (jax.jit(moe_ops.moe_dispatch)(*_dispatch_args(d)),
+          _loss(moe_ops.moe_dispatch)(d["x"], d["weights"], d["w_gate"], d["w_up"],
+                                      d["w_down"], d["ids"]))
+
+
+@pytest.mark.parametrize("spec", ["expert:8", "expert:4,data:2"])
+def test_ep_replicated_tokens_equals_single_device(few, few_reference, spec):
+  """Forward and gradients of the replicated-token path equal the one-device dispatch; it
+  exchanges nothing (one all-reduce, no all-to-all), while a token count the expert axis
+  divides still takes the all-to-all path. With data:2 the tokens are split over data
+  (3 per shard) and replicated over expert."""
+  mesh = make_mesh(parse_mesh(spec))
+  assert "expert" not in expert.token_axes(mesh, NR)
+  dispatch = lambda *a: expert.expert_parallel_dispatch(mesh, *a)
+  d = few
+  args = (d["x"], d["weights"], d["w_gate"], d["w_up"], d["w_down"], d["ids"])
+  # Same products in f32; only the order of the k-term sum differs (per device, then the
+  # psum over devices), so agreement is to f32 rounding (~1e-8 seen): _check's tolerance.
+  _check(_loss(dispatch)(*args), few_reference[1])
+  text = jax.jit(dispatch).lower(*_dispatch_args(d)).as_text()
+  assert "all_to_all" not in text and "all_reduce" in text
+  s = lambda a, n: jax.ShapeDtypeStruct((n,) + a.shape[1:], a.dtype)
+  sharded = [s(a, 8) for a in _dispatch_args(d)[:3]] + list(_dispatch_args(d)[3:])
+  assert "all_to_all" in jax.jit(dispatch).lower(*sharded).as_text()
+
+
+def test_ep_replicated_tokens_padding_rows_are_zero(few, few_reference):
+  """Rows past a device's real pairs contribute exactly 0, whatever the grouped matmul
+  leaves there (here NaN; expert:8 also has devices with no pairs at all)."""
+  mesh = make_mesh(parse_mesh("expert:8"))
+
+  def nan_padding_gmm(lhs, rhs, group_sizes):
+    out = moe_ops.tiled_gmm(lhs, rhs, group_sizes)
+    return jnp.where(jnp.arange(lhs.shape[0])[:, None] < group_sizes.sum(), out, jnp.nan)
+
+  got = jax.jit(lambda *a: expert.expert_parallel_dispatch(mesh, *a, gmm=nan_padding_gmm))(
+      *_dispatch_args(few))
+  # f32, summation order only (as above)
+  np.testing.assert_allclose(got, few_reference[0], rtol=1e-5, atol=1e-6)
+
+
+def test_ep_replicated_tokens_packed_mxfp4():
+  """The packed MXFP4 grouped matmul (serving; the plain-JAX reference on CPU) through the
+  replicated-token path equals the one-device dispatch with the same gmm."""
+  from k3_jax.ops import mx_gmm
+  r = np.random.default_rng(1)
+  n, dm, f, e, k = 3, 32, 32, 8, 4                    # MX blocks of 32 along contractions
+  f32 = lambda *s: jnp.asarray(r.normal(size=s) * 0.3, jnp.float32)
+  ids = jnp.asarray(np.stack([r.choice(e, k, replace=False) for _ in range(n)]), jnp.int32)
+  args = (f32(n, dm), jnp.asarray(r.uniform(size=(n, k)), jnp.float32), ids,
+          *(mx_gmm.pack_weight(w) for w in (f32(e, dm, f), f32(e, dm, f), f32(e, f, dm))))
+  gmm = mx_gmm.packed_gmm(moe_ops.default_gmm("tiled"))
+  mesh = make_mesh(parse_mesh("expert:4"), devices=jax.devices()[:4])
+  got = jax.jit(lambda *a: expert.expert_parallel_dispatch(mesh, *a, gmm=gmm))(*args)
+  # f32, summation order only (as above)
+  want = jax.jit(lambda *a: moe_ops.moe_dispatch(*a, gmm=gmm))(*args)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_ep_replicated_tokens_on_tpu_use_the_mxfp4_kernel():
+  """On a TPU mesh (lowered ahead of time) the replicated-token path runs the packed MXFP4
+  Pallas kernel for its three grouped matmuls, and exchanges nothing (no all-to-all of
+  either kind)."""
+  from k3_jax.ops import mx_gmm
+  from sharding.topology import topology_devices
+  mesh = make_mesh(parse_mesh("expert:4"), devices=topology_devices("v5p:2x2x1"))
+  s = lambda *shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt)
+  packed = lambda *shape: jax.eval_shape(mx_gmm.pack_weight, s(*shape))
+  gmm = mx_gmm.packed_gmm(moe_ops.default_gmm("ragged_dot"), kernel=True)
+  fn = jax.jit(lambda *a: expert.expert_parallel_dispatch(mesh, *a, gmm=gmm))
+  with jax.default_matmul_precision("default"):
+    text = fn.lower(s(3, 256), s(3, 4, dt=jnp.float32), s(3, 4, dt=jnp.int32),
+                    packed(8, 256, 512), packed(8, 256, 512), packed(8, 512, 256)).as_text()
+  assert "tpu_custom_call" in text
+  assert len(re.findall(r"call @_mxfp4_gmm(_\d+)?\b", text)) == 3     # gate, up, down
+  assert "all_to_all" not in text and "all_reduce" in text
