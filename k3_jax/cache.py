@@ -46,9 +46,6 @@ class KDAState:
   conv_k: jax.Array
   conv_v: jax.Array
 
-  STATE_SPLIT_AXIS = 2      # (of an unstacked state) K: split over the mesh axes the batch
-                            # leaves unused when serving (kv_pages.paged_cache_shardings)
-
 
 @_pytree
 class MLACache:

@@ -29,6 +29,7 @@ from k3_jax.layers.kda import KDA
 from k3_jax.layers.mla import MLA, page_slots
 from k3_jax.layers.moe import MoE
 from k3_jax.layers.norm import RMSNorm
+from k3_jax.ops import mx_gmm
 from k3_jax.ops.vision import scatter_features
 from k3_jax.partitioning import SINGLE, Parallel
 from k3_jax.vision.tower import VisionEncoder
@@ -113,6 +114,11 @@ class DecoderLayer(nnx.Module):
     stream = attn_res.add_output(stream, y)
     stream = attn_res.close_block(stream, (layer_idx + 1) % self.block_size == 0)
     return stream, cache, {**aux, **ffn_aux}
+
+
+def _packed_routed(path, variable) -> bool:
+  """nnx filter: a packed (MXFP4, serving) routed-expert weight."""
+  return path[-1] in mx_gmm.EXPERT_WEIGHTS and isinstance(variable.get_value(), mx_gmm.MXArray)
 
 
 def _remat_policy(remat: str):
@@ -241,7 +247,10 @@ class K3Model(nnx.Module):
 
   # ----- forward --------------------------------------------------------------
   def _run_units(self, x, segment_ids, caches, pos, remat, train, par):
-    graphdef, state = nnx.split(self.units)
+    # Packed routed experts (serving) stay out of the scanned inputs: each layer gets its
+    # whole stack and the layer index (mx_gmm.StackedLayer), which the MXFP4 kernel reads in
+    # place; a scan slice feeding a Pallas call would be copied out, every layer, every step.
+    graphdef, stacks, state = nnx.split(self.units, _packed_routed, ...)
     plan = self.plan
     reps = plan.repeats
     first_layers = plan.prefix + plan.period * jnp.arange(reps)
@@ -265,7 +274,9 @@ class K3Model(nnx.Module):
         c = tuple(PagedMLACache(e.c_kv, e.k_r, e.page_table[i], unit=i) if p
                   else jax.tree.map(lambda a: a[i], a_c)
                   for e, a_c, p in zip(caches, all_c, paged))
-      x, c, aux = nnx.merge(graphdef, st)(x, segment_ids, c, pos, first, train,
+      layer = jax.tree.map(lambda w: mx_gmm.StackedLayer(w, i), stacks,
+                           is_leaf=lambda w: isinstance(w, mx_gmm.MXArray))
+      x, c, aux = nnx.merge(graphdef, layer, st)(x, segment_ids, c, pos, first, train,
                                           layer_remat="block" if remat == "layer" else "none",
                                           par=par)
       latents = None

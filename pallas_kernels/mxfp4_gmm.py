@@ -196,9 +196,9 @@ def _fp8_f32(c: jax.Array, fmt: str) -> jax.Array:
 # ----------------------------------------------------------------------------- kernel
 
 
-def _kernel(offsets_ref, group_ref, tile_ref, lhs_tile_ref, flags_ref, *refs,
+def _kernel(offsets_ref, group_ref, tile_ref, lhs_tile_ref, flags_ref, layer_ref, *refs,
             lhs_fmt: str | None, tiling: Tiling, tiles_k: int):
-  del lhs_tile_ref
+  del lhs_tile_ref, layer_ref
   if lhs_fmt is None:
     x_ref, wc_ref, ws_ref, o_ref, acc_ref, wscale_ref, w_ref, wtile_ref = refs
     xs_ref = None
@@ -312,8 +312,14 @@ def _check(cond: bool, msg: str) -> None:
 
 def mxfp4_gmm(lhs, rhs, group_sizes: jax.Array, *, preferred_element_type=None,
               tiling: Tiling | tuple[int, int, int, int] | None = None,
-              interpret: bool | pltpu.InterpretParams = False) -> jax.Array:
+              interpret: bool | pltpu.InterpretParams = False,
+              layer: jax.Array | None = None) -> jax.Array:
   """Grouped matmul lhs [M, L] x MXFP4 rhs [E, L, F] -> [M, F] (see the module docstring).
+
+  layer: with an int32 scalar, rhs is a stack of such weights [layers, E, L, F] (a scanned
+  model's) and the call multiplies by rhs[layer]: the kernel's index maps read that layer's
+  blocks where they lie, so the stack is not sliced (a Pallas operand must be a whole
+  buffer: a slice would be copied out, every expert of the layer, in every layer).
 
   preferred_element_type: output dtype; default the lhs dtype (BF16 for an MXFP8 lhs).
   tiling: Tiling(tm, tn, tk, tc) or None for `default_tiling`. interpret: run the kernel
@@ -322,12 +328,21 @@ def mxfp4_gmm(lhs, rhs, group_sizes: jax.Array, *, preferred_element_type=None,
   _check(_is_mx(rhs), f"rhs must be an MXFP4 MX array (codes, scales, fmt, axis), got "
                       f"{type(rhs).__name__}")
   _check(rhs.fmt == "mxfp4", f"rhs.fmt={rhs.fmt!r}; the kernel reads packed 'mxfp4' weights")
-  _check(rhs.codes.ndim == 3 and rhs.axis in (1, -2),
-         f"rhs must be [E, L, F] blocked along L (axis 1); got codes {rhs.codes.shape}, "
-         f"axis {rhs.axis}")
-  e, l_half, f = rhs.codes.shape
+  stacked = layer is not None
+  _check(rhs.codes.ndim == 3 + stacked and rhs.axis in ((-2,) if stacked else (1, -2)),
+         f"rhs must be [E, L, F]{' stacked on a leading layer axis' if stacked else ''} "
+         f"blocked along L (axis -2); got codes {rhs.codes.shape}, axis {rhs.axis}")
+  codes, scales = rhs.codes, rhs.scales
+  if stacked:
+    _check(scales.ndim == 4, f"with layer=, rhs.scales must be [layers, E, L/32, F]; got "
+                             f"{scales.shape}")
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+  else:
+    codes, scales = codes[None], scales[None]         # one layer (a free reshape)
+    layer = jnp.zeros((1,), jnp.int32)
+  e, l_half, f = codes.shape[1:]
   l = 2 * l_half
-  _check(rhs.scales.shape == (e, l // BLOCK, f),
+  _check(scales.shape[1:] == (e, l // BLOCK, f),
          f"rhs.scales shape {rhs.scales.shape} != (E, L/32, F) = {(e, l // BLOCK, f)}")
   if _is_mx(lhs):
     _check(lhs.fmt in _FP8, f"lhs.fmt={lhs.fmt!r}; an MX lhs must be one of {LHS_FORMATS}")
@@ -362,7 +377,7 @@ def mxfp4_gmm(lhs, rhs, group_sizes: jax.Array, *, preferred_element_type=None,
   _check(t.tc % 256 == 0 and t.tk % t.tc == 0,
          f"tiling.tc={t.tc} must be a multiple of 256 dividing tk={t.tk}")
   return _mxfp4_gmm(lhs.codes if lhs_fmt else lhs, lhs.scales if lhs_fmt else None,
-                    rhs.codes, rhs.scales, group_sizes.astype(jnp.int32),
+                    codes, scales, group_sizes.astype(jnp.int32), layer,
                     lhs_fmt=lhs_fmt, out_dtype=out_dtype, tiling=t, interpret=interpret)
 
 
@@ -379,10 +394,10 @@ def vmem_bytes(tiling: Tiling, lhs_itemsize: int, out_itemsize: int, mx_lhs: boo
 
 
 @functools.partial(jax.jit, static_argnames=("lhs_fmt", "out_dtype", "tiling", "interpret"))
-def _mxfp4_gmm(x, xs, wc, ws, group_sizes, *, lhs_fmt, out_dtype, tiling, interpret):
+def _mxfp4_gmm(x, xs, wc, ws, group_sizes, layer, *, lhs_fmt, out_dtype, tiling, interpret):
   tm, tn, tk, tc = tiling
   m, l = x.shape
-  e, _, f = wc.shape
+  e, _, f = wc.shape[1:]                           # wc, ws [layers, E, ...]; layer [1]
   m_pad = _round_up(m, tm)
   if m_pad != m:                                   # padded rows lie past sum(group_sizes)
     x = jnp.pad(x, ((0, m_pad - m), (0, 0)))
@@ -395,16 +410,16 @@ def _mxfp4_gmm(x, xs, wc, ws, group_sizes, *, lhs_fmt, out_dtype, tiling, interp
     act = flags_ref[v] & 1
     return k * act + (tiles_k - 1) * (1 - act)
 
-  def lhs_map(n, v, k, offs, grp, tile, lt, flags):
+  def lhs_map(n, v, k, offs, grp, tile, lt, flags, lay):
     return lt[v], kk(k, flags, v)
 
-  def lhs_scale_map(n, v, k, offs, grp, tile, lt, flags):
+  def lhs_scale_map(n, v, k, offs, grp, tile, lt, flags, lay):
     return kk(k, flags, v), lt[v], 0
 
-  def rhs_map(n, v, k, offs, grp, tile, lt, flags):
-    return grp[v], kk(k, flags, v), n
+  def rhs_map(n, v, k, offs, grp, tile, lt, flags, lay):
+    return lay[0], grp[v], kk(k, flags, v), n
 
-  def out_map(n, v, k, offs, grp, tile, lt, flags):
+  def out_map(n, v, k, offs, grp, tile, lt, flags, lay):
     return tile[v], n
 
   in_specs = [pl.BlockSpec((tm, tk), lhs_map)]
@@ -414,8 +429,8 @@ def _mxfp4_gmm(x, xs, wc, ws, group_sizes, *, lhs_fmt, out_dtype, tiling, interp
     xs = xs.reshape(m_pad, l // tc, tc // BLOCK).transpose(1, 0, 2)
     in_specs.append(pl.BlockSpec((tk // tc, tm, tc // BLOCK), lhs_scale_map))
     args.append(xs)
-  in_specs += [pl.BlockSpec((None, tk // 2, tn), rhs_map),
-               pl.BlockSpec((None, tk // BLOCK, tn), rhs_map)]
+  in_specs += [pl.BlockSpec((None, None, tk // 2, tn), rhs_map),
+               pl.BlockSpec((None, None, tk // BLOCK, tn), rhs_map)]
   args += [wc, ws]
 
   lhs_bytes = x.size * x.dtype.itemsize + (0 if xs is None else xs.size)
@@ -430,7 +445,7 @@ def _mxfp4_gmm(x, xs, wc, ws, group_sizes, *, lhs_fmt, out_dtype, tiling, interp
       functools.partial(_kernel, lhs_fmt=lhs_fmt, tiling=tiling, tiles_k=tiles_k),
       out_shape=jax.ShapeDtypeStruct((m_pad, f), out_dtype),
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=5,
+          num_scalar_prefetch=6,
           grid=(tiles_n, nv, tiles_k),
           in_specs=in_specs,
           out_specs=pl.BlockSpec((tm, tn), out_map),
@@ -445,7 +460,7 @@ def _mxfp4_gmm(x, xs, wc, ws, group_sizes, *, lhs_fmt, out_dtype, tiling, interp
       interpret=interpret,
       name="mxfp4_gmm",
   )
-  out = call(*meta, *args)
+  out = call(*meta, layer, *args)
   return out[:m] if m_pad != m else out
 
 

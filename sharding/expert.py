@@ -54,6 +54,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from k3_jax.ops import moe as moe_ops
 from k3_jax.ops.activations import glu
+from k3_jax.ops.mx_gmm import StackedLayer
 from sharding.kernels import mesh_platform
 from sharding.rules import RULES
 
@@ -117,7 +118,10 @@ def expert_parallel_dispatch(mesh: Mesh, x: jax.Array, weights: jax.Array,
   n_total, k = expert_ids.shape
   tok = token_axes(mesh, n_total)
   tok_spec = P(tok or None, None)
-  w_spec = P(ex, None, None)
+  # A scanned layer's packed weight may come as its whole stack and the layer index
+  # (k3_jax/ops/mx_gmm.StackedLayer): the stack is split on its expert axis, 1.
+  w_spec = lambda w: (StackedLayer(P(None, ex, None, None), P())
+                      if isinstance(w, StackedLayer) else P(ex, None, None))
   if capacity_factor is not None and not capacity_factor > 0:
     raise ValueError(f"capacity_factor={capacity_factor} must be positive (or None for "
                      "dropless)")
@@ -127,8 +131,8 @@ def expert_parallel_dispatch(mesh: Mesh, x: jax.Array, weights: jax.Array,
                              capacity=capacity_factor, **ffn)
   else:                                     # tokens replicated over the expert axis
     body = functools.partial(_replicated_dispatch, ex=ex, **ffn)
-  fn = jax.shard_map(body, mesh=mesh, in_specs=(tok_spec, tok_spec, tok_spec, w_spec, w_spec,
-                                                w_spec),
+  fn = jax.shard_map(body, mesh=mesh, in_specs=(tok_spec, tok_spec, tok_spec, w_spec(w_gate),
+                                                w_spec(w_up), w_spec(w_down)),
                      out_specs=tok_spec, check_vma=False)
   with jax.named_scope("expert_parallel"):
     return fn(x, weights, expert_ids, w_gate, w_up, w_down)

@@ -78,7 +78,7 @@ class MoE(nnx.Module):
 
   def _packed(self) -> bool:
     """Serving from packed MXFP4 weights (k3_jax.serve.pack.pack_routed_experts)?"""
-    return isinstance(self.w_gate.get_value(), mx_gmm.MXArray)
+    return isinstance(self.w_gate.get_value(), (mx_gmm.MXArray, mx_gmm.StackedLayer))
 
   def _expert_weights(self):
     """(w_gate, w_up, w_down): packed MXArrays, MXFP4 fake-quantized (QAT), or plain."""

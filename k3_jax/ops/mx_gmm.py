@@ -37,6 +37,8 @@ of two), while a float32 lhs is rounded to BF16 here exactly as the kernel round
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -86,6 +88,35 @@ def qat_gmm(base: GroupedMatmul) -> GroupedMatmul:
   return gmm
 
 
+@dataclasses.dataclass(frozen=True)
+class StackedLayer:
+  """Layer `index` of a stacked (scanned) packed expert weight, not sliced out of the stack.
+
+  Under the layer scan a weight arrives as the scan's slice of the stack, and XLA copies a
+  slice that feeds a Pallas call (its operand must be a whole buffer): every local expert
+  of the layer, read and written, in every layer of every step. The model's scan passes the
+  routed experts' stacks this way instead (model.py); the MXFP4 kernel reads the layer
+  through its index map (`layer=`), everything else takes `value()`, the same slice."""
+  stack: MXArray             # [layers, E, ...] packed
+  index: jax.Array           # int32 scalar
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return self.stack.shape[1:]
+
+  def value(self) -> MXArray:
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, self.index, 0, False),
+                        self.stack)
+
+
+jax.tree_util.register_dataclass(StackedLayer, data_fields=["stack", "index"], meta_fields=[])
+
+
+def unstacked(w):
+  """A weight as an array (StackedLayer -> its layer's slice; anything else as is)."""
+  return w.value() if isinstance(w, StackedLayer) else w
+
+
 def packed_gmm(base: GroupedMatmul, kernel: bool = False) -> GroupedMatmul:
   """Grouped matmul over a packed MXFP4 rhs (MXArray [E, K, N] blocked along K): the lhs is
   MXFP8 fake-quantized as in QAT, the rhs dequantized to the lhs dtype, then `base`.
@@ -97,13 +128,16 @@ def packed_gmm(base: GroupedMatmul, kernel: bool = False) -> GroupedMatmul:
   if kernel:
     from pallas_kernels.mxfp4_gmm import mxfp4_gmm as kernel_mxfp4_gmm  # lazy: TPU serving
 
-    def kernel_gmm(lhs, rhs: MXArray, group_sizes):
-      return kernel_mxfp4_gmm(quantize(lhs, ACT_FMT, -1), rhs, group_sizes,
-                              preferred_element_type=lhs.dtype)
+    def kernel_gmm(lhs, rhs: MXArray | StackedLayer, group_sizes):
+      stacked = isinstance(rhs, StackedLayer)
+      return kernel_mxfp4_gmm(quantize(lhs, ACT_FMT, -1), rhs.stack if stacked else rhs,
+                              group_sizes, preferred_element_type=lhs.dtype,
+                              layer=rhs.index if stacked else None)
     return kernel_gmm
 
-  def gmm(lhs, rhs: MXArray, group_sizes):
-    return base(fake_quantize(lhs, ACT_FMT, -1), dequantize(rhs, lhs.dtype), group_sizes)
+  def gmm(lhs, rhs: MXArray | StackedLayer, group_sizes):
+    return base(fake_quantize(lhs, ACT_FMT, -1), dequantize(unstacked(rhs), lhs.dtype),
+                group_sizes)
   return gmm
 
 
@@ -113,4 +147,5 @@ def pack_weight(w: jax.Array) -> MXArray:
 
 
 __all__ = ["mxfp4_gmm", "WEIGHT_FMT", "ACT_FMT", "EXPERT_WEIGHTS", "WEIGHT_AXIS",
-           "qat_weight", "qat_gmm", "packed_gmm", "pack_weight", "MXArray"]
+           "qat_weight", "qat_gmm", "packed_gmm", "pack_weight", "MXArray", "StackedLayer",
+           "unstacked"]

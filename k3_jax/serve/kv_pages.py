@@ -18,10 +18,13 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from k3_jax.cache import KDAState, ModelCache, PagedMLACache, replace
+from k3_jax.ops.kda import STATE_AXES
 from k3_jax.stack import map_cache
 from sharding import aot, paged
+from sharding.rules import logical_to_spec
 
 PAGE = 512          # tokens per MLA page = one prefix-cache hash block (docs/architecture.md section 9)
 NULL_PAGE = 0
@@ -163,11 +166,6 @@ def zeros_rows(states: ModelCache, n: int) -> ModelCache:
   return map_cache(lambda e, axis: jax.tree.map(lambda a: z(a, axis), e), states)
 
 
-def _leaf_name(path) -> str:
-  last = path[-1] if path else None
-  return str(getattr(last, "name", getattr(last, "key", last)))
-
-
 def paged_cache_shardings(cache: ModelCache, mesh) -> ModelCache:
   """Shardings of the serving (paged) cache: KDA states on their batch axis, and a state's
   K dimension over the mesh axes the batch cannot use (a decode batch of 8 on 64 chips
@@ -175,14 +173,14 @@ def paged_cache_shardings(cache: ModelCache, mesh) -> ModelCache:
   decode's sums over K become all-reduces of [B, H, V], ops/kda.decode_step); each MLA page
   pool [(R,) N, P, X] split on its page axis over every mesh axis (N a multiple of the
   mesh size); the per-slot positions on the batch."""
-  from jax.sharding import NamedSharding, PartitionSpec
   axes = paged.page_axes(mesh) or None
 
   def one(e, axis):
-    if isinstance(e, KDAState):       # the state's K over the axes the batch leaves unused
-      k_dim = axis + KDAState.STATE_SPLIT_AXIS
-      return aot.batch_shardings(e, mesh, axis,
-                                 lambda path: k_dim if _leaf_name(path) == "state" else None)
+    if isinstance(e, KDAState):       # the state's K over the axes batch and heads leave
+      names = (None,) * axis + STATE_AXES
+      windows = aot.batch_shardings(e, mesh, axis)
+      return replace(windows, state=NamedSharding(
+          mesh, logical_to_spec(e.state.shape, names, mesh)))
     if not isinstance(e, PagedMLACache):
       return aot.batch_shardings(e, mesh, axis)
     spec = lambda a: NamedSharding(mesh, PartitionSpec(*(axes if i == axis else None

@@ -233,3 +233,45 @@ def test_compiles_several_l_tiles(lhs_kind):
   compiled = _compile("v6e", lhs_kind, rows=512, e=8, l=2048, f=1024,
                       tiling=Tiling(128, 256, 1024, 512))
   assert "tpu_custom_call" in compiled.as_text()
+
+
+def test_stacked_rhs_reads_its_layer(data):
+  """layer=: a [layers, E, L, F] stack multiplied at one layer gives bitwise what the
+  layer's own [E, L, F] slice gives (the same blocks, read through the index map)."""
+  x, w = data
+  stack = mx.MXArray(jnp.stack([w.codes[::-1], w.codes, w.codes[::-1]]),
+                     jnp.stack([w.scales[::-1], w.scales, w.scales[::-1]]), "mxfp4", -2)
+  sizes = jnp.asarray(PATTERNS[0], jnp.int32)
+  lhs = x.astype(jnp.bfloat16)
+  want = mxfp4_gmm(lhs, w, sizes, tiling=Tiling(16, 128, 256, 256), interpret=True)
+  got = mxfp4_gmm(lhs, stack, sizes, tiling=Tiling(16, 128, 256, 256), interpret=True,
+                  layer=jnp.int32(1))
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_scanned_layers_pass_the_stack_to_the_kernel():
+  """Under a layer scan, packed weights given as mx_gmm.StackedLayer reach the TPU kernel
+  as the whole stack (v5p compile): no per-layer copy of the experts out of the stack."""
+  from benchmarks.mxfp4_gmm import AXIS as X, _mesh
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from k3_jax.ops.mx_gmm import StackedLayer
+  layers, e, l, f, m = 3, 4, 256, 256, 64
+  mesh = _mesh("v5p")
+  gmm = packed_gmm(ragged_dot_gmm, kernel=True)
+
+  def local(x, wc, ws, g):
+    def body(h, i):
+      return gmm(h, StackedLayer(mx.MXArray(wc, ws, "mxfp4", -2), i), g).astype(h.dtype), None
+    return jax.lax.scan(body, x, jnp.arange(layers))[0]
+
+  fn = jax.shard_map(local, mesh=mesh, in_specs=(P(X), P(None, X), P(None, X), P(X)),
+                     out_specs=P(X), check_vma=False)
+  n = mesh.devices.size
+  sds = lambda shape, dt, spec: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, spec))
+  text = jax.jit(fn).lower(sds((n * m, l), jnp.bfloat16, P(X)),
+                           sds((layers, n * e, l // 2, f), jnp.uint8, P(None, X)),
+                           sds((layers, n * e, l // 32, f), jnp.uint8, P(None, X)),
+                           sds((n * e,), jnp.int32, P(X))).compile().as_text()
+  calls = [ln for ln in text.splitlines() if 'custom_call_target="tpu_custom_call"' in ln
+           and "mxfp4_gmm" in ln]
+  assert calls and all(f"u8[{layers},{e},{l // 2},{f}]" in ln for ln in calls)

@@ -134,9 +134,10 @@ def _k_split(state: jax.Array, par: Parallel) -> bool:
   return len(spec) > 2 and spec[2] is not None
 
 
-# The serving cache's names for a state's dimensions (kv_pages.paged_cache_shardings):
-# "cache_seq" takes the mesh axes the batch leaves unused.
-STATE_AXES = ("batch", None, "cache_seq", None)
+# The serving cache's names for a decode state's dimensions [B, H, K, V]
+# (kv_pages.paged_cache_shardings): K ("cache_seq") takes the mesh axes the batch and the
+# heads leave unused.
+STATE_AXES = ("batch", "heads", "cache_seq", None)
 
 
 @jax.named_scope("recurrent_step")
@@ -163,4 +164,4 @@ __all__ = ["chunk_kda", "decode_step", "resolve_backend", "resolve_chunk_size",
            "CHUNK_BY_BACKEND", "chunk_kda_reference",
            "recurrent_kda", "kda_decode_step", "l2_normalize", "kda_gate_lower_bound",
            "kda_gate_softplus", "G_CLAMP", "TILE", "SUB_TILE", "BACKENDS", "default_scale",
-           "doc_index"]
+           "doc_index", "STATE_AXES"]
