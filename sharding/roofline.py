@@ -431,9 +431,34 @@ class _Walker:
       if u.op in ("dynamic-slice", "gather") and u.operands[0] == name:
         total += type_bytes(u.type)
         continue
-      through = u.op in ("bitcast", "copy", "convert") or (
-          u.op == "fusion" and len(u.operands) == 1 and "kind=kLoop" in u.attrs)
-      got = self._sliced_reads(body, u.name, users, depth + 1) if through else None
+      loop = u.op == "fusion" and "kind=kLoop" in u.attrs
+      got = self._nested_reads(u, name, depth + 1) if loop else None
+      through = u.op in ("bitcast", "copy", "convert") or (loop and len(u.operands) == 1)
+      if got is None and through:
+        got = self._sliced_reads(body, u.name, users, depth + 1)
+      if got is None:
+        return None
+      total += got
+    return total
+
+  def _nested_reads(self, fusion: Instr, name: str, depth: int) -> float | None:
+    """What a nested loop fusion reads of its operand `name`, when inside it that
+    parameter only reaches slices or gathers (the slice of a scanned layer's weights with
+    its index, fused into the matmul's operand); None otherwise."""
+    body = self.comps.get(_attr(fusion.attrs, "calls") or "")
+    if not body:
+      return None
+    params = {int(i.args): i.name for i in body.values() if i.op == "parameter"
+              and i.args.strip().isdigit()}
+    users: dict[str, list[Instr]] = {}
+    for i in body.values():
+      for o in i.operands:
+        users.setdefault(o, []).append(i)
+    total = 0.0
+    for k, o in enumerate(fusion.operands):
+      if o != name:
+        continue
+      got = self._sliced_reads(body, params[k], users, depth) if k in params else None
       if got is None:
         return None
       total += got

@@ -207,3 +207,36 @@ ENTRY %main (pool: f32[1000,8,4], idx: s32[2,1], new: f32[2,8,4]) -> f32[1000,8,
 """
   rows = 2 * 8 * 4 * 4
   assert program_costs(hlo).hbm_bytes == rows + 8 + rows + rows   # pool rows, indices, updates
+
+
+def test_a_nested_fusion_slicing_the_stack_with_its_index_reads_the_slice():
+  """A matmul fusion whose operand is a nested loop fusion of (stacked weights, layer
+  index) that slices the layer reads that layer, not the stack."""
+  from sharding.roofline import program_costs
+  hlo = """HloModule m, entry_computation_layout={(bf16[22,16,8]{2,1,0}, s32[], bf16[2,16]{1,0})->f32[2,8]{1,0}}
+
+%slice_fusion (p0: bf16[22,16,8], p1: s32[]) -> bf16[16,8] {
+  %p0 = bf16[22,16,8]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %zero = s32[] constant(0)
+  %ds = bf16[1,16,8]{2,1,0} dynamic-slice(%p0, %p1, %zero, %zero), dynamic_slice_sizes={1,16,8}
+  ROOT %b = bf16[16,8]{1,0} bitcast(%ds)
+}
+
+%fused (param_0: bf16[22,16,8], param_1: s32[], param_2: bf16[2,16]) -> f32[2,8] {
+  %param_0 = bf16[22,16,8]{2,1,0} parameter(0)
+  %param_1 = s32[] parameter(1)
+  %param_2 = bf16[2,16]{1,0} parameter(2)
+  %w = bf16[16,8]{1,0} fusion(%param_0, %param_1), kind=kLoop, calls=%slice_fusion
+  ROOT %d = f32[2,8]{1,0} dot(%param_2, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (w: bf16[22,16,8], i: s32[], x: bf16[2,16]) -> f32[2,8] {
+  %w = bf16[22,16,8]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %x = bf16[2,16]{1,0} parameter(2)
+  ROOT %f = f32[2,8]{1,0} fusion(%w, %i, %x), kind=kOutput, calls=%fused
+}
+"""
+  # the layer's 16 x 8 bf16 (not 22 of them), the index, x, the f32 result
+  assert program_costs(hlo).hbm_bytes == 16 * 8 * 2 + 4 + 2 * 16 * 2 + 2 * 8 * 4
