@@ -96,6 +96,36 @@ def type_bytes(type_str: str) -> float:
   return sum(_dtype_bytes(dt) * math.prod(dims) for dt, dims in _arrays(type_str))
 
 
+# An array's layout may name a memory space: 'f32[8,96]{1,0:T(8,128)S(1)}'. Space 0 (no S)
+# is HBM; the TPU compiler's memory-space assignment puts buffers it prefetches or keeps
+# on chip in the others (S(1) is VMEM: a Pallas kernel's scoped VMEM is memory_space 1),
+# and those reads and writes are not HBM traffic.
+_ARRAY_LAYOUT = re.compile(r"\b([a-z]\w*?)\[([0-9,]*)\](\{[^}]*\})?")
+_SPACE = re.compile(r"S\((\d+)\)")
+
+
+def _hbm_arrays(type_str: str) -> list[tuple[float, bool]]:
+  """(bytes, in HBM?) of each array of an HLO type string, in order."""
+  out = []
+  for dt, dims, layout in _ARRAY_LAYOUT.findall(type_str):
+    if dt in _DTYPE_BYTES or dt.startswith("f8"):
+      space = _SPACE.search(layout or "")
+      out.append((_dtype_bytes(dt) * math.prod(int(d) for d in dims.split(",") if d),
+                  space is None or space.group(1) == "0"))
+  return out
+
+
+def hbm_bytes(type_str: str) -> float:
+  """Bytes of the arrays of an HLO type string that live in HBM (memory space 0)."""
+  return sum(b for b, hbm in _hbm_arrays(type_str) if hbm)
+
+
+def in_hbm(type_str: str) -> bool:
+  """Does (the first array of) this type live in HBM?"""
+  arrays = _hbm_arrays(type_str)
+  return not arrays or arrays[0][1]
+
+
 @dataclasses.dataclass
 class Instr:
   name: str
@@ -284,9 +314,10 @@ def _kernel_costs(ins: "Instr") -> tuple[str, float, float] | None:
 
 
 class _Walker:
-  def __init__(self, text: str):
+  def __init__(self, text: str, hbm_only: bool = True):
     self.comps, self.entry = parse_hlo(text)
     self.roots = _roots(text)
+    self.hbm_only = hbm_only
 
   def shape(self, comp: str, name: str) -> list:
     ins = self.comps[comp].get(name)
@@ -467,22 +498,33 @@ class _Walker:
   def boundary_bytes(self, comp: str, ins: Instr) -> float:
     """HBM bytes an instruction reads and writes. Slicing reads only its slice, a gather
     only the rows it gathers (a paged decode reads its pages, not the pool), and an
-    in-place dynamic-update-slice or scatter writes only its update (a scanned layer reads its own
-    weights, not the whole stack), inside a fusion as on its own."""
+    in-place dynamic-update-slice or scatter writes only its update (a scanned layer reads
+    its own weights, not the whole stack), inside a fusion as on its own. Operands and
+    results the compiler placed on chip (a memory space other than 0) cost no HBM bytes."""
     table = self.comps[comp]
-    size = lambda name: type_bytes(table[name].type) if name in table else 0.0
+    typ = lambda name: table[name].type if name in table else ""
+    hbm = (lambda t: hbm_bytes(t)) if self.hbm_only else type_bytes
+    where = in_hbm if self.hbm_only else (lambda t: True)
+    size = lambda name: hbm(typ(name))
+    here = lambda name: where(typ(name))
+    out_here = where(ins.type)
     if ins.op == "dynamic-slice":
-      return 2 * type_bytes(ins.type)
+      return type_bytes(ins.type) * (here(ins.operands[0]) + out_here)
     if ins.op == "gather" and len(ins.operands) > 1:
-      return 2 * type_bytes(ins.type) + size(ins.operands[1])
+      return type_bytes(ins.type) * (here(ins.operands[0]) + out_here) + size(ins.operands[1])
     if ins.op == "dynamic-update-slice" and len(ins.operands) > 1:
-      return 2 * size(ins.operands[1])
+      return size(ins.operands[1]) + type_bytes(typ(ins.operands[1])) * here(ins.operands[0])
     if ins.op == "scatter" and len(ins.operands) == 3:
-      return 2 * size(ins.operands[2]) + size(ins.operands[1])
+      return (size(ins.operands[2]) + size(ins.operands[1])
+              + type_bytes(typ(ins.operands[2])) * here(ins.operands[0]))
+    if ins.op == "copy-start" and self.hbm_only:   # (destination, source, context)
+      arrays = _hbm_arrays(ins.type)
+      return sum(size(o) for o in ins.operands) + (arrays[0][0] if arrays and arrays[0][1]
+                                                   else 0.0)
     called = _attr(ins.attrs, "calls") if ins.op == "fusion" else None
     body = self.comps.get(called or "")
     if not body:
-      return type_bytes(ins.type) + sum(size(o) for o in ins.operands)
+      return hbm(ins.type) + sum(size(o) for o in ins.operands)
     params = {int(i.args): i.name for i in body.values() if i.op == "parameter"
               and i.args.strip().isdigit()}
     users: dict[str, list[Instr]] = {}
@@ -491,6 +533,8 @@ class _Walker:
         users.setdefault(o, []).append(i)
     total = 0.0
     for k, o in enumerate(ins.operands):
+      if not here(o):
+        continue
       p = params.get(k)
       us = users.get(p, []) if p else []
       sliced = self._sliced_reads(body, p, users) if p else None
@@ -503,10 +547,13 @@ class _Walker:
     root = body.get(self.roots.get(called, ""))
     outs = ([body.get(n) for n in root.operands] if root is not None and root.op == "tuple"
             else [root])
-    for r in outs:
-      if r is not None and _in_place(r) and _update(r) in body:
+    spaces = [h or not self.hbm_only for _, h in _hbm_arrays(ins.type)]
+    for j, r in enumerate(outs):
+      if r is None or (len(spaces) == len(outs) and not spaces[j]):
+        continue
+      if _in_place(r) and _update(r) in body:
         total += type_bytes(body[_update(r)].type)
-      elif r is not None:
+      else:
         total += type_bytes(r.type)
     return total
 
@@ -522,9 +569,11 @@ def _update(ins: Instr) -> str:
   return ins.operands[1] if ins.op == "dynamic-update-slice" else ins.operands[2]
 
 
-def program_costs(hlo_text: str) -> Costs:
-  """Per-chip costs of a compiled SPMD module's text (see the module docstring)."""
-  w = _Walker(hlo_text)
+def program_costs(hlo_text: str, hbm_only: bool = True) -> Costs:
+  """Per-chip costs of a compiled SPMD module's text (see the module docstring).
+  hbm_only=False counts on-chip buffers (memory spaces other than 0) as memory traffic
+  too, as XLA's own cost analysis does."""
+  w = _Walker(hlo_text, hbm_only)
   return w.cost(w.entry)
 
 
@@ -591,4 +640,5 @@ def format_roofline(r: dict) -> str:
 
 
 __all__ = ["CHIPS", "CHIP_SOURCE", "PALLAS_TARGETS", "COLLECTIVES", "Costs", "parse_hlo", "type_bytes",
+           "hbm_bytes", "in_hbm",
            "program_costs", "roofline", "format_roofline"]

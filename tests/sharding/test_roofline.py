@@ -54,10 +54,15 @@ def test_scanned_layers_count_every_iteration(one_slice):
 
 def test_unrolled_program_agrees_with_xla_cost_analysis(one_slice):
   c = _grad_program(one_slice, 3, True, P("fsdp", None))
-  costs, xla = rl.program_costs(c.as_text()), c.cost_analysis()
+  text, xla = c.as_text(), c.cost_analysis()
+  costs = rl.program_costs(text, hbm_only=False)
   # XLA also counts elementwise FLOPs (tanh's derivative, the square): within 5%
   assert costs.flops == pytest.approx(xla["flops"], rel=0.05)
+  # XLA's bytes count every buffer, wherever the compiler placed it
   assert costs.hbm_bytes == pytest.approx(xla["bytes accessed"], rel=0.10)
+  # the HBM count leaves out what memory-space assignment keeps on chip (S(1): VMEM)
+  hbm = rl.program_costs(text).hbm_bytes
+  assert "S(1)" in text and 0 < hbm < costs.hbm_bytes
 
 
 def test_multi_slice_traffic_is_dcn_and_only_the_gradient_reduction():
@@ -240,3 +245,29 @@ ENTRY %main (w: bf16[22,16,8], i: s32[], x: bf16[2,16]) -> f32[2,8] {
 """
   # the layer's 16 x 8 bf16 (not 22 of them), the index, x, the f32 result
   assert program_costs(hlo).hbm_bytes == 16 * 8 * 2 + 4 + 2 * 16 * 2 + 2 * 8 * 4
+
+
+def test_on_chip_buffers_are_not_hbm_traffic():
+  """A buffer the compiler placed in VMEM (S(1) in its layout) costs no HBM bytes: a
+  prefetch (copy-start) reads HBM once, and the fusion reading the prefetched copy reads
+  only its other, HBM, operand."""
+  from sharding.roofline import program_costs
+  hlo = """HloModule m, entry_computation_layout={(f32[256]{0}, f32[256]{0})->f32[256]{0}}
+
+%fused (p0: f32[256], p1: f32[256]) -> f32[256] {
+  %p0 = f32[256]{0:S(1)} parameter(0)
+  %p1 = f32[256]{0} parameter(1)
+  ROOT %a = f32[256]{0} add(%p0, %p1)
+}
+
+ENTRY %main (a: f32[256], b: f32[256]) -> f32[256] {
+  %a = f32[256]{0} parameter(0)
+  %b = f32[256]{0} parameter(1)
+  %cs = (f32[256]{0:S(1)}, f32[256]{0}, u32[]) copy-start(%a)
+  %cd = f32[256]{0:S(1)} copy-done(%cs)
+  ROOT %f = f32[256]{0} fusion(%cd, %b), kind=kLoop, calls=%fused
+}
+"""
+  # copy-start: reads a (1 KiB); fusion: reads b, writes its result (1 KiB each)
+  assert program_costs(hlo).hbm_bytes == 3 * 1024
+  assert program_costs(hlo, hbm_only=False).hbm_bytes > 3 * 1024
