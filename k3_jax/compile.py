@@ -18,12 +18,12 @@ from flax import nnx
 from k3_jax import train
 from k3_jax.cache import MLACache, ModelCache
 from k3_jax.config import (EXPERT_FORMATS, ConfigError, ModelConfig, PodLayout, TrainConfig,
-                           jnp_dtype, validate, validate_train)
+                           validate, validate_train)
 from k3_jax.model import create_model, param_counts, prefill
 from k3_jax.serve import kv_pages as kv
 from k3_jax.serve.pack import pack_routed_experts
 from k3_jax.stack import map_cache
-from sharding import aot, roofline
+from sharding import aot
 from sharding.install import parallel_for
 from sharding.mesh import make_mesh, parse_mesh, validate_mesh
 from sharding.rules import RULES, tree_shardings
@@ -131,14 +131,10 @@ def compile_step(cfg: ModelConfig, tc: TrainConfig, target: Target, step: str,
                 step_function=("k3_jax.serve.steps.decode_step (the engine's, paged cache)"
                                if step == "decode" else "k3_jax.model.prefill"))
   tokens = batch if step == "decode" else batch * seq
-  extra = None
-  if step == "decode":
-    extra = (f"paged decode attention: the page loop's iterations past the first of each "
-             f"MLA layer, every slot at {length} tokens",
-             paged_loop_costs(cfg, batch, length, kv.page_shards(mesh),
-                              parallel_for(mesh).platform))
+  # (a TPU decode attends over the pages with the Pallas kernel, whose cost estimate counts
+  # every column; the plain-JAX page loop of other backends has a data-dependent trip count)
   _, rep = aot.compile_report(fn, args, target.chip_hbm_bytes, target.generation,
-                              model_flops(cfg, step, tokens, target.chips), extra)
+                              model_flops(cfg, step, tokens, target.chips))
   if step == "decode" and rep.get("roofline"):
     r = rep["roofline"]
     low = decode_min_bytes(cfg, expert_format, batch, length) / target.chips
@@ -192,28 +188,6 @@ def expert_reads_at_min_routing(cfg: ModelConfig, r: dict, batch: int, mesh) -> 
           "moe_layers": layers, "hbm_bytes_per_chip": hbm, "seconds": secs,
           "step_time_s": step, "bound": max(secs, key=secs.get),
           "tokens_per_s": batch / step}
-
-
-def paged_loop_costs(cfg: ModelConfig, batch: int, length: int, shards: int,
-                     platform: str) -> roofline.Costs:
-  """Per chip, what the program text cannot show of the paged decode attention
-  (ops/attention.paged_decode_partial): its loop over pages runs as many steps as the
-  longest sequence needs, a trip count the text does not fix, so the roofline counts one
-  step per MLA layer. With every slot at `length` tokens a shard runs ceil(columns /
-  block) steps over its ceil(ceil(length / 512) / shards) columns; each reads `block`
-  pages of (kv_lora + rope) latents per sequence and multiplies them twice per head
-  (logits, weighted sum). Returns the steps past the first."""
-  from k3_jax.ops.attention import pages_per_block
-  from k3_jax.serve.kv_pages import PAGE
-  c = cfg.mla
-  cols = -(-(-(-length // PAGE)) // shards)
-  block = min(pages_per_block(platform), cols)
-  steps = -(-cols // block)
-  layers = sum(1 for mixer, _ in cfg.layer_kinds() if mixer == "mla")
-  keys = batch * block * PAGE * max(steps - 1, 0) * layers          # keys read per chip
-  width = c.kv_lora_rank + c.qk_rope_head_dim
-  return roofline.Costs(flops=2.0 * keys * c.num_heads * (width + c.kv_lora_rank),
-                        hbm_bytes=float(keys * width * jnp.dtype(jnp_dtype(cfg.dtype)).itemsize))
 
 
 ROUTED = ("w_gate", "w_up", "w_down")     # the routed experts' weights (layers/moe.py)

@@ -27,7 +27,7 @@ def page_axes(mesh: Mesh) -> tuple[str, ...]:
 
 
 def paged_attention(mesh: Mesh, q_latent, q_rope, pool_c, pool_r, unit, table, pos, scale,
-                    block):
+                    block, kernel=False):
   """`k3_jax.layers.mla.paged_attention` on `mesh`: each shard over its own table columns
   (j % n == its index along page_axes), then the partials combined over the shards.
   q_latent [B, H, R], q_rope [B, H, P], table [B, M], pos [B] replicated; pools split on
@@ -39,7 +39,7 @@ def paged_attention(mesh: Mesh, q_latent, q_rope, pool_c, pool_r, unit, table, p
   lead = () if unit is None else (None,)
   pool_spec = P(*lead, axes, None, None)
   body = functools.partial(_local, axes=axes, shards=n, scale=scale, block=block,
-                           stacked=unit is not None)
+                           stacked=unit is not None, kernel=kernel)
   args = (q_latent, q_rope, pool_c, pool_r, table, pos) + (() if unit is None else (unit,))
   specs = (P(), P(), pool_spec, pool_spec, P(), P()) + (() if unit is None else (P(),))
   fn = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=attn_ops.Partial(P(), P(), P()),
@@ -48,7 +48,7 @@ def paged_attention(mesh: Mesh, q_latent, q_rope, pool_c, pool_r, unit, table, p
 
 
 def _local(q_latent, q_rope, pool_c, pool_r, table, pos, *unit, axes, shards, scale, block,
-           stacked):
+           stacked, kernel):
   """One shard: the columns j = s, s + n, ... of the table, their pages as local ids."""
   s = jax.lax.axis_index(axes)
   b, m = table.shape
@@ -58,8 +58,8 @@ def _local(q_latent, q_rope, pool_c, pool_r, table, pos, *unit, axes, shards, sc
   mine = jax.lax.dynamic_index_in_dim(table.reshape(b, cols, shards), s, 2, keepdims=False)
   ids = jnp.clip(mine - s * local, 0, local - 1)     # another shard's id: only where masked
   col_pos = (jnp.arange(cols, dtype=jnp.int32) * shards + s) * page
-  part = attn_ops.paged_decode_partial(q_latent, q_rope, pool_c, pool_r, ids, col_pos, pos,
-                                       scale, unit[0] if stacked else None, block)
+  part = attn_ops.paged_partial(q_latent, q_rope, pool_c, pool_r, ids, col_pos, pos, scale,
+                                unit[0] if stacked else None, block, kernel)
   m_all = jax.lax.pmax(part.m, axes)
   keep = attn_ops.rescale(part.m, m_all)
   return attn_ops.Partial(m_all, jax.lax.psum(part.l * keep, axes),

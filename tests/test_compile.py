@@ -152,22 +152,3 @@ def test_lowered_train_step_does_not_grow_with_the_sequence_split():
                 len(re.findall(r"stablehlo\.collective_permute\b", text)))
   assert stats[2][1:] == stats[4][1:], stats           # the same collectives
   assert stats[4][0] < 1.15 * stats[2][0], stats
-
-
-def test_paged_loop_costs_count_the_steps_past_the_first():
-  """The page loop's trip count depends on the positions, so the program text shows one
-  step per MLA layer; compile adds the others for every slot at cache_len."""
-  import configs
-  from k3_jax.compile import paged_loop_costs
-  cfg = configs.get("k3_tiny")
-  layers = sum(1 for m, _ in cfg.layer_kinds() if m == "mla")
-  c, item = cfg.mla, 4 if cfg.dtype == "float32" else 2
-  # 8 pages over 2 shards: 4 columns each, one page a step on CPU: 3 steps past the first
-  got = paged_loop_costs(cfg, 2, 4096, 2, "cpu")
-  keys = 2 * 512 * 3 * layers
-  assert got.hbm_bytes == keys * (c.kv_lora_rank + c.qk_rope_head_dim) * item
-  assert got.flops == 2 * keys * c.num_heads * (2 * c.kv_lora_rank + c.qk_rope_head_dim)
-  # 16 pages a step on TPU: 2048 pages over 64 shards = 32 columns = 2 steps, 1 past the first
-  assert paged_loop_costs(cfg, 8, 1 << 20, 64, "tpu").hbm_bytes == (
-      8 * 16 * 512 * layers * (c.kv_lora_rank + c.qk_rope_head_dim) * item)
-  assert paged_loop_costs(cfg, 8, 64, 4, "tpu").hbm_bytes == 0    # one page: nothing missed

@@ -165,7 +165,7 @@ class MLA(nnx.Module):
     q_lat, q_rope = q_lat[:, 0], q_rope[:, 0]                          # [B, H, R], [B, H, P]
     attend = par.ops.paged_attention or paged_attention
     cached = attend(q_lat, q_rope, pool_c, pool_r, unit, table, pos, self.scale,
-                    attn_ops.pages_per_block(par.platform))
+                    attn_ops.pages_per_block(par.platform), kernel=par.platform == "tpu")
     own = attn_ops.token_partial(q_lat, q_rope, new_c[:, 0], new_r[:, 0], self.scale)
     part = attn_ops.merge_partials(cached, own)
     o_lat = attn_ops.finish_partial(part)[:, None]                     # [B, 1, H, R]
@@ -216,14 +216,16 @@ class MLA(nnx.Module):
     return y, new_cache, max_logit
 
 
-def paged_attention(q_latent, q_rope, pool_c, pool_r, unit, table, pos, scale, block=1):
+def paged_attention(q_latent, q_rope, pool_c, pool_r, unit, table, pos, scale, block=1,
+                    kernel=False):
   """One device's paged decode attention: every column of the page table [B, M] (column j
   holds positions j P ... (j + 1) P - 1) over the pool -> the softmax Partial of the
-  positions < pos [B] (k3_jax/ops/attention.py paged_decode_partial, `block` pages a step)."""
+  positions < pos [B] (k3_jax/ops/attention.py paged_decode_partial, `block` pages a step;
+  kernel: the Pallas TPU kernel instead)."""
   page_size = pool_c.shape[-2]
   col_pos = jnp.arange(table.shape[1], dtype=jnp.int32) * page_size
-  return attn_ops.paged_decode_partial(q_latent, q_rope, pool_c, pool_r, table, col_pos, pos,
-                                       scale, unit, block)
+  return attn_ops.paged_partial(q_latent, q_rope, pool_c, pool_r, table, col_pos, pos,
+                                scale, unit, block, kernel)
 
 
 def page_slots(table: jax.Array, q_pos: jax.Array, page_size: int):

@@ -200,6 +200,18 @@ def pages_per_block(platform: str) -> int:
   return PAGES_PER_BLOCK.get(platform, DEFAULT_PAGES_PER_BLOCK)
 
 
+def paged_partial(q_latent, q_rope, pool_c, pool_r, pages, col_pos, q_pos, scale, unit=None,
+                  block: int = 1, kernel: bool = False) -> Partial:
+  """`paged_decode_partial`, or with kernel=True the Pallas TPU kernel of the same
+  signature (pallas_kernels/paged_attention.py: each page read once, into VMEM)."""
+  if kernel:
+    from pallas_kernels.paged_attention import paged_decode_partial as pallas_partial
+    return Partial(*pallas_partial(q_latent, q_rope, pool_c, pool_r, pages, col_pos, q_pos,
+                                   scale, unit, block))
+  return paged_decode_partial(q_latent, q_rope, pool_c, pool_r, pages, col_pos, q_pos, scale,
+                              unit, block)
+
+
 def paged_decode_partial(q_latent: jax.Array, q_rope: jax.Array, pool_c: jax.Array,
                          pool_r: jax.Array, pages: jax.Array, col_pos: jax.Array,
                          q_pos: jax.Array, scale: float, unit: jax.Array | None = None,
