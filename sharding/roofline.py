@@ -479,12 +479,7 @@ class _Walker:
     body = self.comps.get(_attr(fusion.attrs, "calls") or "")
     if not body:
       return None
-    params = {int(i.args): i.name for i in body.values() if i.op == "parameter"
-              and i.args.strip().isdigit()}
-    users: dict[str, list[Instr]] = {}
-    for i in body.values():
-      for o in i.operands:
-        users.setdefault(o, []).append(i)
+    params, users = _params_and_users(body)
     total = 0.0
     for k, o in enumerate(fusion.operands):
       if o != name:
@@ -525,12 +520,7 @@ class _Walker:
     body = self.comps.get(called or "")
     if not body:
       return hbm(ins.type) + sum(size(o) for o in ins.operands)
-    params = {int(i.args): i.name for i in body.values() if i.op == "parameter"
-              and i.args.strip().isdigit()}
-    users: dict[str, list[Instr]] = {}
-    for i in body.values():
-      for o in i.operands:
-        users.setdefault(o, []).append(i)
+    params, users = _params_and_users(body)
     total = 0.0
     for k, o in enumerate(ins.operands):
       if not here(o):
@@ -556,6 +546,17 @@ class _Walker:
       else:
         total += type_bytes(r.type)
     return total
+
+
+def _params_and_users(body: dict) -> tuple[dict[int, str], dict[str, list[Instr]]]:
+  """A computation's parameters by number, and each value's users."""
+  params = {int(i.args): i.name for i in body.values() if i.op == "parameter"
+            and i.args.strip().isdigit()}
+  users: dict[str, list[Instr]] = {}
+  for i in body.values():
+    for o in i.operands:
+      users.setdefault(o, []).append(i)
+  return params, users
 
 
 def _in_place(ins: Instr) -> bool:
