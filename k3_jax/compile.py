@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,7 @@ from k3_jax.cache import MLACache, ModelCache
 from k3_jax.config import (EXPERT_FORMATS, ConfigError, ModelConfig, PodLayout, TrainConfig,
                            validate, validate_train)
 from k3_jax.model import create_model, param_counts, prefill
+from k3_jax.ops.mx_gmm import EXPERT_WEIGHTS
 from k3_jax.serve import kv_pages as kv
 from k3_jax.serve.pack import pack_routed_experts
 from k3_jax.stack import map_cache
@@ -137,10 +139,11 @@ def compile_step(cfg: ModelConfig, tc: TrainConfig, target: Target, step: str,
                               model_flops(cfg, step, tokens, target.chips))
   if step == "decode" and rep.get("roofline"):
     r = rep["roofline"]
-    low = decode_min_bytes(cfg, expert_format, batch, length) / target.chips
+    weights = served_weight_bytes(cfg, expert_format)
+    low = decode_min_bytes(cfg, weights, batch, length) / target.chips
     r["analytic_min_bytes_per_chip"] = low
     r["hbm_bytes_vs_min"] = r["hbm_bytes_per_chip"] / low
-    routed = expert_reads_at_min_routing(cfg, r, batch, mesh)
+    routed = expert_reads_at_min_routing(cfg, r, batch, mesh, weights.routed)
     if routed:
       r["at_min_routing"] = routed
       routed["hbm_bytes_vs_min"] = routed["hbm_bytes_per_chip"] / low
@@ -159,7 +162,8 @@ def compile_step(cfg: ModelConfig, tc: TrainConfig, target: Target, step: str,
 NODE_CHIPS, NODE_TARGET_TOKENS_S = 64, 8700.0
 
 
-def expert_reads_at_min_routing(cfg: ModelConfig, r: dict, batch: int, mesh) -> dict | None:
+def expert_reads_at_min_routing(cfg: ModelConfig, r: dict, batch: int, mesh,
+                                routed_bytes: float) -> dict | None:
   """The decode roofline with the routed experts read as the analytic minimum assumes.
 
   The MXFP4 expert kernel (pallas_kernels/mxfp4_gmm.py) fetches the packed weights of the
@@ -168,7 +172,8 @@ def expert_reads_at_min_routing(cfg: ModelConfig, r: dict, batch: int, mesh) -> 
   the batch's batch x top_k picks fall on distinct experts, spread evenly over the expert
   shards: min(E_l, batch k E_l / E) of a shard's E_l experts per MoE layer. This is the
   same step with the kernels' weight reads at that count (everything else as compiled), so
-  step and minimum compare like with like. None without MXFP4 expert kernels."""
+  step and minimum compare like with like. routed_bytes: all routed experts' weights as
+  served (served_weight_bytes). None without MXFP4 expert kernels."""
   calls = (r.get("pallas_kernels") or {}).get("mxfp4_gmm")
   if not calls or not r.get("chip"):
     return None
@@ -176,11 +181,8 @@ def expert_reads_at_min_routing(cfg: ModelConfig, r: dict, batch: int, mesh) -> 
   shards = math.prod(mesh.shape[a] for a in RULES["experts"] if a in mesh.shape)
   local = m.num_experts / shards
   touched = min(local, batch * m.top_k * local / m.num_experts)
-  lat, inter = m.latent_dim or cfg.d_model, m.expert_intermediate
-  packed = lambda rows, cols: (rows // 2 + rows // 32) * cols     # E2M1 codes + E8M0 scales
-  per_expert_layer = 2 * packed(lat, inter) + packed(inter, lat)  # gate, up, down
-  layers = calls["count"] / 3
-  saved = (local - touched) * per_expert_layer * layers
+  layers = calls["count"] / 3                                   # gate, up, down a layer
+  saved = (local - touched) * routed_bytes / m.num_experts      # one expert, every layer
   hbm = r["hbm_bytes_per_chip"] - saved
   secs = {**r["seconds"], "hbm": hbm / r["chip"]["hbm_bytes_s"]}
   step = max(secs.values())
@@ -190,24 +192,35 @@ def expert_reads_at_min_routing(cfg: ModelConfig, r: dict, batch: int, mesh) -> 
           "tokens_per_s": batch / step}
 
 
-ROUTED = ("w_gate", "w_up", "w_down")     # the routed experts' weights (layers/moe.py)
+class WeightBytes(NamedTuple):
+  """Bytes of the served parameters: all of them, the routed experts', the embedding
+  table's."""
+  total: float
+  routed: float
+  table: float
 
 
-def decode_min_bytes(cfg: ModelConfig, expert_format: str, batch: int, length: int) -> float:
-  """The least a decode step must read, over all chips: every weight but the routed
-  experts and the embedding table (which gives only `batch` rows), the routed experts a
-  batch of `batch` tokens can touch (min(E, batch * top_k) of E per MoE layer), and the
-  cache (every MLA latent of `length` positions, every KDA state) of `batch` sequences."""
-  _, params, rest = serving_params(cfg, expert_format)
+def served_weight_bytes(cfg: ModelConfig, expert_format: str) -> WeightBytes:
+  """The parameters as served (`serving_params`), by the parts a decode reads differently."""
+  _, params, _ = serving_params(cfg, expert_format)
   total = routed = table = 0.0
   for path, leaf in jax.tree_util.tree_leaves_with_path(params):
     names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
     n = leaf.size * leaf.dtype.itemsize
     total += n
-    if any(x in ROUTED for x in names):
+    if any(x in EXPERT_WEIGHTS for x in names):
       routed += n
     elif names[:2] == ["embed", "table"]:
       table += n
+  return WeightBytes(total, routed, table)
+
+
+def decode_min_bytes(cfg: ModelConfig, weights: WeightBytes, batch: int, length: int) -> float:
+  """The least a decode step must read, over all chips: every weight but the routed
+  experts and the embedding table (which gives only `batch` rows), the routed experts a
+  batch of `batch` tokens can touch (min(E, batch * top_k) of E per MoE layer), and the
+  cache (every MLA latent of `length` positions, every KDA state) of `batch` sequences."""
+  total, routed, table = weights
   touched = min(1.0, batch * cfg.moe.top_k / cfg.moe.num_experts)
   cache = jax.eval_shape(lambda: create_model(cfg, mode="abstract").init_cache(batch, length))
   cache_bytes = aot.tree_bytes(cache)

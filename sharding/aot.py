@@ -120,16 +120,13 @@ def flops(compiled) -> float | None:
 
 
 def compile_report(jitted, args: tuple, chip_hbm_bytes: int, generation: str | None = None,
-                   model_flops: float | None = None,
-                   extra: tuple[str, Any] | None = None) -> tuple[Any, dict]:
+                   model_flops: float | None = None) -> tuple[Any, dict]:
   """Lower `jitted` with abstract `args` (ShapeDtypeStructs with shardings), compile, and
   measure. -> (compiled, report dict with the memory numbers, flops, chip_hbm_bytes, fits,
   headroom_bytes, lower_seconds, compile_seconds, and with `generation` (v5e | v5p | v6e) a
   `roofline` (sharding/roofline.py; model_flops: the useful FLOPs per chip, for the MFU)).
   flops_per_chip counts every loop iteration (roofline.program_costs); xla_flops_per_chip is
-  XLA's cost analysis, which counts a loop body once. extra: (what, roofline.Costs) that the
-  program text cannot show (e.g. the iterations of a loop whose trip count depends on the
-  data), added to the counted costs and reported under roofline.added_analytically."""
+  XLA's cost analysis, which counts a loop body once."""
   t0 = time.time()
   lowered = jitted.lower(*args)
   t1 = time.time()
@@ -155,16 +152,10 @@ def compile_report(jitted, args: tuple, chip_hbm_bytes: int, generation: str | N
     with open(os.environ["K3_DUMP_HLO"], "w") as f:
       f.write(text)
   costs = roofline.program_costs(text)
-  if extra is not None:
-    costs.add(extra[1])
   rep["flops_per_chip"] = costs.flops
   rep["xla_flops_per_chip"] = flops(compiled)
   if generation is not None:
     rep["roofline"] = roofline.roofline(costs, generation, model_flops)
-    if extra is not None:
-      rep["roofline"]["added_analytically"] = {
-          "what": extra[0], "flops_per_chip": extra[1].flops,
-          "hbm_bytes_per_chip": extra[1].hbm_bytes}
   rep["chip_hbm_bytes"] = int(chip_hbm_bytes)
   rep["headroom_bytes"] = int(chip_hbm_bytes) - rep["per_chip_total_bytes"]
   rep["fits"] = rep["headroom_bytes"] >= 0

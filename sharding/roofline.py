@@ -72,7 +72,13 @@ _DTYPE_BYTES = {"pred": 1, "s2": 0.25, "u2": 0.25, "s4": 0.5, "u4": 0.5, "s8": 1
                 "s16": 2, "u16": 2, "s32": 4, "u32": 4, "s64": 8, "u64": 8, "f16": 2,
                 "bf16": 2, "f32": 4, "f64": 8, "c64": 8, "c128": 16, "f4e2m1fn": 0.5,
                 "f8e8m0fnu": 1, "token": 0}
-_ARRAY = re.compile(r"\b([a-z]\w*?)\[([0-9,]*)\]")
+# An array and its optional layout; the layout may name a memory space:
+# 'f32[8,96]{1,0:T(8,128)S(1)}'. Space 0 (no S) is HBM; the TPU compiler's memory-space
+# assignment puts buffers it prefetches or keeps on chip in the others (S(1) is VMEM: a
+# Pallas kernel's scoped VMEM is memory_space 1), and those reads and writes are not HBM
+# traffic.
+_ARRAY = re.compile(r"\b([a-z]\w*?)\[([0-9,]*)\](\{[^}]*\})?")
+_SPACE = re.compile(r"S\((\d+)\)")
 
 
 def _dtype_bytes(dtype: str) -> float:
@@ -83,12 +89,19 @@ def _dtype_bytes(dtype: str) -> float:
   return 0
 
 
-def _arrays(type_str: str) -> list[tuple[str, tuple[int, ...]]]:
+def _placed_arrays(type_str: str) -> list[tuple[str, tuple[int, ...], bool]]:
+  """(dtype, dims, in HBM?) of each array of an HLO type string, in order."""
   out = []
-  for dt, dims in _ARRAY.findall(type_str):
+  for dt, dims, layout in _ARRAY.findall(type_str):
     if dt in _DTYPE_BYTES or dt.startswith("f8"):
-      out.append((dt, tuple(int(d) for d in dims.split(",") if d)))
+      space = _SPACE.search(layout or "")
+      out.append((dt, tuple(int(d) for d in dims.split(",") if d),
+                  space is None or space.group(1) == "0"))
   return out
+
+
+def _arrays(type_str: str) -> list[tuple[str, tuple[int, ...]]]:
+  return [(dt, dims) for dt, dims, _ in _placed_arrays(type_str)]
 
 
 def type_bytes(type_str: str) -> float:
@@ -96,23 +109,10 @@ def type_bytes(type_str: str) -> float:
   return sum(_dtype_bytes(dt) * math.prod(dims) for dt, dims in _arrays(type_str))
 
 
-# An array's layout may name a memory space: 'f32[8,96]{1,0:T(8,128)S(1)}'. Space 0 (no S)
-# is HBM; the TPU compiler's memory-space assignment puts buffers it prefetches or keeps
-# on chip in the others (S(1) is VMEM: a Pallas kernel's scoped VMEM is memory_space 1),
-# and those reads and writes are not HBM traffic.
-_ARRAY_LAYOUT = re.compile(r"\b([a-z]\w*?)\[([0-9,]*)\](\{[^}]*\})?")
-_SPACE = re.compile(r"S\((\d+)\)")
-
-
 def _hbm_arrays(type_str: str) -> list[tuple[float, bool]]:
   """(bytes, in HBM?) of each array of an HLO type string, in order."""
-  out = []
-  for dt, dims, layout in _ARRAY_LAYOUT.findall(type_str):
-    if dt in _DTYPE_BYTES or dt.startswith("f8"):
-      space = _SPACE.search(layout or "")
-      out.append((_dtype_bytes(dt) * math.prod(int(d) for d in dims.split(",") if d),
-                  space is None or space.group(1) == "0"))
-  return out
+  return [(_dtype_bytes(dt) * math.prod(dims), hbm)
+          for dt, dims, hbm in _placed_arrays(type_str)]
 
 
 def hbm_bytes(type_str: str) -> float:
@@ -498,7 +498,7 @@ class _Walker:
     results the compiler placed on chip (a memory space other than 0) cost no HBM bytes."""
     table = self.comps[comp]
     typ = lambda name: table[name].type if name in table else ""
-    hbm = (lambda t: hbm_bytes(t)) if self.hbm_only else type_bytes
+    hbm = hbm_bytes if self.hbm_only else type_bytes
     where = in_hbm if self.hbm_only else (lambda t: True)
     size = lambda name: hbm(typ(name))
     here = lambda name: where(typ(name))
