@@ -43,3 +43,37 @@ def test_sharded_paged_attention_matches_one_device(spec, stacked):
   for g, w in zip(got, want):
     np.testing.assert_allclose(g, w, rtol=0, atol=1e-5)
   assert np.isneginf(got.m[0]).all() and (got.l[0] == 0).all()   # row 0 sees nothing
+
+
+def test_slot_split_paged_attention_matches_one_device():
+  """Pages split by sequence (split="slot", a batch that fills the mesh): slot b's pages
+  are ids of shard b // (B / 8); each shard attends its own slots, nothing combined."""
+  mesh = make_mesh(parse_mesh("expert:4,fsdp:2"))
+  b, h, r, pr, page, m, per = 16, 2, 8, 4, 4, 5, 12
+  n = 8 * per
+  rng = np.random.default_rng(0)
+  pos = rng.integers(0, m * page + 1, size=b).astype(np.int32)
+  pos[0], pos[1] = 0, m * page                         # nothing cached / every column
+  table = np.zeros((b, m), np.int32)
+  for i in range(b):
+    shard = i // (b // 8)
+    ids = shard * per + 1 + rng.permutation(per - 1)[:m]   # local id 0 left out: the null page
+    cols = -(-int(pos[i]) // page)
+    table[i, :cols] = ids[:cols]
+  k = jax.random.split(jax.random.key(1), 4)
+  pool_c, pool_r = jax.random.normal(k[0], (2, n, page, r)), jax.random.normal(k[1], (2, n, page, pr))
+  q_lat, q_rope = jax.random.normal(k[2], (b, h, r)), jax.random.normal(k[3], (b, h, pr))
+  unit = jnp.int32(1)
+  want = paged_attention(q_lat, q_rope, pool_c, pool_r, unit, table, pos, 0.3)
+  split = NamedSharding(mesh, P(None, paged.page_axes(mesh), None, None))
+  pool_c, pool_r = jax.device_put(pool_c, split), jax.device_put(pool_r, split)
+  fn = jax.jit(lambda *a: paged.paged_attention(mesh, *a, 0.3, 2, split="slot"))
+  got = fn(q_lat, q_rope, pool_c, pool_r, unit, table, pos)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, rtol=0, atol=1e-5)
+  assert np.isneginf(got.m[0]).all() and (got.l[0] == 0).all()   # row 0 sees nothing
+  hlo = fn.lower(q_lat, q_rope, pool_c, pool_r, unit, table, pos).compile().as_text()
+  assert "all-reduce" not in hlo                                 # no combine across shards
+  with pytest.raises(ValueError, match="divisible by the 8 page shards"):
+    paged.paged_attention(mesh, q_lat[:12], q_rope[:12], pool_c, pool_r, unit, table[:12],
+                          pos[:12], 0.3, 2, split="slot")
