@@ -84,7 +84,8 @@ def test_batch_filling_decode_layout_matches_one_device():
   """The decode layout for a batch that fills the mesh (k3_jax/compile.py): 8 slots on
   expert:8, pages by slot (slot b's pages on shard b), weights split off the model
   dimension (weights_by_output), the experts' all-to-all at the rule's capacity; the
-  serving decode step's logits equal one device's to 1e-5."""
+  serving decode step's logits equal one device's to 1e-5, and the idle slots' KDA states
+  come back unchanged (kept per layer: KDAState.active)."""
   from k3_jax import compile as comp
   from k3_jax import train
   from k3_jax.model import create_model
@@ -119,8 +120,9 @@ def test_batch_filling_decode_layout_matches_one_device():
   v = cfg.vocab_size
   z, zf = np.zeros(b, np.int32), np.zeros(b, np.float32)
   sampling = steps.Sampling(z, z, zf, np.ones(b, np.float32), zf, zf, np.zeros((b, v), np.float32))
+  active = np.arange(b) < 6                            # slots 6, 7 idle: states kept
   batch = steps.DecodeBatch(rng.integers(1, 256, b).astype(np.int32), pos, table,
-                            np.ones(b, bool), sampling, z, np.zeros(b, bool))
+                            active, sampling, z, np.zeros(b, bool))
   counts = lambda: jnp.zeros((b, v), jnp.int32)
   one = steps.jit_steps(g, parallel_for(None)).decode(p, r, cache, counts(), batch)[0].logits
   ps = jax.device_put(p, comp.weights_by_output(p, mesh))
@@ -128,3 +130,10 @@ def test_batch_filling_decode_layout_matches_one_device():
   cs = jax.device_put(fresh(), kv.paged_cache_shardings(shapes, mesh))
   got = steps.jit_steps(g, parallel_for(mesh, "slot")).decode(ps, rs, cs, counts(), batch)
   np.testing.assert_allclose(np.asarray(got[0].logits), np.asarray(one), atol=1e-5, rtol=0)
+  # each KDA layer kept the idle slots' state and windows exactly, and moved the others'
+  old = kv.kda_states(fresh())
+  for e, o in zip(jax.tree.leaves(kv.kda_states(got[1])), jax.tree.leaves(old)):
+    e, o = np.asarray(e), np.asarray(o)
+    axis = 1 if e.ndim == o.ndim and e.shape[0] != b else 0         # stacked units: [R, B]
+    np.testing.assert_array_equal(np.take(e, [6, 7], axis), np.take(o, [6, 7], axis))
+    assert not np.array_equal(np.take(e, [0], axis), np.take(o, [0], axis))
