@@ -189,38 +189,37 @@ def decode_page_split(batch: int, mesh, given: str = "auto") -> str:
 
 
 def weights_by_output(params, mesh):
-  """Shardings of the served parameters for a decode whose batch fills the mesh: each
-  weight split on its last dimension that is not the model's ("embed"), a stack's
-  "layers" or the routed experts' axes, over the mesh axes the default rule gives its
-  model dimension (sharding/rules.py), where that dimension divides; otherwise (vectors,
-  the routed experts) as the default rule has it. With the model dimension split (the
-  default), a batch split over the same axes makes every chip gather each dense weight
-  whole, every step (k3, 1,024 x 32K: ~270 GB per chip); split on an output dimension
-  (or, for a down projection, its input), the tokens travel instead: an all-gather of
-  [B, D] in, an all-to-all or a reduce-scatter of [B, D] out."""
+  """Shardings of the served parameters for a decode whose batch fills the mesh: a weight
+  whose model dimension ("embed") is an input (not its last dimension) is split on its last
+  (output) dimension instead, over the same mesh axes, where that divides; the others
+  (outputs of the model dimension, vectors, the routed experts) as the default rule has
+  them. With an input model dimension split (the default) and the batch split over the
+  same axes, the partitioner gathers each such weight whole on every chip, every step
+  (k3, 1,024 x 32K: ~270 GB per chip); split on its output the tokens travel instead (an
+  all-gather of [B, D] in, an all-to-all of the [B, F / n] result). A weight that outputs
+  the model dimension keeps it split (split on an input, the partitioner gathered those
+  whole too)."""
   from jax.sharding import NamedSharding, PartitionSpec
   from sharding.rules import logical_to_spec
   default = tree_shardings(params, mesh)
-  skip = {"embed", "layers", "experts", "expert_embed", "expert_mlp", None}
+  keep = {"embed", "layers", "experts", "expert_embed", "expert_mlp", None}
 
   def one(x, sh):
     if not isinstance(x, nnx.Variable) or not hasattr(x.get_raw_value(), "shape"):
       return sh
     axes = x.get_metadata().get("logical_axes")
-    if axes is None or len(axes) != len(x.shape) or "experts" in axes:
+    if axes is None or len(axes) != len(x.shape) or "experts" in axes or len(axes) < 2:
       return sh
-    spec = logical_to_spec(tuple(x.shape), tuple(axes), mesh)
-    moved = [a for a, name in zip(spec, axes) if a is not None and name == "embed"]
-    if not moved:
+    spec = list(logical_to_spec(tuple(x.shape), tuple(axes), mesh))
+    split = [d for d, name in enumerate(axes) if name == "embed" and spec[d] is not None]
+    last = len(axes) - 1
+    if not split or split[0] == last or axes[last] in keep or spec[last] is not None:
       return sh
-    mesh_axes = moved[0] if isinstance(moved[0], tuple) else (moved[0],)
-    n = math.prod(mesh.shape[a] for a in mesh_axes)
-    for d in reversed(range(len(axes))):
-      if axes[d] not in skip and spec[d] is None and x.shape[d] % n == 0:
-        new = [None if a == moved[0] else a for a in spec]
-        new[d] = moved[0]
-        return NamedSharding(mesh, PartitionSpec(*new))
-    return sh
+    mesh_axes = spec[split[0]] if isinstance(spec[split[0]], tuple) else (spec[split[0]],)
+    if x.shape[last] % math.prod(mesh.shape[a] for a in mesh_axes):
+      return sh
+    spec[last], spec[split[0]] = spec[split[0]], None
+    return NamedSharding(mesh, PartitionSpec(*spec))
   return jax.tree.map(one, params, default, is_leaf=lambda v: isinstance(v, nnx.Variable))
 
 
