@@ -501,7 +501,7 @@ class K3Template:
                           f"the assistant message before it (it is result {n_tool}, and that "
                           f"message has {len(calls)} calls), or a name")
         out += message(*self._text(m, i), role=role, tool=tool, index=n_tool)
-      elif role == "system" and m.get("tools") is not None:
+      elif role == "system" and m.get("tools"):
         if m["content"]:
           raise ChatError(f"messages[{i}]: a system message declaring tools has no content")
         more = check_tools(m["tools"])

@@ -263,21 +263,26 @@ def test_k3_tool_messages_and_new_tools(k3_tokenizer):
       + TOOLS_JSON + '\n```<|close|>message<|sep|><|end_of_msg|>' + tool("get_weather", 1, "r"))
 
 
-def test_k3_image_block_names_the_original_size(k3_tokenizer):
+def _image_message(h, w):
+  """(vision config, pixels [h, w, 3], a user message: text, the image as a data URL, text)."""
   import base64
   import io
   import numpy as np
   from PIL import Image
   import configs
-  from k3_jax.data import images as im
   v = configs.get_multimodal("k3_tiny").vision
-  pixels = np.random.default_rng(0).integers(0, 256, (30, 50, 3), dtype=np.uint8)
+  pixels = np.random.default_rng(0).integers(0, 256, (h, w, 3), dtype=np.uint8)
   buf = io.BytesIO()
   Image.fromarray(pixels).save(buf, format="PNG")
   url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-  msg = [{"role": "user", "content": [{"type": "text", "text": "A "},
-                                      {"type": "image_url", "image_url": {"url": url}},
-                                      {"type": "text", "text": " B"}]}]
+  return v, pixels, [{"role": "user", "content": [
+      {"type": "text", "text": "A "}, {"type": "image_url", "image_url": {"url": url}},
+      {"type": "text", "text": " B"}]}]
+
+
+def test_k3_image_block_names_the_original_size(k3_tokenizer):
+  from k3_jax.data import images as im
+  v, pixels, msg = _image_message(30, 50)
   _, grid = im.to_patches(pixels, v)
   r = T(k3_tokenizer, v).render(msg, thinking=False)
   media = ([v.media_begin_id] + k3_tokenizer.encode("image 50x30") + [v.media_content_id]
@@ -419,21 +424,10 @@ def test_image_parts_render_in_place(k3_tokenizer):
   parts around it), in the plain template (the K3 one: test_k3_image_block_names_the_original_size); its
   patches are what to_patches gives;
   a model without a tower refuses it."""
-  import base64
-  import io
   import numpy as np
-  from PIL import Image
-  import configs
   from k3_jax.data import images as im
   from k3_jax.serve.prefix_cache import block_hashes, image_salts
-  v = configs.get_multimodal("k3_tiny").vision
-  pixels = np.random.default_rng(0).integers(0, 256, (28, 56, 3), dtype=np.uint8)
-  buf = io.BytesIO()
-  Image.fromarray(pixels).save(buf, format="PNG")
-  url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-  msg = [{"role": "user", "content": [{"type": "text", "text": "A "},
-                                      {"type": "image_url", "image_url": {"url": url}},
-                                      {"type": "text", "text": " B"}]}]
+  v, pixels, msg = _image_message(28, 56)
   tok = ByteTokenizer()
   patches, grid = im.to_patches(pixels, v)
   media = im.image_token_ids(grid, v, tok.encode, size=(56, 28))
