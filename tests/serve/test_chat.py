@@ -163,6 +163,12 @@ def test_k3_segments_are_encoded_one_by_one(k3_tokenizer):
                  + spec_ids(k3_tokenizer, "<|close|>message<|sep|><|end_of_msg|>"))
   assert enc("Sunny in Pa") + enc("ris") != enc("Sunny in Paris")
   assert ids.count(163588) == 1 and ids[0] == 163587          # the text's markers are text
+  named = [{"role": "assistant", "name": "bot", "content": "x"}, {"role": "user", "name": "",
+                                                                  "content": "y"}]
+  assert k3_tokenizer.decode(t.render(named, add_generation_prompt=False).ids) == (
+      '<|open|>message role="assistant" name="bot"<|sep|><|open|>think<|sep|><|close|>think'
+      '<|sep|><|open|>response<|sep|>x<|close|>response<|sep|><|close|>message<|sep|>'
+      '<|end_of_msg|><|open|>message role="user"<|sep|>y<|close|>message<|sep|><|end_of_msg|>')
 
 
 @pytest.mark.parametrize("kw,text", [
