@@ -472,3 +472,25 @@ def test_api_params_refusals_and_tool_calls():
   assert calls.message() == [{k: v for k, v in one.items() if k != "index"}]
   assert (calls.finish_reason("stop"), calls.finish_reason("length")) == ("tool_calls", "length")
   assert ToolCalls({}).finish_reason("stop") == "stop"
+
+
+def test_serving_doc_example_is_what_the_template_renders(k3_tokenizer):
+  """docs/serving.md's agentic conversation, rendered there, is the template's output (its
+  line breaks after each message added for reading), 601 ids on the test tokenizer."""
+  import pathlib
+  doc = (pathlib.Path(__file__).parents[2] / "docs" / "serving.md").read_text()
+  shown = doc.split("````\n")[1].replace("<|end_of_msg|>\n", "<|end_of_msg|>")
+  tools = [{"type": "function", "function": {
+      "name": "get_weather", "description": "Current weather", "parameters": {
+          "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+  messages = [
+      {"role": "system", "content": "You are a concise assistant."},
+      {"role": "user", "content": "Weather in Paris and Oslo?"},
+      {"role": "assistant", "content": "", "reasoning_content": "Two cities: two calls.",
+       "tool_calls": [{"id": f"call_{k}", "type": "function", "function": {
+           "name": "get_weather", "arguments": json.dumps({"city": c})}}
+           for k, c in (("a", "Paris"), ("b", "Oslo"))]},
+      {"role": "tool", "tool_call_id": "call_b", "content": "snow, -3"},
+      {"role": "tool", "tool_call_id": "call_a", "content": "sunny, 21"}]
+  r = T(k3_tokenizer).render(messages, tools=tools, effort="high")
+  assert k3_tokenizer.decode(r.ids) + "\n" == shown and len(r.ids) == 601
