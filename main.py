@@ -367,7 +367,7 @@ def _train_job(stop) -> None:
   print(train.summary_line(result, FLAGS.workdir))
   if shapes_run and FLAGS.caption_eval_images > 0 and not result.get("interrupted"):
     from k3_jax.data import tokenizers
-    from k3_jax.serve.multimodal import caption_eval
+    from k3_jax.captions import caption_eval
     caption_eval(FLAGS.workdir, tokenizers.get_tokenizer(tc.tokenizer),
                  FLAGS.caption_eval_images, seed=tc.seed)
 
