@@ -196,8 +196,13 @@ def _write_latents(e: PagedMLACache, latents, pos) -> PagedMLACache:
   b = table.shape[0]
   q_pos = jnp.broadcast_to(jnp.asarray(pos, jnp.int32), (b,))[:, None] + jnp.arange(t)[None]
   page, off = page_slots(table, q_pos, e.c_kv.shape[-2])
-  return PagedMLACache(c_kv=e.c_kv.at[:, page, off].set(c_new.astype(e.c_kv.dtype)),
-                       k_r=e.k_r.at[:, page, off].set(r_new.astype(e.k_r.dtype)),
+  # Every index named (unit too), so each update is one contiguous row of X: with the unit
+  # axis left as a window ([:, page, off]) the TPU compiler relaid out the whole stacked
+  # pool around the scatter, twice a step (k3, 1,024 x 32K: 2 x 23.7 GB per chip).
+  unit = jnp.broadcast_to(jnp.arange(c_new.shape[0])[:, None, None], (c_new.shape[0],) + page.shape)
+  page, off = (jnp.broadcast_to(a, unit.shape) for a in (page, off))
+  return PagedMLACache(c_kv=e.c_kv.at[unit, page, off].set(c_new.astype(e.c_kv.dtype)),
+                       k_r=e.k_r.at[unit, page, off].set(r_new.astype(e.k_r.dtype)),
                        page_table=e.page_table)
 
 

@@ -45,6 +45,26 @@ _REFUSED = {
 }
 
 
+def refuse_lone_surrogates(value, path: str = "") -> None:
+  """A JSON string may escape half of a UTF-16 pair ("\\udcff"): Python keeps it as a lone
+  surrogate, which no tokenizer can encode. Refused (ParamError naming the field) before any
+  work, instead of failing deep in a tokenizer."""
+  if isinstance(value, str):
+    try:
+      value.encode("utf-8")
+    except UnicodeEncodeError as e:
+      raise ParamError(f"{path or 'the body'} holds a lone UTF-16 surrogate "
+                       f"({value[e.start]!r} at character {e.start}), which is not valid "
+                       "Unicode text", path.split("[")[0].split(".")[0] or None) from None
+  elif isinstance(value, dict):
+    for k, v in value.items():
+      refuse_lone_surrogates(k, path)
+      refuse_lone_surrogates(v, f"{path}.{k}" if path else str(k))
+  elif isinstance(value, list):
+    for i, v in enumerate(value):
+      refuse_lone_surrogates(v, f"{path}[{i}]")
+
+
 def refuse_unsupported(body: dict, endpoint: str) -> None:
   """ParamError naming every parameter of `body` the endpoint ("completions" | "chat") does
   not support with the value given."""

@@ -269,6 +269,7 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, start_loop: bool = 
       raise ApiError(400, f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
       raise ApiError(400, "the request body must be a JSON object")
+    api_params.refuse_lone_surrogates(body)     # a 400 naming the field, not a tokenizer's 500
     model = body.get("model")
     if model not in (model_name, None, ""):
       raise ApiError(404, f"the model {model!r} does not exist; this server serves "
