@@ -236,11 +236,18 @@ def _check_workdir(path: str, flag: str = "workdir") -> None:
 
 
 def _check_tokenizer(spec: str | None) -> None:
-  """--tokenizer names 'byte' or an existing file: checked before any model is loaded."""
+  """--tokenizer names what `tokenizers.get_tokenizer` loads ('byte', a model directory with
+  tiktoken.model or tokenizer.json, or a tokenizer file): checked before any model is loaded."""
   from k3_jax.config import UserError
-  if spec and spec != "byte" and not os.path.isfile(spec):
-    raise UserError(f"tokenizer {spec!r}: no such file (use 'byte' or the path of a "
-                    "tiktoken BPE file)")
+  if not spec or spec == "byte" or os.path.isfile(spec):
+    return
+  from k3_jax.data.tokenizers import TOKENIZER_FILES, has_tokenizer
+  if os.path.isdir(spec):
+    if not has_tokenizer(spec):
+      raise UserError(f"tokenizer {spec!r}: a directory without {' or '.join(TOKENIZER_FILES)}")
+    return
+  raise UserError(f"tokenizer {spec!r}: no such file or directory (use 'byte', a model "
+                  "directory with tiktoken.model or tokenizer.json, or a tiktoken BPE file)")
 
 
 def _check_listen(host: str, port: int) -> None:
@@ -370,7 +377,7 @@ def _train_job(stop) -> None:
   print(train.summary_line(result, FLAGS.workdir))
   if shapes_run and FLAGS.caption_eval_images > 0 and not result.get("interrupted"):
     from k3_jax.data import tokenizers
-    from k3_jax.serve.multimodal import caption_eval
+    from k3_jax.captions import caption_eval
     caption_eval(FLAGS.workdir, tokenizers.get_tokenizer(tc.tokenizer),
                  FLAGS.caption_eval_images, seed=tc.seed)
 
