@@ -149,3 +149,23 @@ def test_preempted_request_resumes_exactly(small):
   assert [q.output_ids for q in reqs] == alone
   assert all(q.finish_reason == "length" and q.error is None for q in reqs)
   assert c["used_pages"] == 0 and c["free_slots"] == 2          # nothing leaked
+
+
+def test_the_decode_step_never_copies_a_pool(small):
+  """The compiled decode step (the engine's decode_step, cache donated) holds no copy of an
+  MLA page pool: its latents are written in place and only the pages it needs are read,
+  so its cost does not grow with the pool (benchmarks.serve --only pool times it)."""
+  from k3_jax.cache import PagedMLACache
+  from k3_jax.stack import cache_leaves
+  eng, b = small, small.max_batch
+  z, zf = np.zeros(b, np.int32), np.zeros(b, np.float32)
+  batch = steps.DecodeBatch(z, z, eng.tables.copy(), np.ones(b, bool), steps.Sampling(
+      z, z, zf, np.ones(b, np.float32), zf, zf, eng._no_bias[b]), z, np.zeros(b, bool))
+  fn = jax.jit(steps.bind(steps.decode_step, eng.graphdef, eng.par), donate_argnums=(2, 3))
+  text = fn.lower(eng.params, eng.rest, eng.cache, eng.counts, batch).compile().as_text()
+  pools = {f"[{','.join(map(str, a.shape))}]" for e in cache_leaves(eng.cache)
+           if isinstance(e, PagedMLACache) for a in (e.c_kv, e.k_r)}
+  assert pools
+  copies = [ln for ln in text.splitlines()
+            if re.search(r"\bcopy\(", ln) and any(p in ln.split("=")[1][:40] for p in pools)]
+  assert not copies, copies[:2]
