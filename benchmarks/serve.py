@@ -2,7 +2,8 @@
 
   python -m benchmarks.serve [--quick] [--json out.json] [--config k3_small]
 
-(--only picks sections: ttft, decode, throughput, vs_transformers.)
+(--only picks sections: ttft, decode, throughput, vs_transformers, pool, http;
+--serve_flag=--name=value, repeatable, adds a flag to the `serve` process of http.)
 
 1. Time to first token, hit vs miss: 4,096-token prompts sharing their first 3,584 tokens.
    A first request (miss) fills the prefix cache; a second one with another 512-token tail
@@ -28,6 +29,17 @@
    converted 15M-parameter Kimi-Linear, batch 1 and 8 (bench_vs_transformers), and the
    decode step at batch 1 against one read of its weights at the bandwidth measured here.
    Targets: >= 4x at batch 1, >= 8x at batch 8, step <= 3x the weight read.
+
+5. Pool size: the decode step of that Kimi-Linear, 8 slots at context 1,000 (16 active
+   pages), with KV pools (--kv_cache_bytes) of 1x, 16x and 256x the active pages. The step
+   writes the pools in place and reads only the active pages. Target: 256x <= 1.1x the 1x.
+
+6. http, as users run it: `python main.py serve --hf_dir=DIR` started as a process with its
+   default flags (8 slots, the model's 1M-token context, the KV pool sized by
+   --kv_cache_bytes' default, the prefix cache on), driven by the openai client
+   (non-streaming and streaming), on the workload of 4.; beside it the engine alone in this
+   process (built by the same loader with the same settings) and transformers' generate.
+   Targets: serve >= 4x transformers at batch 1, >= 6x at batch 8; serve >= 0.9x the engine.
 
 --quick: 2 timed decode steps, 16 new tokens in the throughput case.
 """
@@ -81,16 +93,14 @@ def bench_ttft(config):
           "cached_tokens": c1}
 
 
-def decode_step_time(eng, pos, runs):
-  """Median seconds of the engine's decode step with one slot at context `pos`."""
-  from k3_jax.serve.engine import DECODE_MIN_PAGES
+def decode_step_time(eng, pos, runs, slots=1):
+  """Median seconds of the engine's decode step with its first `slots` slots at context
+  `pos` (their pages taken from the pool) and every row active."""
   from k3_jax.serve import steps
-  from k3_jax.serve.kv_pages import PAGE
   b = eng.max_batch
-  if not eng.tables[0].any():
-    eng.tables[0] = eng.pool.alloc(eng.pages_per_slot)
-  need = pos // PAGE + 1
-  bucket = min(eng.pages_per_slot, max(DECODE_MIN_PAGES, 1 << (need - 1).bit_length()))
+  for s in range(slots):
+    assert eng.kv.grow(s, pos + 1), "the pool cannot hold the timed context"
+  bucket = eng._bucket(pos + 1)
   z, zf = np.zeros(b, np.int32), np.zeros(b, np.float32)
   sampling = steps.Sampling(z, z, zf, np.ones(b, np.float32), zf, zf, eng._no_bias[b])
   batch = lambda: steps.DecodeBatch(z, np.full(b, pos, np.int32), eng.tables[:, :bucket].copy(),
@@ -104,6 +114,30 @@ def decode_step_time(eng, pos, runs):
     if i:
       times.append(time.perf_counter() - t0)
   return statistics.median(times)
+
+
+def bench_pool(runs):
+  """The decode step of the 15M Kimi-Linear, 8 slots at context 1,000 (16 active pages),
+  with pools of 1x, 16x and 256x the active pages (kv_cache_bytes): the step writes in
+  place and reads only the active pages, so its time should not move with the pool.
+  Target: 256x <= 1.1x the 1x step."""
+  import tempfile
+  with tempfile.TemporaryDirectory() as tmp:
+    _, cfg, ours, _ = kimi_pair(tmp)
+  g, p, r = train.split_model(ours)
+  res, pos, slots = {}, 1000, 8
+  active = slots * -(-(pos + 1) // 512)
+  probe_bytes = Engine(cfg, g, p, r, max_batch=1, max_len=512, prefix_cache_bytes=0,
+                       kv_cache_bytes=1 << 20).page_bytes
+  for k in (1, 16, 256):
+    eng = Engine(cfg, g, p, r, max_batch=slots, max_len=cfg.max_seq_len, prefix_cache_bytes=0,
+                 kv_cache_bytes=(k * active + 1) * probe_bytes)
+    res[f"pool_{k}x"] = {"pages": eng.num_pages, "bytes": eng.num_pages * probe_bytes,
+                         "step_s": decode_step_time(eng, pos, runs, slots)}
+    del eng
+  res["ratio_256x"] = res["pool_256x"]["step_s"] / res["pool_1x"]["step_s"]
+  res["ratio_16x"] = res["pool_16x"]["step_s"] / res["pool_1x"]["step_s"]
+  return res
 
 
 def bench_decode(config, runs):
@@ -162,6 +196,38 @@ def read_bandwidth(mb: int = 64, runs: int = 10) -> float:
   return a.nbytes * runs / (time.perf_counter() - t0)
 
 
+def kimi_pair(tmp):
+  """The converted 15M-parameter Kimi-Linear of benchmarks/vs_transformers.py, saved as a
+  Hugging Face directory `tmp` -> (transformers model, our config, our model, the 8 distinct
+  512-token prompts)."""
+  from benchmarks.vs_transformers import build_pair
+  hf, cfg, ours = build_pair(tmp, [])
+  hf.eval()
+  hf.generation_config.eos_token_id = None
+  hf.generation_config.pad_token_id = 0
+  rng = np.random.default_rng(5)
+  prompts = [rng.integers(1, cfg.vocab_size, 512).astype(np.int32) for _ in range(8)]
+  return hf, cfg, ours, prompts
+
+
+def hf_warm(hf, prompts):
+  import torch
+  with torch.no_grad():
+    hf.generate(torch.tensor(prompts[:1], dtype=torch.long), max_new_tokens=2, do_sample=False)
+
+
+def hf_run(hf, prompts, new, batch):
+  """transformers' greedy generate of `new` tokens for each prompt, `batch` at a time."""
+  import torch
+  outs = []
+  with torch.no_grad():
+    for i in range(0, len(prompts), batch):
+      ids = torch.tensor(np.stack(prompts[i:i + batch]), dtype=torch.long)
+      out = hf.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+      outs += [list(map(int, o[ids.shape[1]:])) for o in out]
+  return outs
+
+
 def bench_vs_transformers(quick):
   """Greedy decode tokens/s of the engine vs transformers' generate on the same converted
   15M-parameter Kimi-Linear (benchmarks/vs_transformers.py's model): 8 distinct 512-token
@@ -170,30 +236,12 @@ def bench_vs_transformers(quick):
   prefill, as a client sees it. Also the engine's decode step at batch 1 (context 576)
   next to the time to read its weights once at the bandwidth measured in the same run."""
   import tempfile
-  import torch
-  from benchmarks.vs_transformers import build_pair
-  from k3_jax.serve import steps
-  from k3_jax.serve.kv_pages import PAGE
   new = 16 if quick else 64
   with tempfile.TemporaryDirectory() as tmp:
-    hf, cfg, ours = build_pair(tmp, [])
-  hf.eval()
-  hf.generation_config.eos_token_id = None
-  hf.generation_config.pad_token_id = 0
+    hf, cfg, ours, prompts = kimi_pair(tmp)
   g, p, r = train.split_model(ours)
   weight_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(p))
-  rng = np.random.default_rng(5)
-  prompts = [rng.integers(1, cfg.vocab_size, 512).astype(np.int32) for _ in range(8)]
   res = {"weight_bytes": weight_bytes, "new_tokens": new}
-
-  def hf_run(batch):
-    outs = []
-    with torch.no_grad():
-      for i in range(0, 8, batch):
-        ids = torch.tensor(np.stack(prompts[i:i + batch]), dtype=torch.long)
-        out = hf.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
-        outs += [list(map(int, o[512:])) for o in out]
-    return outs
 
   def ours_run(eng, batch):
     outs = []
@@ -203,8 +251,7 @@ def bench_vs_transformers(quick):
       outs += [q.output_ids for q in reqs]
     return outs
 
-  with torch.no_grad():                                       # transformers' warm-up
-    hf.generate(torch.tensor(prompts[:1], dtype=torch.long), max_new_tokens=2, do_sample=False)
+  hf_warm(hf, prompts)
   for batch in (1, 8):
     eng = Engine(cfg, g, p, r, SINGLE_STREAM, max_batch=batch, max_len=1024,
                  prefix_cache_bytes=0)
@@ -213,7 +260,7 @@ def bench_vs_transformers(quick):
     mine = ours_run(eng, batch)
     t_ours = time.perf_counter() - t0
     t0 = time.perf_counter()
-    theirs = hf_run(batch)
+    theirs = hf_run(hf, prompts, new, batch)
     t_hf = time.perf_counter() - t0
     res[f"batch{batch}"] = {
         "ours_tok_s": 8 * new / t_ours, "transformers_tok_s": 8 * new / t_hf,
@@ -229,12 +276,130 @@ def bench_vs_transformers(quick):
   return res
 
 
+def free_port() -> int:
+  import socket
+  with socket.socket() as sk:
+    sk.bind(("127.0.0.1", 0))
+    return sk.getsockname()[1]
+
+
+def start_serve(hf_dir, flags, log_path):
+  """`python main.py serve --hf_dir=DIR` as a user starts it (default flags plus `flags`),
+  waited for until /health answers -> (process, base URL, the pool line it printed)."""
+  import subprocess
+  import sys
+  import httpx
+  port = free_port()
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  cmd = [sys.executable, "main.py", "serve", f"--hf_dir={hf_dir}", f"--port={port}", *flags]
+  out = open(log_path, "w")
+  proc = subprocess.Popen(cmd, cwd=root, stdout=out, stderr=subprocess.STDOUT,
+                          env={**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS",
+                                                                             "cpu")})
+  base = f"http://127.0.0.1:{port}"
+  deadline = time.monotonic() + 600
+  while time.monotonic() < deadline:
+    if proc.poll() is not None:
+      raise RuntimeError(f"serve exited with {proc.returncode}:\n{open(log_path).read()[-3000:]}")
+    try:
+      if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+        pool = [ln for ln in open(log_path).read().splitlines() if "KV cache:" in ln]
+        return proc, base, (pool[0] if pool else "")
+    except httpx.HTTPError:
+      pass
+    time.sleep(0.5)
+  proc.kill()
+  raise RuntimeError(f"serve did not come up:\n{open(log_path).read()[-3000:]}")
+
+
+def openai_run(base, model, prompts, new, batch, stream):
+  """The prompts through the server with the openai client, `batch` requests at a time
+  (each in its own thread) -> (completion tokens, seconds)."""
+  from concurrent.futures import ThreadPoolExecutor
+  import openai
+  client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=600)
+
+  def one(q):
+    kw = dict(model=model, prompt=[int(t) for t in q], max_tokens=new, temperature=0.0)
+    if not stream:
+      return client.completions.create(**kw).usage.completion_tokens
+    got = client.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    return [c.usage.completion_tokens for c in got if c.usage is not None][-1]
+
+  t0 = time.perf_counter()
+  with ThreadPoolExecutor(batch) as ex:
+    tokens = sum(ex.map(one, prompts))
+  return tokens, time.perf_counter() - t0
+
+
+def bench_http(quick, flags):
+  """The workload of bench_vs_transformers as users run it: `python main.py serve
+  --hf_dir=DIR` (default flags plus `flags`) in its own process, driven by the openai client
+  (non-streaming and streaming), batch 1 (one request at a time) and batch 8 (8 at once);
+  beside it the engine alone, in this process, built by the same loader with the same
+  settings, and transformers' generate on the same weights. Targets: serve >= 4x
+  transformers at batch 1 and >= 6x at batch 8; serve >= 0.9x the engine alone."""
+  import tempfile
+  from k3_jax.config import ServeConfig
+  from k3_jax.serve.loader import ServeOptions, build_engine
+  new = 16 if quick else 64
+  res = {"flags": list(flags), "new_tokens": new}
+  settings = {}
+  for f in flags:                                  # --name=value -> ServeConfig fields
+    name, _, value = f.lstrip("-").partition("=")
+    settings[name] = type(getattr(ServeConfig(), name) or 0)(value)
+  with tempfile.TemporaryDirectory() as tmp:
+    hf, cfg, _, prompts = kimi_pair(tmp)
+    hf_warm(hf, prompts)
+    for batch in (1, 8):
+      t0 = time.perf_counter()
+      hf_run(hf, prompts, new, batch)
+      res[f"transformers_b{batch}_tok_s"] = 8 * new / (time.perf_counter() - t0)
+    del hf
+    # the engine alone, built as serve builds it
+    eng, _, _ = build_engine(ServeOptions(hf_dir=tmp, serve=ServeConfig(**settings)))
+    res["pool"] = eng.pool_summary
+    for batch in (1, 8):
+      run = lambda: [eng.run_until_done([eng.submit(q, SamplingParams(max_tokens=new))
+                                         for q in prompts[i:i + batch]])
+                     for i in range(0, 8, batch)]
+      run()                                        # compiles every shape
+      t0 = time.perf_counter()
+      run()
+      res[f"engine_b{batch}_tok_s"] = 8 * new / (time.perf_counter() - t0)
+    del eng
+    proc, base, pool = start_serve(tmp, flags, os.path.join(tmp, "serve.log"))
+    res["serve_pool_line"] = pool
+    try:
+      model = [m.id for m in __import__("openai").OpenAI(
+          base_url=f"{base}/v1", api_key="none").models.list()][0]
+      for batch in (1, 8):
+        for stream in (False, True):
+          openai_run(base, model, prompts, new, batch, stream)      # compiles every shape
+          tokens, dt = openai_run(base, model, prompts, new, batch, stream)
+          key = f"serve_b{batch}{'_stream' if stream else ''}"
+          res[f"{key}_tok_s"] = tokens / dt
+          res[f"{key}_tokens"] = tokens
+    finally:
+      proc.terminate()
+      proc.wait(60)
+  for batch in (1, 8):
+    for kind in ("", "_stream"):
+      v = res[f"serve_b{batch}{kind}_tok_s"]
+      res[f"serve_b{batch}{kind}_vs_transformers"] = v / res[f"transformers_b{batch}_tok_s"]
+      res[f"serve_b{batch}{kind}_vs_engine"] = v / res[f"engine_b{batch}_tok_s"]
+  return res
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--config", default="k3_small")
   ap.add_argument("--quick", action="store_true")
   ap.add_argument("--json", default=None)
-  ap.add_argument("--only", default="ttft,decode,throughput,vs_transformers")
+  ap.add_argument("--only", default="ttft,decode,throughput,vs_transformers,pool,http")
+  ap.add_argument("--serve_flag", action="append", default=[],
+                  help="a flag for the `serve` process of the http section (repeatable), "
+                  "e.g. --serve_flag=--max_len=4096; default: none (serve's defaults)")
   a = ap.parse_args()
   only = a.only.split(",")
   out = {"config": a.config, "devices": str(jax.devices()[0].platform),
@@ -270,6 +435,23 @@ def main():
     print(f"decode step batch 1: {t['decode_step_b1_s'] * 1e3:.2f} ms = "
           f"{t['step_vs_weight_read']:.2f}x one read of the {t['weight_bytes'] / 1e6:.1f} MB "
           f"of weights at {t['bandwidth_bytes_s'] / 1e9:.1f} GB/s", flush=True)
+  if "pool" in only:
+    out["pool"] = t = bench_pool(3 if a.quick else 10)
+    print("decode step, 8 slots at context 1,000 (16 active pages), by pool size: " +
+          ", ".join(f"{k[5:]} {v['pages']} pages ({v['bytes'] / 2**20:.0f} MiB) "
+                    f"{v['step_s'] * 1e3:.2f} ms" for k, v in t.items() if k.startswith("pool_"))
+          + f"; 256x / 1x = {t['ratio_256x']:.2f} (target <= 1.1)", flush=True)
+  if "http" in only:
+    out["http"] = t = bench_http(a.quick, a.serve_flag)
+    print(f"serve {' '.join(a.serve_flag) or '(default flags)'}: {t['serve_pool_line']}",
+          flush=True)
+    for b in (1, 8):
+      for kind, name in (("", "non-streaming"), ("_stream", "streaming")):
+        k = f"serve_b{b}{kind}"
+        print(f"batch {b} {name:13s}: serve {t[k + '_tok_s']:.1f} tok/s, engine alone "
+              f"{t[f'engine_b{b}_tok_s']:.1f} ({t[k + '_vs_engine']:.2f}x; target >= 0.9), "
+              f"transformers {t[f'transformers_b{b}_tok_s']:.1f} "
+              f"({t[k + '_vs_transformers']:.2f}x; target >= {4 if b == 1 else 6})", flush=True)
   if a.json:
     with open(a.json, "w") as f:
       json.dump(out, f, indent=1)

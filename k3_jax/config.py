@@ -269,6 +269,11 @@ class ServeConfig:
                                "model's max_seq_len)")
   prefill_chunk: int = option(SERVE_PAGE, f"prefill chunk in tokens (a multiple of "
                               f"{SERVE_PAGE}), interleaved with decode steps")
+  kv_cache_bytes: int = option(0, "bytes of the MLA page pool that every sequence's KV "
+                               "pages come from, handed out as sequences grow (requests wait, "
+                               "or the newest is preempted and later recomputed, when it runs "
+                               "out); 0: 80% of the device memory free after the weights, or "
+                               "1 GiB on a device that reports none (CPU)")
   prefix_cache_bytes: int = option(1 << 30, "prefix cache budget (cached MLA pages + KDA "
                                    "checkpoints); 0 disables it")
   prefix_match_unit: int = option(SERVE_PAGE, "prefix-cache hit granularity in tokens (a "
@@ -307,6 +312,9 @@ class ServeConfig:
     _require(self.prefill_chunk >= SERVE_PAGE and self.prefill_chunk % SERVE_PAGE == 0,
              "prefill_chunk", self.prefill_chunk,
              f"must be a positive multiple of {SERVE_PAGE}")
+    _require(isinstance(self.kv_cache_bytes, int) and self.kv_cache_bytes >= 0,
+             "kv_cache_bytes", self.kv_cache_bytes,
+             "must be a byte count >= 0 (0: sized from the device's free memory)")
     _require(self.prefix_cache_bytes >= 0, "prefix_cache_bytes", self.prefix_cache_bytes,
              "must be >= 0 (0 disables the prefix cache)")
     u = self.prefix_match_unit

@@ -26,7 +26,7 @@ from k3_jax.layers.embed import Embed, LMHead
 from k3_jax.layers.ffn import GatedFFN
 from k3_jax.layers.init import Init
 from k3_jax.layers.kda import KDA
-from k3_jax.layers.mla import MLA, page_slots
+from k3_jax.layers.mla import MLA
 from k3_jax.layers.moe import MoE
 from k3_jax.layers.norm import RMSNorm
 from k3_jax.ops import mx_gmm
@@ -187,25 +187,6 @@ def _stacked_units(cfg: ModelConfig, kinds, reps: int, init: Init) -> Unit:
   return units
 
 
-def _write_latents(e: PagedMLACache, latents, pos) -> PagedMLACache:
-  """The stacked pools of a scanned MLA layer with every unit's new latents [R, B, T, X]
-  written at their pages (the positions pos + [0, T) of each sequence)."""
-  c_new, r_new = latents
-  t = c_new.shape[2]
-  table = e.page_table[0]                                              # [B, M], same per unit
-  b = table.shape[0]
-  q_pos = jnp.broadcast_to(jnp.asarray(pos, jnp.int32), (b,))[:, None] + jnp.arange(t)[None]
-  page, off = page_slots(table, q_pos, e.c_kv.shape[-2])
-  # Every index named (unit too), so each update is one contiguous row of X: with the unit
-  # axis left as a window ([:, page, off]) the TPU compiler relaid out the whole stacked
-  # pool around the scatter, twice a step (k3, 1,024 x 32K: 2 x 23.7 GB per chip).
-  unit = jnp.broadcast_to(jnp.arange(c_new.shape[0])[:, None, None], (c_new.shape[0],) + page.shape)
-  page, off = (jnp.broadcast_to(a, unit.shape) for a in (page, off))
-  return PagedMLACache(c_kv=e.c_kv.at[unit, page, off].set(c_new.astype(e.c_kv.dtype)),
-                       k_r=e.k_r.at[unit, page, off].set(r_new.astype(e.k_r.dtype)),
-                       page_table=e.page_table)
-
-
 class K3Model(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, init: Init):
     self.cfg = cfg
@@ -263,12 +244,14 @@ class K3Model(nnx.Module):
     # Per-sequence caches (KDA states, contiguous MLA latents) ride in the carry and are
     # written back in place (dynamic_update_index), so a decode step updates the donated
     # buffers instead of building a second stacked copy as scan outputs (at 128K context
-    # that copy is GBs per chip). Paged MLA pools (serving) stay OUT of the carry: each
-    # layer gathers its sequences' pages from the stacked pools in place and returns only
-    # its new latents, which are scattered into the pools after the loop; a pool in the
-    # carry would be sliced out and written back whole by every layer of every step.
+    # that copy is GBs per chip). Paged MLA pools (serving) ride in the carry whole: each
+    # layer scatters its new latents into the stacked pools at its unit's index, then reads
+    # its sequences' pages there in place (layers/mla.py _paged); never sliced out, never
+    # read before a later write (which would make XLA copy the pool: a one-unit scan is
+    # inlined, and a pool read by the loop then written after it was copied whole, twice,
+    # every step, so the step's cost grew with the pool's size).
     paged = tuple(isinstance(e, PagedMLACache) for e in caches or ())
-    carried = None if caches is None else tuple(None if p else e
+    carried = None if caches is None else tuple((e.c_kv, e.k_r) if p else e
                                                 for e, p in zip(caches, paged))
 
     def body(carry, xs):
@@ -276,7 +259,7 @@ class K3Model(nnx.Module):
       st, first, i = xs
       c = None
       if caches is not None:
-        c = tuple(PagedMLACache(e.c_kv, e.k_r, e.page_table[i], unit=i) if p
+        c = tuple(PagedMLACache(a_c[0], a_c[1], e.page_table[i], unit=i) if p
                   else jax.tree.map(lambda a: a[i], a_c)
                   for e, a_c, p in zip(caches, all_c, paged))
       layer = jax.tree.map(lambda w: mx_gmm.StackedLayer(w, i), stacks,
@@ -284,24 +267,22 @@ class K3Model(nnx.Module):
       x, c, aux = nnx.merge(graphdef, layer, st)(x, segment_ids, c, pos, first, train,
                                           layer_remat="block" if remat == "layer" else "none",
                                           par=par)
-      latents = None
       if caches is not None:
-        all_c = tuple(None if p else jax.tree.map(
+        all_c = tuple((u_c.c_kv, u_c.k_r) if p else jax.tree.map(
             lambda a, u: jax.lax.dynamic_update_index_in_dim(a, u.astype(a.dtype), i, 0),
             a_c, u_c) for a_c, u_c, p in zip(all_c, c, paged))
-        latents = tuple((u.c_kv, u.k_r) if p else None for u, p in zip(c, paged))
-      return (x, all_c), (aux, latents)
+      return (x, all_c), aux
 
     # "block": the scan keeps each unit's input and recomputes the unit in the backward
     # pass; "layer": the same, and within that recomputation each layer is rematerialised
     # again, so one layer's intermediates (not the unit's) are live at a time
     if remat != "none":
       body = jax.checkpoint(body, policy=_remat_policy(remat))
-    (x, carried), (aux, latents) = jax.lax.scan(body, (x, carried),
-                                                (state, first_layers, jnp.arange(reps)))
+    (x, carried), aux = jax.lax.scan(body, (x, carried),
+                                     (state, first_layers, jnp.arange(reps)))
     if caches is not None:
-      caches = tuple(_write_latents(e, lat, pos) if p else c
-                     for e, c, lat, p in zip(caches, carried, latents, paged))
+      caches = tuple(PagedMLACache(c[0], c[1], e.page_table) if p else c
+                     for e, c, p in zip(caches, carried, paged))
     return x, caches, aux
 
   def embed_inputs(self, tokens: jax.Array, images: dict | None = None,

@@ -32,6 +32,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import itertools
 import logging
 import math
 import threading
@@ -49,8 +50,9 @@ from k3_jax.data import images as im
 from k3_jax.model import check_tokens
 from k3_jax.partitioning import SINGLE
 from k3_jax.serve import kv_pages as kv
-from k3_jax.serve.kv_pages import PAGE, PagePool
-from k3_jax.serve.prefix_cache import PrefixCache, block_hashes, image_salts
+from k3_jax.serve import kv_manager
+from k3_jax.serve.kv_pages import PAGE
+from k3_jax.serve.prefix_cache import block_hashes, image_salts
 from k3_jax.serve import steps
 from k3_jax.stack import cache_leaves
 from k3_jax.serve.scheduler import (EngineFatal, QueueFull, Request, RequestError,
@@ -164,17 +166,18 @@ class Engine:
     # at most one checkpoint per cached block (PAGE // unit blocks per page)
     num_ckpt = min(prefix_cache_bytes // max(self.ckpt_bytes, 1),
                    max(cache_pages, 0) * (PAGE // self.unit))
+    use_prefix = prefix_cache_bytes > 0 and num_ckpt > 0
     shards = kv.page_shards(mesh)
-    self.num_pages = kv.pool_pages(max_batch, self.pages_per_slot, cache_pages, shards)
+    self.num_pages = self._pool_pages(serve, shards, cache_pages, num_ckpt if use_prefix else 0)
     self.cache = self._zero_cache(model, max_batch)
-    self.pool = PagePool(self.num_pages, shards)
-    self.prefix = None
-    if prefix_cache_bytes > 0 and num_ckpt > 0:
-      self.prefix = PrefixCache(self.pool, num_ckpt, prefix_cache_bytes, self.page_bytes,
-                                self.ckpt_bytes, self.unit)
+    self.kv = kv_manager.KVManager(
+        self.num_pages, shards, max_batch, self.pages_per_slot,
+        dict(num_ckpt_slots=num_ckpt, budget_bytes=prefix_cache_bytes,
+             page_bytes=self.page_bytes, ckpt_bytes=self.ckpt_bytes, unit=self.unit)
+        if use_prefix else None)
+    if use_prefix:
       self.ckpts = kv.zeros_rows(kv.kda_states(self.cache), num_ckpt)
     self.counts = jnp.zeros((max_batch, cfg.vocab_size), jnp.int32)
-    self.tables = np.zeros((max_batch, self.pages_per_slot), np.int32)
     self.relay = relay
     self._build_steps()
     if relay is not None:     # the device state every process made alike, in one order
@@ -189,10 +192,49 @@ class Engine:
     self.running: list[Request] = []
     self.free_slots = list(range(max_batch - 1, -1, -1))
     self.step_no = 0
+    self._admissions = itertools.count()    # admission order (the preemption order's key)
     self.generated_tokens = 0
     self.finished_requests = 0
     self.failed_requests = 0
     self.fatal: BaseException | None = None    # set when a device/shared-state fault stopped it
+
+  def _pool_pages(self, serve: ServeConfig, shards: int, cache_pages: int, num_ckpt: int
+                  ) -> int:
+    """The page pool's size from its byte budget (ServeConfig.kv_cache_bytes, or the
+    default kv_manager.auto_budget picks), capped at what max_batch sequences of max_len and
+    a full prefix cache could ever hold; logged with the tokens it holds."""
+    budget, how = serve.kv_cache_bytes, "--kv_cache_bytes"
+    if not budget:
+      devices = list(self.mesh.devices.flat) if self.mesh is not None else jax.devices()
+      fixed = (self.max_batch + num_ckpt) * self.ckpt_bytes // shards
+      budget, how = kv_manager.auto_budget(devices, fixed, shards)
+      if jax.process_count() > 1:      # every process must build the same pool
+        from jax.experimental import multihost_utils
+        budget = int(np.min(multihost_utils.process_allgather(np.int64(budget))))
+    cap = kv_manager.full_reservation(self.max_batch, self.pages_per_slot, cache_pages, shards)
+    try:
+      n = kv_manager.pool_size(budget, self.page_bytes, shards, cap)
+    except ValueError as e:
+      raise UserError(str(e)) from None
+    msg = (f"KV cache: {n - 1} pages of {PAGE} tokens = {(n - 1) * PAGE:,} tokens "
+           f"({n * self.page_bytes / 2**20:,.1f} MiB over {shards} page shard(s); budget "
+           f"{budget / 2**20:,.1f} MiB from {how}{', capped at what max_batch x max_len needs' if n == cap else ''}); "
+           f"max_len {self.max_len:,} tokens per sequence")
+    log.info(msg)
+    self.pool_summary = msg
+    return n
+
+  @property
+  def pool(self):
+    return self.kv.pool
+
+  @property
+  def prefix(self):
+    return self.kv.prefix
+
+  @property
+  def tables(self) -> np.ndarray:
+    return self.kv.tables
 
   def _zero_cache(self, model, max_batch: int):
     """The paged cache, all zeros (init_paged_cache's values), made on its devices: split by
@@ -253,6 +295,11 @@ class Engine:
       raise RequestError(
           f"prompt ({prompt.size} tokens) + max_tokens ({params.max_tokens}) exceeds the "
           f"context of {self.max_len} tokens")
+    if not self.kv.ever_fits(prompt.size + params.max_tokens):
+      raise RequestError(
+          f"prompt ({prompt.size} tokens) + max_tokens ({params.max_tokens}) needs "
+          f"{math.ceil((prompt.size + params.max_tokens) / PAGE)} pages of {PAGE} tokens; the "
+          f"KV cache holds {self.num_pages - 1} (raise --kv_cache_bytes or lower max_tokens)")
     if params.stop and self.tokenizer is None:
       raise RequestError("stop strings need a tokenizer; this engine has none")
     return prompt
@@ -304,15 +351,8 @@ class Engine:
     """Slots, pages and prefix-cache pins in use (for /metrics and tests). With nothing
     running: free_slots == max_batch, used_pages == cached_pages, the pins 0."""
     with self.lock:
-      refs = self.pool.refs
-      entries = self.prefix.entries.values() if self.prefix is not None else ()
       return {"free_slots": len(self.free_slots), "running": len(self.running),
-              "waiting": len(self.waiting),
-              "used_pages": self.num_pages - 1 - self.pool.free,
-              "cached_pages": len(self.prefix.page_entries) if self.prefix is not None else 0,
-              "pinned_blocks": sum(1 for e in entries if refs[e.page] > 1),   # blocks of U
-              "pinned_checkpoints": (sum(self.prefix.ckpt_pins.values())
-                                     if self.prefix is not None else 0)}
+              "waiting": len(self.waiting), **self.kv.counts()}
 
   def step(self) -> bool:
     """One engine step; False when there was nothing to do. A fatal fault (EngineFatal or
@@ -412,66 +452,86 @@ class Engine:
     raise RuntimeError(f"requests not done after {max_steps} engine steps")
 
   def _admit(self) -> None:
+    """Seats waiting requests, oldest first, while a slot is free and the pool holds the
+    pages of their tokens and the first generated position (kv_manager.acquire); the first
+    that does not fit waits (and everything behind it). A preempted request (one with
+    generated tokens) resumes here: its prompt and all but its last generated token are
+    prefilled again, and it continues decoding from that last token."""
     while self.waiting and self.free_slots:
       r = self.waiting[0]
-      n = r.prompt.size
-      need = math.ceil((n + r.params.max_tokens) / PAGE)
-      hit_tokens, hit_pages, copy_src, ckpt = 0, [], None, None
+      feed = r.prompt if not r.output_ids else np.concatenate(
+          [r.prompt, np.asarray(r.output_ids[:-1], np.int32)])
       try:                                   # this request's own host work
-        decoder = self.tokenizer.stream_decoder() if self.tokenizer is not None else None
+        decoder = r.decoder
+        if decoder is None and self.tokenizer is not None:
+          decoder = self.tokenizer.stream_decoder()
         if self.prefix is not None:
           salts = None if r.images is None else image_salts(
-              r.prompt, r.images, self.cfg.vision.image_token_id, self.unit)
-          r.hashes = block_hashes(r.prompt, block=self.unit, salts=salts)
+              feed, r.images, self.cfg.vision.image_token_id, self.unit)
+          r.hashes = block_hashes(feed, block=self.unit, salts=salts)
       except EngineFatal:
         raise
       except Exception as e:
         self._fail(r, e)
         continue
+      slot = self.free_slots[-1]
       with _shared("the page pool / prefix cache bookkeeping"):
-        if self.prefix is not None and r.use_prefix_cache:
-          # a hit leaves at least one token to run
-          hit = self.prefix.lookup(r.hashes, (n - 1) // self.unit, self.step_no)   # pins it
-          hit_tokens, hit_pages, copy_src, ckpt = hit.tokens, hit.pages, hit.copy_src, hit.ckpt
-        pinned = hit_pages + ([copy_src] if copy_src is not None else [])
-        fresh_needed = need - len(hit_pages)
-        first = len(hit_pages)                        # the fresh pages' first column
-        if not self.pool.fits(fresh_needed, first) and not (
-            self.prefix is not None and self.prefix.free_pages(fresh_needed, first)):
-          self.pool.decref(pinned)                    # roll the pins back; wait for memory
-          if self.prefix is not None:
-            self.prefix.unpin_ckpt(ckpt)
+        got = self.kv.acquire(slot, r.hashes, feed.size, feed.size + 1, self.step_no,
+                              r.use_prefix_cache)
+        if got is None:                      # wait for memory
           return
-        fresh = self.pool.alloc(fresh_needed, first)
         self.waiting.popleft()
-        slot = self.free_slots.pop()
-      self._seat(slot, hit_pages + fresh)
-      if ckpt is not None:
+        self.free_slots.pop()
+      self._seat(slot)
+      if got.ckpt is not None:
         self.cache = self._steps.load_slot(self.cache, self.ckpts, np.int32(slot),
-                                           np.int32(ckpt))
-      if copy_src is not None:       # the hit ends inside a page: continue in a copy of it
-        self.cache = self._steps.copy_page(self.cache, np.int32(copy_src),
-                                           np.int32(fresh[0]))
-        with _shared("the page pool bookkeeping"):
-          self.pool.decref([copy_src])
-      if self.prefix is not None:
-        self.prefix.unpin_ckpt(ckpt)
-        if r.use_prefix_cache:
-          self.prefix.count(n, hit_tokens)
-      r.slot, r.pages = slot, hit_pages + fresh
-      r.pos = r.cached_tokens = hit_tokens
-      r.registered = hit_tokens // self.unit
+                                           np.int32(got.ckpt))
+      if got.copy_src is not None:   # the hit ends inside a page: continue in a copy of it
+        self.cache = self._steps.copy_page(self.cache, np.int32(got.copy_src),
+                                           np.int32(got.pages[got.hit_tokens // PAGE]))
+      with _shared("the page pool bookkeeping"):
+        self.kv.settle(got)
+      r.slot, r.feed, r.admitted = slot, feed, next(self._admissions)
+      r.pos = got.hit_tokens
+      if not r.output_ids:
+        r.cached_tokens = got.hit_tokens
+      r.registered = got.hit_tokens // self.unit
       r.state = "prefill"
       r.decoder = decoder
       self.running.append(r)
 
-  def _seat(self, slot: int, pages: list) -> None:
-    """Readies `slot` for a new request holding `pages`: its KDA state and penalty counts
-    zeroed (a freed slot may still hold another request's; always overwrite all of it) and
-    its page-table row set."""
+  def _seat(self, slot: int) -> None:
+    """Readies `slot` for a new request: its KDA state and penalty counts zeroed (a freed
+    slot may still hold another request's; always overwrite all of it)."""
     self.cache, self.counts = self._steps.zero_slot(self.cache, self.counts, np.int32(slot))
-    self.tables[slot] = 0
-    self.tables[slot, :len(pages)] = pages
+
+  def _preempt(self, r: Request) -> None:
+    """Takes running request r off its slot and pages (the pool has run out) and queues it
+    first: it resumes exactly where it was (_admit recomputes its tokens)."""
+    with _shared("the page pool bookkeeping"):
+      self.running.remove(r)
+      self.kv.release(r.slot)
+      self.kv.preemptions += 1
+      self.free_slots.append(r.slot)
+    log.info("request %s preempted at %d tokens (%d generated): the KV cache is full",
+             r.id, r.pos, len(r.output_ids))
+    r.slot, r.pos, r.state, r.features = -1, 0, "waiting", None
+    if r.forks:
+      self._release_forks(r)
+    self.waiting.appendleft(r)
+
+  def _grow(self, reqs: list[Request], upto) -> list[Request]:
+    """Gives each of `reqs` (decoding, oldest first) the pages for positions < upto(r),
+    preempting the most recently admitted running requests while the pool has none left
+    (possibly the one growing) -> the requests that may run this step."""
+    out = []
+    with self.lock:
+      for r in reqs:
+        while r.state == "decode" and not self.kv.grow(r.slot, upto(r)):
+          self._preempt(max(self.running, key=lambda q: (q.admitted, q.id)))
+        if r.state == "decode":
+          out.append(r)
+    return [r for r in out if r.state == "decode"]
 
   def _prefill_all(self, pre: list[Request]) -> None:
     """This step's prefill: at most `prefill_chunk` prompt tokens over the prefilling
@@ -500,7 +560,7 @@ class Engine:
     rounded down to whole blocks, at least one), or the pieces below a block up to its next
     block boundary or the prompt's end (several prefill_plan segments, each ending where a
     checkpoint may be kept)."""
-    n, pos, sizes = r.prompt.size, r.pos, []
+    n, pos, sizes = r.feed.size, r.pos, []
     chunk = max(PAGE, budget // PAGE * PAGE)
     while pos < n:
       plan = prefill_plan(pos, n, chunk, self.unit)
@@ -524,11 +584,12 @@ class Engine:
       return
     rows = 1 << (len(live) - 1).bit_length()
     pad = [live[0]] * (rows - len(live))
-    tokens = np.stack([r.prompt[r.pos:r.pos + size] for r, _ in live + pad])
+    tokens = np.stack([r.feed[r.pos:r.pos + size] for r, _ in live + pad])
     slots = np.array([r.slot for r, _ in live + pad], np.int32)
     pos = np.array([r.pos for r, _ in live + pad], np.int32)
-    tables = np.zeros((rows, self.pages_per_slot), np.int32)    # padding: the null page
-    tables[:len(live)] = self.tables[slots[:len(live)]]
+    width = self._bucket(int(pos.max()) + size)        # the columns the pieces can see
+    tables = np.zeros((rows, width), np.int32)          # padding: the null page
+    tables[:len(live)] = self.tables[slots[:len(live)], :width]
     valid = np.arange(rows) < len(live)
     feats = None if live[0][1] is None else tuple(f for _, f in live + pad)
     logits, self.cache = self._steps.prefill(self.params, self.rest, self.cache, slots,
@@ -538,13 +599,22 @@ class Engine:
       if self.prefix is not None:
         with self.lock, _shared("the prefix cache bookkeeping"):
           self._register(r)
-      if r.pos == r.prompt.size:
-        self._own(r, self._prompt_done, r, logits, row)
+      if r.pos == r.feed.size:
+        self._own(r, self._resumed if r.output_ids else self._prompt_done, r, logits, row)
+
+  def _resumed(self, r: Request, logits, row: int) -> None:
+    """A preempted request's tokens are in the cache again: it decodes on from its last
+    token (already emitted), with its penalty counts as they were."""
+    r.features = None
+    self.counts = self._steps.set_counts(
+        self.counts, np.int32(r.slot),
+        np.bincount(r.output_ids, minlength=self.cfg.vocab_size).astype(np.int32))
+    r.state = "decode"
 
   def _prompt_done(self, r: Request, logits, row: int) -> None:
     """r's prompt is in the cache: its first token, from row `row` of the prefill's last
     logits (and its forks', from the same row)."""
-    r.features = r.images = None
+    r.features = None
     got, self.counts = self._steps.first_token(
         logits, np.int32(row), self.counts, np.int32(r.slot),
         self._sampling([r], 1, self._biases([r]), first=True))
@@ -567,26 +637,24 @@ class Engine:
         f.finish_reason, f.state = "cancelled", "done"
         f.done_event.set()
         continue
-      need = math.ceil((n + f.params.max_tokens) / PAGE) - full
       with self.lock, _shared("the page pool bookkeeping"):
-        if not self.free_slots or (not self.pool.fits(need, full) and not (
-            self.prefix is not None and self.prefix.free_pages(need, full))):
+        fresh = self.kv.fork(lead.slot, self.free_slots[-1], full, n + 1) \
+            if self.free_slots else None
+        if fresh is None:
           f.fork_of = None
           self.waiting.appendleft(f)
           continue
-        fresh = self.pool.alloc(need, full)            # columns full, full + 1, ...
-        self.pool.incref(lead.pages[:full])
         slot = self.free_slots.pop()
-        f.slot, f.pages = slot, lead.pages[:full] + fresh
+        f.slot, f.feed, f.admitted = slot, lead.feed, next(self._admissions)
         f.pos = f.cached_tokens = n
         f.hashes, f.registered = lead.hashes, lead.registered
         f.state = "decode"
         self.running.append(f)
       try:
-        self._seat(slot, f.pages)
+        self._seat(slot)
         self.cache = self._steps.copy_slot(self.cache, np.int32(lead.slot), np.int32(slot))
         if part:
-          self.cache = self._steps.copy_page(self.cache, np.int32(lead.pages[full]),
+          self.cache = self._steps.copy_page(self.cache, np.int32(self.tables[lead.slot, full]),
                                              np.int32(fresh[0]))
         f.decoder = self.tokenizer.stream_decoder() if self.tokenizer is not None else None
         got, self.counts = self._steps.first_token(
@@ -611,7 +679,7 @@ class Engine:
     v = self.cfg.vision
     if v is None:
       return None
-    piece = r.prompt[r.pos:r.pos + size]
+    piece = r.feed[r.pos:r.pos + size]
     if r.images is None or not np.any(piece == v.image_token_id):
       if size not in self._feature_zeros:             # one zeros buffer per piece size
         self._feature_zeros[size] = self._steps.piece_features(
@@ -620,26 +688,20 @@ class Engine:
     if r.features is None:                            # the tower runs once per request
       r.features = self._steps.encode(self.params, self.rest,
                                       jax.tree.map(np.asarray, r.images))
-    done = int(np.count_nonzero(r.prompt[:r.pos] == v.image_token_id))
+    done = int(np.count_nonzero(r.feed[:r.pos] == v.image_token_id))
     rows = np.minimum(done + np.arange(size), r.features.shape[0] - 1).astype(np.int32)
     return self._steps.piece_features(self.cfg.d_model, r.features, rows)
 
   def _register(self, r: Request) -> None:
-    """Hands the prompt's finished blocks to the prefix cache, and keeps the KDA state of
-    this position as a checkpoint when it is one the prefill keeps."""
+    """Hands the finished blocks of the tokens r prefilled to the prefix cache, and keeps
+    the KDA state of this position as a checkpoint when it is one the prefill keeps."""
     u = self.unit
-    blocks = min(r.pos, r.prompt.size) // u
-    for i in range(r.registered, blocks):
-      if not self.prefix.register_block(r.hashes[i], r.hashes[i - 1] if i else None,
-                                        r.pages[i * u // PAGE], self.step_no):
-        break
-      r.registered = i + 1
-    if r.pos % u == 0 and r.pos in checkpoint_boundaries(r.prompt.size, u) \
-        and r.registered * u >= r.pos:
-      c = self.prefix.alloc_checkpoint(r.hashes[r.pos // u - 1])
-      if c is not None:
-        self.ckpts = self._steps.save_ckpt(self.ckpts, self.cache, np.int32(r.slot),
-                                           np.int32(c))
+    keep = r.pos if r.pos % u == 0 and r.pos in checkpoint_boundaries(r.feed.size, u) \
+        else None
+    r.registered, c = self.kv.register(r.slot, r.hashes, r.registered, min(r.pos, r.feed.size),
+                                       self.step_no, keep)
+    if c is not None:
+      self.ckpts = self._steps.save_ckpt(self.ckpts, self.cache, np.int32(r.slot), np.int32(c))
 
   def _sampling(self, reqs: list[Request], rows: int, biases: dict | None = None,
                 first: bool = False, ahead: set = frozenset()) -> steps.Sampling:
@@ -701,6 +763,8 @@ class Engine:
              and len(r.output_ids) + 2 <= r.params.max_tokens}
     now = [r for r in dec if id(r) not in unread or id(r) in ahead]
     biases = {}
+    # the pages of the positions this step writes (preempting when the pool has run out)
+    now = self._grow(now, lambda r: r.pos + 1 + (id(r) in ahead))
     now = [r for r in now        # a request's own fault (e.g. its constraint) fails it alone
            if self._own(r, lambda: biases.update(self._biases([r])))]
     got = None
@@ -732,14 +796,20 @@ class Engine:
     # Attend over a power-of-two bucket of pages that covers the longest active sequence
     # (at least DECODE_MIN_PAGES), not the whole max_len: short requests on a long-context
     # engine stay cheap, and only log2(max_len / 4K) decode shapes ever compile.
-    need = int(pos.max()) // PAGE + 1
-    bucket = min(self.pages_per_slot, max(DECODE_MIN_PAGES, 1 << (need - 1).bit_length()))
+    bucket = self._bucket(int(pos.max()) + 1)
     batch = steps.DecodeBatch(tokens, pos, tables[:, :bucket], active, sampling, self._prev,
                               from_prev)
     got, self.cache, self.counts = self._steps.decode(self.params, self.rest, self.cache,
                                                       self.counts, batch)
     self._prev = got.ids
     return got, [(r, r.slot) for r in now]
+
+  def _bucket(self, tokens: int) -> int:
+    """Page-table columns a step over positions < tokens reads: a power of two (at least
+    DECODE_MIN_PAGES, at most max_len's), so only log2(max_len / 4K) shapes compile and a
+    short sequence on a long-context engine never touches max_len's worth of columns."""
+    need = -(-tokens // PAGE)
+    return min(self.pages_per_slot, max(DECODE_MIN_PAGES, 1 << (need - 1).bit_length()))
 
   def _read_decode(self, pend) -> None:
     """Reads a dispatched decode step's tokens back and emits them, for the requests of it
@@ -799,7 +869,7 @@ class Engine:
         r.text += r.decoder.flush()
       with self.lock:
         self._finish(r, finish)
-    elif r.on_update is not None:
+    elif r.on_update is not None and r.stream:
       self._push(r, hold=max((len(s) for s in r.params.stop), default=1) - 1)
 
   def _push(self, r: Request, hold: int = 0) -> None:
@@ -814,11 +884,9 @@ class Engine:
     if r in self.running:
       with _shared("the page pool bookkeeping"):
         self.running.remove(r)
-        self.pool.decref(r.pages)
+        self.kv.release(r.slot)
         self.free_slots.append(r.slot)
-        self.tables[r.slot] = 0
-    r.pages = []
-    r.features = r.images = None
+    r.features = r.images = r.feed = None
     r.finish_reason, r.state = reason, "done"
     if r.forks:
       self._release_forks(r)

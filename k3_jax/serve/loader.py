@@ -148,6 +148,7 @@ def run_server(opts: ServeOptions) -> None:
   hosts = "" if relay is None else f" across {jax.process_count()} processes"
   print(f"serving {name} on http://{host}:{port}/v1 ({engine.max_batch} slots, "
         f"context {engine.max_len}{hosts})", flush=True)
+  print(engine.pool_summary, flush=True)
   if relay is None:
     serve(app, host, port)
     return

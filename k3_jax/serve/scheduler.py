@@ -90,6 +90,8 @@ class Request:
   prompt: np.ndarray                                  # [T] int32
   params: SamplingParams
   on_update: Callable[["Request", str], None] | None = None   # (request, new text) per step
+  stream: bool = True                # False: on_update only once, with all the text, at the
+                                     # end (a non-streaming response: no per-token wake-ups)
   record_logits: bool = False                         # keep each sampled position's logits
   use_prefix_cache: bool = True                       # False: always a cold prefill
   images: dict | None = None         # packed images (data/images.pack_images) whose features
@@ -103,7 +105,9 @@ class Request:
   # ----- engine-owned state ---------------------------------------------------------
   state: str = "waiting"             # waiting | prefill | decode | done
   slot: int = -1
-  pages: list = dataclasses.field(default_factory=list)
+  feed: np.ndarray | None = None     # the tokens its prefill runs: the prompt, or after a
+                                     # preemption the prompt and all but the last generated
+  admitted: int = -1                 # admission order (the newest is preempted first)
   hashes: list = dataclasses.field(default_factory=list)
   pos: int = 0                       # tokens in the cache
   registered: int = 0                # blocks of this prompt handed to the prefix cache

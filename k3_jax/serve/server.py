@@ -101,6 +101,8 @@ def make_metrics(engine: Engine):
           ("k3_prefix_cache_evictions", "prefix cache entries evicted",
            stats.get("evictions", 0)),
           ("k3_generation_tokens", "generated tokens", engine.generated_tokens),
+          ("k3_preemptions", "requests preempted when the KV cache ran out (recomputed later)",
+           engine.kv.preemptions),
           ("k3_request_success", "finished requests", engine.finished_requests),
           ("k3_request_failure", "requests that failed (an error or a timeout)",
            engine.failed_requests),
@@ -116,6 +118,7 @@ def make_metrics(engine: Engine):
 
   for key, doc in (("free_slots", "sequence slots free"),
                    ("used_pages", "KV pages in use (requests and the prefix cache)"),
+                   ("free_pages", "KV pages free"),
                    ("cached_pages", "KV pages held by the prefix cache"),
                    ("pinned_blocks", "prefix-cache blocks pinned by running requests"),
                    ("pinned_checkpoints", "prefix-cache KDA checkpoint pins")):
@@ -299,8 +302,9 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, start_loop: bool = 
     last = None
     try:
       while True:
-        try:
-          delta, done = await asyncio.wait_for(queue.get(), timeout=0.5)
+        try:         # (what is queued already is taken without a timer and a task)
+          delta, done = queue.get_nowait() if not queue.empty() else \
+              await asyncio.wait_for(queue.get(), timeout=0.5)
         except asyncio.TimeoutError:
           if await http.is_disconnected():
             return
@@ -413,7 +417,8 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, start_loop: bool = 
         for j in range(draws):
           c = first if not runs else (None if first is None else constraint())
           req, queue = submit(ids, seeded(params, j), record_logits=k is not None,
-                              constraint=c, fork_of=lead if j else None)
+                              constraint=c, fork_of=lead if j else None,
+                              stream=bool(body.get("stream")))
           lead = req if j == 0 else lead      # the other draws start from its prefill
           runs.append((i * draws + j, ids, req, queue))
     except BaseException:

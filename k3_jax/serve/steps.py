@@ -11,6 +11,7 @@ memory and roofline `compile` reports is the program `serve` runs.
                   -> (Sampled, counts)
     zero_slot / load_slot / save_ckpt   a slot's KDA state: zeroed, loaded from or saved to
                   a prefix-cache checkpoint row
+    set_counts    a slot's generated-token counts restored (a preempted request resuming)
     copy_page     one MLA page copied into another in every MLA layer (a prefix-cache hit
                   that ends inside a page: the request continues in its own copy)
     encode        packed images -> projected features (models with a vision tower)
@@ -172,6 +173,11 @@ def zero_slot(cache, counts, slot):
   return kv.with_kda_states(cache, states), counts.at[slot].set(0)
 
 
+def set_counts(counts, slot, row):
+  """The slot's generated-token counts := row [V] (a preempted request resuming)."""
+  return counts.at[slot].set(row)
+
+
 def copy_slot(cache, src, dst):
   """Slot dst's KDA state := slot src's (a fork: another sample of the same prompt)."""
   states = kv.kda_states(cache)
@@ -219,6 +225,7 @@ class Steps(NamedTuple):
   encode: Callable
   copy_page: Callable
   piece_features: Callable
+  set_counts: Callable
 
 
 def bind(fn, *static):
@@ -242,9 +249,11 @@ def jit_steps(graphdef, par, jit=jax.jit) -> Steps:
       save_ckpt=jit(save_ckpt, donate_argnums=(0,)),
       encode=jit(bind(encode, graphdef)),
       copy_page=jit(copy_page, donate_argnums=(0,)),
-      piece_features=jit(piece_features, static_argnums=(0,)))
+      piece_features=jit(piece_features, static_argnums=(0,)),
+      set_counts=jit(set_counts, donate_argnums=(0,)))
 
 
 __all__ = ["TOP_K", "Sampling", "DecodeBatch", "Sampled", "sample_logits", "prefill_step",
            "decode_step", "row_major_features", "first_token", "load_slot", "copy_slot",
-           "zero_slot", "save_ckpt", "encode", "copy_page", "piece_features", "Steps", "jit_steps"]
+           "zero_slot", "save_ckpt", "encode", "copy_page", "piece_features", "set_counts", "Steps",
+           "jit_steps"]
