@@ -225,6 +225,9 @@ class TrainConfig:
                                 "--optimizer=muon)")
   muon_lr: float = option(3e-3, "peak Muon learning rate (matrix parameters, "
                           "--optimizer=muon)")
+  muon_placement: str = option("owned", "where Newton-Schulz runs on a mesh: owned (each "
+                               "block whole on one chip, computed once) | sharded (left to "
+                               "the partitioner)", choices=("owned", "sharded"))
   qk_clip_tau: float = option(100.0, "QK-Clip threshold on the MLA max logits; 0 disables")
   warmup_frac: float = option(0.01, "fraction of the steps of linear learning-rate warmup")
   min_lr_ratio: float = option(0.1, "final learning rate of the cosine decay, as a fraction "

@@ -28,6 +28,7 @@ from k3_jax.config import ModelConfig, TrainConfig, validate, validate_train
 from k3_jax.model import K3Model, create_model
 from k3_jax.ops.balance import load_stats
 from k3_jax.optim.muon import decay_mask, per_head_muon
+from k3_jax.optim.owned import Owner
 from k3_jax.optim.qk_clip import qk_clip
 from k3_jax.partitioning import SINGLE, Parallel
 from k3_jax.stack import plan_of
@@ -50,13 +51,19 @@ def lr_schedule(tc: TrainConfig, peak: float | None = None) -> optax.Schedule:
       decay_steps=max(tc.steps, warmup + 1), end_value=peak * tc.min_lr_ratio)
 
 
-def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
+def make_optimizer(tc: TrainConfig, mesh: Mesh | None = None) -> optax.GradientTransformation:
   """Global-norm clipping, then either Per-Head Muon on matrices + AdamW on the rest
   (optimizer="muon", k3_jax/optim/muon.py) or AdamW everywhere. Weight decay on matrices
-  only (not norms, biases, decay parameters), read from the parameters' metadata."""
+  only (not norms, biases, decay parameters), read from the parameters' metadata.
+  mesh: where the state lies (sharded by the rules table); with tc.muon_placement="owned"
+  each Newton-Schulz block is then computed once, whole on one chip (k3_jax/optim/owned.py);
+  "sharded" leaves it to the partitioner."""
   if tc.optimizer == "muon":
+    owner = None
+    if mesh is not None and mesh.size > 1 and tc.muon_placement == "owned":
+      owner = Owner(mesh, lambda shape, axes: logical_to_spec(shape, axes, mesh))
     inner = per_head_muon(lr_schedule(tc, tc.muon_lr), lr_schedule(tc), b1=tc.b1, b2=tc.b2,
-                          weight_decay=tc.weight_decay)
+                          weight_decay=tc.weight_decay, owner=owner)
   else:
     inner = optax.adamw(lr_schedule(tc), b1=tc.b1, b2=tc.b2, weight_decay=tc.weight_decay,
                         mask=decay_mask)
@@ -319,7 +326,7 @@ def _step_relevant(tc: TrainConfig) -> TrainConfig:
 
 @functools.lru_cache(maxsize=8)
 def _build_steps(cfg: ModelConfig, tc: TrainConfig, mesh: Mesh) -> Steps:
-  optimizer = make_optimizer(tc)
+  optimizer = make_optimizer(tc, mesh)
   graphdef, abstract = abstract_state(cfg, tc, optimizer)
   state_sh = tree_shardings(abstract, mesh)
   # Rows over the batch's mesh axes (and the sequence over its axis), per the rules table.
