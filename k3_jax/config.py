@@ -449,6 +449,8 @@ def validate_train(tc: TrainConfig, cfg: ModelConfig) -> TrainConfig:
   _require(tc.optimizer in ("muon", "adamw"), "optimizer", tc.optimizer,
            "must be 'muon' (Per-Head Muon) or 'adamw'")
   _require(tc.muon_lr > 0, "muon_lr", tc.muon_lr, "must be positive")
+  _require(tc.muon_placement in ("owned", "sharded"), "muon_placement", tc.muon_placement,
+           "must be 'owned' (each Newton-Schulz block on one chip) or 'sharded'")
   _require(tc.qk_clip_tau >= 0, "qk_clip_tau", tc.qk_clip_tau, "must be >= 0 (0 disables)")
   _require(tc.remat in ("none", "block", "layer", "dots"), "remat", tc.remat,
            "must be one of 'none', 'block', 'layer', 'dots'")

@@ -169,9 +169,10 @@ def loss_terms(graphdef, params, rest, batch, remat: str = "none", train: bool =
   model = nnx.merge(graphdef, params, rest)
   logits, _, aux = model(batch["inputs"], batch["segment_ids"], remat=remat, train=train,
                          images=batch.get("images"), par=par)
-  ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-  mask = batch["loss_mask"].astype(jnp.float32)
-  return jnp.sum(ce * mask), jnp.sum(mask), aux
+  with jax.named_scope("loss"):
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    mask = batch["loss_mask"].astype(jnp.float32)
+    return jnp.sum(ce * mask), jnp.sum(mask), aux
 
 
 def _microbatches(batch: dict, n: int, par: Parallel = SINGLE) -> dict:
@@ -245,8 +246,9 @@ def train_step(graphdef, optimizer, cfg: ModelConfig, tc: TrainConfig, state: di
   # In the parameters' dtype: a float32 denominator would promote BF16 gradients, and with
   # them the optimizer's moments, to float32 (a second copy of the state per chip).
   grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), grads)
-  updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
-  params = optax.apply_updates(state["params"], updates)
+  with jax.named_scope("optimizer"):     # (the per-scope costs of compile name it)
+    updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
   rest = state["rest"]
   clip = n_mla and tc.qk_clip_tau > 0
   if n_moe or clip:
