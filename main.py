@@ -530,6 +530,9 @@ def cmd_compile() -> None:
   elif rep["step"] == "decode":
     from k3_jax.compile import decode_lines
     print(decode_lines(rep))
+  elif rep["step"] == "train":
+    from k3_jax.compile import train_lines
+    print(train_lines(rep))
 
 
 def _compile_sweep(cfg, tc, target, kw: dict) -> None:

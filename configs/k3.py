@@ -63,8 +63,9 @@ def get_pod_layouts():
       # 2048 chips, 512 x 8192 tokens, 2048 per chip: the batch over fsdp x expert (one
       # sequence per group), each sequence split 4 ways (KDA / MLA context parallelism); the
       # routed experts over expert x fsdp x sequence, the rest ZeRO-3 over fsdp x expert.
-      # 79.8 GiB per chip (docs/pod-scale.md). The same tokens per chip with
-      # sequence:2,tensor:2 need 97.0 GiB: tensor:2 splits heads and FFN units, but every
+      # 68.9 GiB per chip with owned Newton-Schulz (79.8 before; docs/pod-scale.md). The
+      # same tokens per chip with sequence:2,tensor:2 needed 97.0 GiB: tensor:2 splits heads
+      # and FFN units, but every
       # chip of a tensor pair holds the pair's whole residual stream (4096 tokens).
       PodLayout(topology="v5p-4096", step="train",
                 mesh="fsdp:16,expert:32,sequence:4",

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3_jax import train
+from k3_jax import step_costs, train
 from k3_jax.cache import MLACache, ModelCache
 from k3_jax.config import (EXPERT_FORMATS, ConfigError, ModelConfig, PodLayout, TrainConfig,
                            validate, validate_train)
@@ -124,7 +124,9 @@ def compile_step(cfg: ModelConfig, tc: TrainConfig, target: Target, step: str,
     fn, args = train_program(cfg, tc, mesh)
     report.update(remat=tc.remat, grad_accum=tc.grad_accum, optimizer=tc.optimizer)
     _, rep = aot.compile_report(fn, args, target.chip_hbm_bytes, target.generation,
-                                model_flops(cfg, step, batch * seq, target.chips))
+                                model_flops(cfg, step, batch * seq, target.chips),
+                                scope_of=step_costs.scope_of)
+    add_train_parts(rep, cfg, tc, batch * seq, seq, target.chips)
     return {**report, **_with_rates(rep, batch * seq, target.chips)}
   length = cache_len or seq
   if step == "decode" and length > cfg.max_seq_len:
@@ -403,6 +405,29 @@ def init_lines(rep: dict) -> str:
           f"parameters + {size(rep['expected_opt_state_bytes_per_chip'])} "
           f"{rep['optimizer']} state; the whole state {size(rep['state_bytes'])}); "
           f"compiled outputs {size(out) if out is not None else 'unknown'}")
+
+
+def add_train_parts(rep: dict, cfg: ModelConfig, tc: TrainConfig, tokens: int, seq: int,
+                    chips: int) -> None:
+  """The train step's roofline by part of the model (k3_jax/step_costs.py): `parts`, each
+  part's counted FLOPs, HBM and wire bytes per chip (and per phase: forward, backward,
+  remat's recompute, the optimizer's update) beside `analytic_flops`, its useful count."""
+  r = rep.get("roofline")
+  if not r or "scopes" not in r:
+    return
+  r["parts"] = step_costs.by_part(r.pop("scopes"))
+  r["analytic_flops"] = step_costs.analytic_flops(cfg, tokens, seq, chips, tc.remat)
+  if r.get("model_flops_per_chip"):
+    r["flops_vs_useful"] = r["flops_per_chip"] / r["model_flops_per_chip"]
+
+
+def train_lines(rep: dict) -> str:
+  """The train step's per-part table (printed under aot.format_report's)."""
+  r = rep.get("roofline") or {}
+  if "parts" not in r:
+    return ""
+  return "parts (per chip)\n" + step_costs.format_parts(r["parts"], r["analytic_flops"],
+                                                        r.get("model_flops_per_chip"))
 
 
 def train_program(cfg: ModelConfig, tc: TrainConfig, mesh):

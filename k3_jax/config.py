@@ -225,6 +225,9 @@ class TrainConfig:
                                 "--optimizer=muon)")
   muon_lr: float = option(3e-3, "peak Muon learning rate (matrix parameters, "
                           "--optimizer=muon)")
+  muon_placement: str = option("owned", "where Newton-Schulz runs on a mesh: owned (each "
+                               "block whole on one chip, computed once) | sharded (left to "
+                               "the partitioner)", choices=("owned", "sharded"))
   qk_clip_tau: float = option(100.0, "QK-Clip threshold on the MLA max logits; 0 disables")
   warmup_frac: float = option(0.01, "fraction of the steps of linear learning-rate warmup")
   min_lr_ratio: float = option(0.1, "final learning rate of the cosine decay, as a fraction "
@@ -454,6 +457,8 @@ def validate_train(tc: TrainConfig, cfg: ModelConfig) -> TrainConfig:
   _require(tc.optimizer in ("muon", "adamw"), "optimizer", tc.optimizer,
            "must be 'muon' (Per-Head Muon) or 'adamw'")
   _require(tc.muon_lr > 0, "muon_lr", tc.muon_lr, "must be positive")
+  _require(tc.muon_placement in ("owned", "sharded"), "muon_placement", tc.muon_placement,
+           "must be 'owned' (each Newton-Schulz block on one chip) or 'sharded'")
   _require(tc.qk_clip_tau >= 0, "qk_clip_tau", tc.qk_clip_tau, "must be >= 0 (0 disables)")
   _require(tc.remat in ("none", "block", "layer", "dots"), "remat", tc.remat,
            "must be one of 'none', 'block', 'layer', 'dots'")

@@ -28,6 +28,7 @@ from k3_jax.config import ModelConfig, TrainConfig, validate, validate_train
 from k3_jax.model import K3Model, create_model
 from k3_jax.ops.balance import load_stats
 from k3_jax.optim.muon import decay_mask, per_head_muon
+from k3_jax.optim.owned import Owner
 from k3_jax.optim.qk_clip import qk_clip
 from k3_jax.partitioning import SINGLE, Parallel
 from k3_jax.stack import plan_of
@@ -50,13 +51,19 @@ def lr_schedule(tc: TrainConfig, peak: float | None = None) -> optax.Schedule:
       decay_steps=max(tc.steps, warmup + 1), end_value=peak * tc.min_lr_ratio)
 
 
-def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
+def make_optimizer(tc: TrainConfig, mesh: Mesh | None = None) -> optax.GradientTransformation:
   """Global-norm clipping, then either Per-Head Muon on matrices + AdamW on the rest
   (optimizer="muon", k3_jax/optim/muon.py) or AdamW everywhere. Weight decay on matrices
-  only (not norms, biases, decay parameters), read from the parameters' metadata."""
+  only (not norms, biases, decay parameters), read from the parameters' metadata.
+  mesh: where the state lies (sharded by the rules table); with tc.muon_placement="owned"
+  each Newton-Schulz block is then computed once, whole on one chip (k3_jax/optim/owned.py);
+  "sharded" leaves it to the partitioner."""
   if tc.optimizer == "muon":
+    owner = None
+    if mesh is not None and mesh.size > 1 and tc.muon_placement == "owned":
+      owner = Owner(mesh, lambda shape, axes: logical_to_spec(shape, axes, mesh))
     inner = per_head_muon(lr_schedule(tc, tc.muon_lr), lr_schedule(tc), b1=tc.b1, b2=tc.b2,
-                          weight_decay=tc.weight_decay)
+                          weight_decay=tc.weight_decay, owner=owner)
   else:
     inner = optax.adamw(lr_schedule(tc), b1=tc.b1, b2=tc.b2, weight_decay=tc.weight_decay,
                         mask=decay_mask)
@@ -162,9 +169,10 @@ def loss_terms(graphdef, params, rest, batch, remat: str = "none", train: bool =
   model = nnx.merge(graphdef, params, rest)
   logits, _, aux = model(batch["inputs"], batch["segment_ids"], remat=remat, train=train,
                          images=batch.get("images"), par=par)
-  ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-  mask = batch["loss_mask"].astype(jnp.float32)
-  return jnp.sum(ce * mask), jnp.sum(mask), aux
+  with jax.named_scope("loss"):
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    mask = batch["loss_mask"].astype(jnp.float32)
+    return jnp.sum(ce * mask), jnp.sum(mask), aux
 
 
 def _microbatches(batch: dict, n: int, par: Parallel = SINGLE) -> dict:
@@ -238,8 +246,9 @@ def train_step(graphdef, optimizer, cfg: ModelConfig, tc: TrainConfig, state: di
   # In the parameters' dtype: a float32 denominator would promote BF16 gradients, and with
   # them the optimizer's moments, to float32 (a second copy of the state per chip).
   grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), grads)
-  updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
-  params = optax.apply_updates(state["params"], updates)
+  with jax.named_scope("optimizer"):     # (the per-scope costs of compile name it)
+    updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
   rest = state["rest"]
   clip = n_mla and tc.qk_clip_tau > 0
   if n_moe or clip:
@@ -319,7 +328,7 @@ def _step_relevant(tc: TrainConfig) -> TrainConfig:
 
 @functools.lru_cache(maxsize=8)
 def _build_steps(cfg: ModelConfig, tc: TrainConfig, mesh: Mesh) -> Steps:
-  optimizer = make_optimizer(tc)
+  optimizer = make_optimizer(tc, mesh)
   graphdef, abstract = abstract_state(cfg, tc, optimizer)
   state_sh = tree_shardings(abstract, mesh)
   # Rows over the batch's mesh axes (and the sequence over its axis), per the rules table.

@@ -120,13 +120,14 @@ def flops(compiled) -> float | None:
 
 
 def compile_report(jitted, args: tuple, chip_hbm_bytes: int, generation: str | None = None,
-                   model_flops: float | None = None) -> tuple[Any, dict]:
+                   model_flops: float | None = None, scope_of=None) -> tuple[Any, dict]:
   """Lower `jitted` with abstract `args` (ShapeDtypeStructs with shardings), compile, and
   measure. -> (compiled, report dict with the memory numbers, flops, chip_hbm_bytes, fits,
   headroom_bytes, lower_seconds, compile_seconds, and with `generation` (v5e | v5p | v6e) a
   `roofline` (sharding/roofline.py; model_flops: the useful FLOPs per chip, for the MFU)).
   flops_per_chip counts every loop iteration (roofline.program_costs); xla_flops_per_chip is
-  XLA's cost analysis, which counts a loop body once."""
+  XLA's cost analysis, which counts a loop body once. scope_of(op_name, opcode) -> scope:
+  the roofline also gets `scopes`, the costs per scope (roofline.program_costs)."""
   t0 = time.time()
   lowered = jitted.lower(*args)
   t1 = time.time()
@@ -151,11 +152,13 @@ def compile_report(jitted, args: tuple, chip_hbm_bytes: int, generation: str | N
   if os.environ.get("K3_DUMP_HLO"):           # debugging aid: the program the roofline reads
     with open(os.environ["K3_DUMP_HLO"], "w") as f:
       f.write(text)
-  costs = roofline.program_costs(text)
+  costs = roofline.program_costs(text, scope_of=scope_of)
   rep["flops_per_chip"] = costs.flops
   rep["xla_flops_per_chip"] = flops(compiled)
   if generation is not None:
     rep["roofline"] = roofline.roofline(costs, generation, model_flops)
+    if scope_of is not None:
+      rep["roofline"]["scopes"] = costs.scopes
   rep["chip_hbm_bytes"] = int(chip_hbm_bytes)
   rep["headroom_bytes"] = int(chip_hbm_bytes) - rep["per_chip_total_bytes"]
   rep["fits"] = rep["headroom_bytes"] >= 0

@@ -107,7 +107,7 @@ def expert_parallel_dispatch(mesh: Mesh, x: jax.Array, weights: jax.Array,
   if exchange == "auto":
     exchange = "ragged" if platform == "tpu" else "all_to_all"
   if gmm is None:
-    gmm = moe_ops.default_gmm("ragged_dot" if platform in ("tpu", "gpu") else "tiled")
+    gmm = moe_ops.default_gmm("ragged_dot" if platform in ("tpu", "gpu") else "tiled", platform)
   ex = expert_axes(mesh)
   p = math.prod(mesh.shape[a] for a in ex)
   e = w_gate.shape[0]

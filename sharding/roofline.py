@@ -276,6 +276,7 @@ class Costs:
   custom_calls: dict = dataclasses.field(default_factory=dict)  # target -> {count, output_bytes}
   kernels: dict = dataclasses.field(default_factory=dict)       # name -> {count, flops, hbm_bytes}
   unknown_trip_loops: int = 0
+  scopes: dict = dataclasses.field(default_factory=dict)        # scope -> SCOPE_FIELDS (see scoped)
 
   def add(self, other: "Costs", times: float = 1.0) -> None:
     self.flops += times * other.flops
@@ -295,6 +296,15 @@ class Costs:
         for f in mine:
           mine[f] += times * v[f]
     self.unknown_trip_loops += other.unknown_trip_loops
+    for k, v in other.scopes.items():
+      mine = self.scopes.setdefault(k, dict.fromkeys(SCOPE_FIELDS, 0.0))
+      for f in SCOPE_FIELDS:
+        mine[f] += times * v[f]
+
+  def scoped(self, scope: str, field: str, value: float) -> None:
+    """Adds `value` to one field of a named scope's costs (program_costs with scope_of)."""
+    if value:
+      self.scopes.setdefault(scope, dict.fromkeys(SCOPE_FIELDS, 0.0))[field] += value
 
 
 _COST_ESTIMATE = re.compile(r'"cost_estimate":\{"flops":"?(\d+)"?,\s*"transcendentals":"?(\d+)"?,'
@@ -313,11 +323,27 @@ def _kernel_costs(ins: "Instr") -> tuple[str, float, float] | None:
   return name, float(m.group(1)), float(m.group(3))
 
 
+SCOPE_FIELDS = ("flops", "hbm_bytes", "wire_bytes")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def op_name(ins: "Instr") -> str:
+  """The op_name of an instruction's metadata (JAX's named scopes and transforms, '/'
+  separated), or ''."""
+  m = _OP_NAME.search(ins.attrs)
+  return m.group(1) if m else ""
+
+
 class _Walker:
-  def __init__(self, text: str, hbm_only: bool = True):
+  def __init__(self, text: str, hbm_only: bool = True, scope_of=None):
     self.comps, self.entry = parse_hlo(text)
     self.roots = _roots(text)
     self.hbm_only = hbm_only
+    self.scope_of = scope_of
+
+  def _scope(self, out: Costs, ins: "Instr", field: str, value: float) -> None:
+    if self.scope_of is not None and value:
+      out.scoped(self.scope_of(op_name(ins), ins.op), field, value)
 
   def shape(self, comp: str, name: str) -> list:
     ins = self.comps[comp].get(name)
@@ -378,12 +404,16 @@ class _Walker:
         if lhs and m:
           dims = lhs[0][1]
           k = math.prod(dims[int(i)] for i in m.group(1).split(",") if i)
-          out.flops += 2.0 * sum(math.prod(d) for _, d in _arrays(ins.type)) * k
+          f = 2.0 * sum(math.prod(d) for _, d in _arrays(ins.type)) * k
+          out.flops += f
+          self._scope(out, ins, "flops", f)
       elif op == "convolution" and len(ins.operands) > 1:
         lhs, rhs = self.shape(comp, ins.operands[0]), self.shape(comp, ins.operands[1])
         res = _arrays(ins.type)
         if lhs and rhs and res:
-          out.flops += _conv_flops(lhs[0][1], rhs[0][1], res[0][1], ins.attrs)
+          f = _conv_flops(lhs[0][1], rhs[0][1], res[0][1], ins.attrs)
+          out.flops += f
+          self._scope(out, ins, "flops", f)
       if op == "while":
         n = self.trip_count(comp, ins)
         if n is None:
@@ -421,6 +451,7 @@ class _Walker:
         c["count"] += 1
         c["bytes"] += size
         c["wire_bytes"] += size * factor
+        self._scope(out, ins, "wire_bytes", size * factor)
       if op == "send" and "xla_megascale" in ins.attrs:
         m = re.search(r'_xla_host_transfer_rendezvous="([a-z\-]+)', ins.attrs)
         src = _KIND.get(m.group(1).rstrip("-"), m.group(1)) if m else "unknown"
@@ -442,10 +473,14 @@ class _Walker:
           c["flops"] += flops
           c["hbm_bytes"] += nbytes
           out.flops += flops
+          self._scope(out, ins, "flops", flops)
           if not fused:
             out.hbm_bytes += nbytes
+            self._scope(out, ins, "hbm_bytes", nbytes)
       if not fused and op not in _FREE and kernel is None:
-        out.hbm_bytes += self.boundary_bytes(comp, ins)
+        b = self.boundary_bytes(comp, ins)
+        out.hbm_bytes += b
+        self._scope(out, ins, "hbm_bytes", b)
     return out
 
   def _sliced_reads(self, body: dict, name: str, users: dict, depth: int = 0) -> float | None:
@@ -570,11 +605,14 @@ def _update(ins: Instr) -> str:
   return ins.operands[1] if ins.op == "dynamic-update-slice" else ins.operands[2]
 
 
-def program_costs(hlo_text: str, hbm_only: bool = True) -> Costs:
+def program_costs(hlo_text: str, hbm_only: bool = True, scope_of=None) -> Costs:
   """Per-chip costs of a compiled SPMD module's text (see the module docstring).
   hbm_only=False counts on-chip buffers (memory spaces other than 0) as memory traffic
-  too, as XLA's own cost analysis does."""
-  w = _Walker(hlo_text, hbm_only)
+  too, as XLA's own cost analysis does. scope_of(op_name, opcode) -> a scope name: the
+  FLOPs, HBM bytes and collective wire bytes are also added up per scope (Costs.scopes),
+  each instruction's by its own metadata (a fusion's bytes by the fusion's, the matmuls
+  inside it by theirs)."""
+  w = _Walker(hlo_text, hbm_only, scope_of)
   return w.cost(w.entry)
 
 

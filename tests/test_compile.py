@@ -124,6 +124,14 @@ def test_compile_train_k3_tiny_v5p():
                  "--mesh=fsdp:2,expert:2")
   _check_report(rep)
   assert rep["fits"] and rep["step"] == "train"
+  # every counted FLOP and byte lands in one part of the model (k3_jax/step_costs.py)
+  r = rep["roofline"]
+  parts = r["parts"]
+  assert sum(p["flops"] for p in parts.values()) == pytest.approx(r["flops_per_chip"])
+  assert sum(p["hbm_bytes"] for p in parts.values()) == pytest.approx(r["hbm_bytes_per_chip"])
+  assert {"moe_experts", "mla_attention_core", "kda_core", "lm_head", "optimizer"} <= set(parts)
+  assert parts["optimizer"]["hbm_bytes"] > 0                    # (k3_tiny trains with AdamW)
+  assert parts["moe_experts"]["phases"]["backward"]["flops"] > 0   # the tgmm kernel, on TPU
 
 
 @pytest.mark.slow   # two lowerings of the k3_tiny train step: ~45 s on 2 idle cores

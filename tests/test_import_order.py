@@ -20,8 +20,8 @@ SOURCES = ("main.py", "k3_jax", "sharding", "configs", "pallas_kernels")
 GROUPS = (
     ("cli", ("main.py",)),
     ("jobs", ("k3_jax/train.py", "k3_jax/captions.py", "k3_jax/serve/", "k3_jax/checkpoint/",
-              "k3_jax/compile.py", "k3_jax/frontier.py", "k3_jax/info.py", "k3_jax/faults.py",
-              "k3_jax/goodput.py",
+              "k3_jax/compile.py", "k3_jax/frontier.py", "k3_jax/step_costs.py",
+              "k3_jax/info.py", "k3_jax/faults.py", "k3_jax/goodput.py",
               "k3_jax/profiling.py", "k3_jax/summaries.py")),
     ("sharding", ("sharding/",)),
     ("model", ("k3_jax/model.py",)),

@@ -93,7 +93,7 @@ class MoE(nnx.Module):
     """The grouped matmul for this call on `platform`. local: it runs on whole local arrays
     (no mesh, or inside the expert-parallel shard_map), so a Pallas kernel may be called
     directly."""
-    base = moe_ops.default_gmm(self.cfg.gmm, platform=platform)
+    base = moe_ops.default_gmm(self.cfg.gmm, platform=platform, kernel=local)
     if self._packed():
       return mx_gmm.packed_gmm(base, kernel=local and platform == "tpu")
     return mx_gmm.qat_gmm(base) if self.qat else base

@@ -34,38 +34,13 @@ import optax
 from flax import nnx
 from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
-NS_COEFFS = (3.4445, -4.7750, 2.0315)     # quintic Newton-Schulz (Keller Jordan's Muon)
+from k3_jax.optim.newton_schulz import NS_COEFFS, newton_schulz
+from k3_jax.optim.owned import orthogonalize_stacked
+
 MUON_RMS = 0.2                            # Moonlight: update RMS that matches AdamW's
 
 MUON, PER_HEAD, PER_EXPERT, ADAMW = "Muon", "per-head Muon", "per-expert Muon", "AdamW"
 GROUPS = (PER_HEAD, PER_EXPERT, MUON, ADAMW)
-
-
-def newton_schulz(x: jax.Array, steps: int = 5, eps: float = 1e-7) -> jax.Array:
-  """Orthogonalizes the last two axes of x (leading axes are batch, each matrix on its
-  own): Frobenius normalization, then `steps` quintic iterations
-  X <- a X + (b A + c A^2) X, A = X X^T, with (a, b, c) = NS_COEFFS, computed in float32 on
-  the wide orientation. The result has the singular vectors of x and singular values near
-  1 (the quintic trades exact convergence for speed: they land in roughly [0.7, 1.2])."""
-  if x.ndim < 2:
-    raise ValueError(f"newton_schulz needs a matrix (ndim >= 2), got shape {x.shape}")
-  a, b, c = NS_COEFFS
-  y = x.astype(jnp.float32)
-  tall = y.shape[-2] > y.shape[-1]
-  if tall:
-    y = jnp.swapaxes(y, -1, -2)
-  y = y / (jnp.linalg.norm(y, axis=(-2, -1), keepdims=True) + eps)
-
-  def step(_, y):
-    gram = y @ jnp.swapaxes(y, -1, -2)
-    return a * y + (b * gram + c * gram @ gram) @ y
-
-  # A loop, not unrolled: unrolled, the k3 train step held 5 copies of every Muon
-  # leaf's iteration (2115 of its 2702 matmuls), which the TPU compiler lowers one by one.
-  y = jax.lax.fori_loop(0, steps, step, y)
-  if tall:
-    y = jnp.swapaxes(y, -1, -2)
-  return y.astype(x.dtype)
 
 
 def orthogonalize(x: jax.Array, dims: MuonDimensionNumbers, steps: int = 5) -> jax.Array:
@@ -94,9 +69,12 @@ def orthogonalize(x: jax.Array, dims: MuonDimensionNumbers, steps: int = 5) -> j
 
 
 def scale_by_blockwise_muon(dims_fn, ns_steps: int = 5, beta: float = 0.95,
-                            nesterov: bool = True) -> optax.GradientTransformation:
+                            nesterov: bool = True, owner=None) -> optax.GradientTransformation:
   """optax.contrib.scale_by_muon's momentum (same state, same bias-corrected Nesterov
-  form) with the orthogonalization of `orthogonalize`, which keeps batch axes sharded."""
+  form) with the orthogonalization of `orthogonalize`, which keeps batch axes sharded.
+  owner (optim/owned.Owner: the mesh and the parameters' specs): each block is
+  orthogonalized once, whole on one chip (owned.orthogonalize_owned); None leaves the
+  placement to the partitioner."""
   base = scale_by_muon(ns_coeffs=NS_COEFFS, ns_steps=ns_steps, beta=beta, nesterov=nesterov,
                        weight_dimension_numbers=dims_fn)
 
@@ -111,8 +89,15 @@ def scale_by_blockwise_muon(dims_fn, ns_steps: int = 5, beta: float = 0.95,
           optax.tree.bias_correction(updates, beta, count))
     else:
       mu_hat = optax.tree.bias_correction(mu, beta, count)
-    new = jax.tree.map(lambda x, d: orthogonalize(x, d, ns_steps), mu_hat, dims_fn(updates),
-                       is_leaf=lambda x: isinstance(x, MuonDimensionNumbers))
+    if owner is None or owner.mesh.size == 1:
+      new = jax.tree.map(lambda x, d: orthogonalize(x, d, ns_steps), mu_hat, dims_fn(updates),
+                         is_leaf=lambda x: isinstance(x, MuonDimensionNumbers))
+    else:
+      blocks, tree = jax.tree.flatten(_muon_blocks(updates, owner),
+                                      is_leaf=lambda x: isinstance(x, _Block))
+      new = tree.unflatten(orthogonalize_stacked(
+          tree.flatten_up_to(mu_hat), [b.dims for b in blocks], [b.spec for b in blocks],
+          owner.mesh, ns_steps))
     return new, state._replace(count=count, mu=mu)
 
   return optax.GradientTransformation(base.init, update_fn)
@@ -209,6 +194,23 @@ def _muon_dims(updates):
   return jax.tree.map(one, updates, is_leaf=_is_var)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Block:
+  """A Muon parameter's blocks and where they lie (a leaf of the tree: not a pytree)."""
+  dims: MuonDimensionNumbers
+  spec: object                              # its PartitionSpec on the owner's mesh
+
+
+def _muon_blocks(updates, owner):
+  """_muon_dims with each parameter's PartitionSpec (from its logical axes)."""
+  def one(v):
+    if isinstance(_raw(v), optax.MaskedNode):
+      return v
+    axes = tuple(v.get_metadata().get("logical_axes") or (None,) * len(v.shape))
+    return v.replace(_Block(param_group(v).dims, owner.spec_of(tuple(v.shape), axes)))
+  return jax.tree.map(one, updates, is_leaf=_is_var)
+
+
 def decay_mask(params):
   """Weight decay on matrices (Muon's and the vocab-sized embedding / LM head), never on
   norms, biases, decay parameters, conv kernels or pseudo-queries."""
@@ -222,12 +224,14 @@ def decay_mask(params):
 def per_head_muon(muon_lr: optax.ScalarOrSchedule, adamw_lr: optax.ScalarOrSchedule, *,
                   momentum: float = 0.95, ns_steps: int = 5, weight_decay: float = 0.1,
                   b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8,
-                  nesterov: bool = True) -> optax.GradientTransformation:
+                  nesterov: bool = True, owner=None) -> optax.GradientTransformation:
   """K3's optimizer (without clipping): Per-Head Muon on matrices, AdamW on the rest.
 
-  Works on an nnx State of Params carrying `matrix_axes` / `logical_axes` metadata."""
+  Works on an nnx State of Params carrying `matrix_axes` / `logical_axes` metadata.
+  owner (optim/owned.Owner): Newton-Schulz once per block on the owner's mesh."""
   muon = optax.chain(
-      scale_by_blockwise_muon(_muon_dims, ns_steps=ns_steps, beta=momentum, nesterov=nesterov),
+      scale_by_blockwise_muon(_muon_dims, ns_steps=ns_steps, beta=momentum, nesterov=nesterov,
+                              owner=owner),
       scale_by_moonlight(_muon_dims),
       optax.add_decayed_weights(weight_decay),
       optax.scale_by_learning_rate(muon_lr))

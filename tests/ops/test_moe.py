@@ -345,3 +345,28 @@ def test_tiled_gmm_equals_ragged_dot(tile):
   f = lambda fn: jax.grad(lambda a, b: jnp.sum(jnp.sin(fn(a, b, gs))), argnums=(0, 1))(lhs, rhs)
   for a, b in zip(f(lambda a, b, c: moe_ops.tiled_gmm(a, b, c, tile)), f(moe_ops.ragged_dot_gmm)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_ragged_dot_tpu_gmm_gradients_equal_ragged_dot(dtype):
+  """The TPU training gmm (ragged_dot forward and input gradient, the grouped transposed
+  kernel for the weight gradient; the kernel in Pallas interpret mode here) has the value
+  and both gradients of jax.lax.ragged_dot, with an empty group and rows past the groups."""
+  from k3_jax.ops.moe import ragged_dot_gmm, ragged_dot_tpu_gmm
+  k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+  lhs = jax.random.normal(k1, (256, 128)).astype(dtype)
+  rhs = jax.random.normal(k2, (4, 128, 256)).astype(dtype)
+  ct = jax.random.normal(k3, (256, 256))
+  sizes = jnp.array([70, 0, 130, 40], jnp.int32)             # 240 of 256 rows grouped
+
+  def loss(gmm):
+    return lambda a, b: (gmm(a, b, sizes) * ct).sum()
+  want_v, want_g = jax.value_and_grad(loss(ragged_dot_gmm), argnums=(0, 1))(lhs, rhs)
+  got_v, got_g = jax.value_and_grad(
+      loss(lambda a, b, s: ragged_dot_tpu_gmm(a, b, s, interpret=True)), argnums=(0, 1))(
+          lhs, rhs)
+  tol = dict(rtol=1e-5, atol=1e-4) if dtype == jnp.float32 else dict(rtol=2e-2, atol=0.5)
+  np.testing.assert_allclose(got_v, want_v, rtol=1e-6)
+  for g, w in zip(got_g, want_g):
+    assert g.dtype == w.dtype
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), **tol)
