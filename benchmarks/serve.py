@@ -108,7 +108,7 @@ def decode_step_time(eng, pos, runs, slots=1):
   times = []
   for i in range(runs + 1):                       # the first call compiles
     t0 = time.perf_counter()
-    out = eng._steps.decode(eng.params, eng.rest, eng.cache, eng.counts, batch())
+    out = eng._steps.decode(*eng.weights, eng.cache, eng.counts, batch())
     jax.block_until_ready(out)
     eng.cache, eng.counts = out[1], out[2]
     if i:
