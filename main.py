@@ -135,6 +135,16 @@ flags.DEFINE_integer("global_batch", None, "global batch in sequences (default: 
                      "--batch_size or the preset's)")
 flags.DEFINE_integer("cache_len", None, "prefill/decode: cache length in tokens "
                      "(default: --seq_len)")
+flags.DEFINE_enum("page_split", "auto", ["auto", "column", "slot"], "compile --step=decode: "
+                  "how the paged cache lies over the mesh: column = each sequence's pages "
+                  "striped over the chips (by length), slot = each chip its own sequences "
+                  "(by sequence), auto = slot when the page shards divide the batch")
+flags.DEFINE_string("sweep", None, "compile --step=decode|prefill over a grid of operating "
+                    "points, e.g. 'batch:8,64,256,1024;cache_len:8K,32K,128K,1M' (K, M = "
+                    "1024, 1024^2); prints each point, the table and the frontier")
+flags.DEFINE_string("sweep_out", None, "compile --sweep: append each point (JSON lines) here "
+                    "and skip the points already in it")
+flags.DEFINE_string("sweep_plot", None, "compile --sweep: write the frontier plot (PNG) here")
 flags.DEFINE_enum("gmm", "ragged_dot", ["ragged_dot", "tiled"], "MoE grouped matmul lowered "
                   "for the target (ragged_dot on TPU); sets moe.gmm")
 
@@ -226,11 +236,18 @@ def _check_workdir(path: str, flag: str = "workdir") -> None:
 
 
 def _check_tokenizer(spec: str | None) -> None:
-  """--tokenizer names 'byte' or an existing file: checked before any model is loaded."""
+  """--tokenizer names what `tokenizers.get_tokenizer` loads ('byte', a model directory with
+  tiktoken.model or tokenizer.json, or a tokenizer file): checked before any model is loaded."""
   from k3_jax.config import UserError
-  if spec and spec != "byte" and not os.path.isfile(spec):
-    raise UserError(f"tokenizer {spec!r}: no such file (use 'byte' or the path of a "
-                    "tiktoken BPE file)")
+  if not spec or spec == "byte" or os.path.isfile(spec):
+    return
+  from k3_jax.data.tokenizers import TOKENIZER_FILES, has_tokenizer
+  if os.path.isdir(spec):
+    if not has_tokenizer(spec):
+      raise UserError(f"tokenizer {spec!r}: a directory without {' or '.join(TOKENIZER_FILES)}")
+    return
+  raise UserError(f"tokenizer {spec!r}: no such file or directory (use 'byte', a model "
+                  "directory with tiktoken.model or tokenizer.json, or a tiktoken BPE file)")
 
 
 def _check_listen(host: str, port: int) -> None:
@@ -360,7 +377,7 @@ def _train_job(stop) -> None:
   print(train.summary_line(result, FLAGS.workdir))
   if shapes_run and FLAGS.caption_eval_images > 0 and not result.get("interrupted"):
     from k3_jax.data import tokenizers
-    from k3_jax.serve.multimodal import caption_eval
+    from k3_jax.captions import caption_eval
     caption_eval(FLAGS.workdir, tokenizers.get_tokenizer(tc.tokenizer),
                  FLAGS.caption_eval_images, seed=tc.seed)
 
@@ -494,6 +511,11 @@ def cmd_compile() -> None:
   if given["expert_format"] is not None:
     given["expert_format"] = _expert_format()
   cfg, tc, kw = apply_pod_layout(layout, cfg, _train_config(cfg, check=False), given)
+  if FLAGS.sweep:
+    _compile_sweep(cfg, tc, target, kw)
+    return
+  if FLAGS.step == "decode":
+    kw["page_split"] = FLAGS.page_split
   rep = compile_step(cfg, tc, target, FLAGS.step, **kw)
   rep["pod_layout"] = (None if layout is None
                        else f"{FLAGS.config}: {layout.topology} {layout.step}")
@@ -508,6 +530,22 @@ def cmd_compile() -> None:
   elif rep["step"] == "decode":
     from k3_jax.compile import decode_lines
     print(decode_lines(rep))
+
+
+def _compile_sweep(cfg, tc, target, kw: dict) -> None:
+  """compile --sweep: every point of the grid, then the table, the frontier and the plot."""
+  from k3_jax import frontier
+  grid = frontier.parse_sweep(FLAGS.sweep)
+  log = (lambda line: print(line, file=sys.stderr)) if FLAGS.json else print
+  pts = frontier.run_sweep(cfg, tc, target, FLAGS.step, kw, grid, FLAGS.sweep_out,
+                           FLAGS.page_split, log=log)
+  if FLAGS.sweep_plot:
+    frontier.plot(pts, FLAGS.sweep_plot, f"{cfg.name} {FLAGS.step} on {target.name} "
+                  f"({target.chips} chips), compile's roofline")
+  if FLAGS.json:
+    print(json.dumps({"points": pts, "frontier": frontier.frontier(pts)}))
+    return
+  print(frontier.markdown_table(pts))
 
 
 def _compile_header(name: str, target, rep: dict, from_layout: bool) -> str:

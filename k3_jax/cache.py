@@ -5,6 +5,8 @@ One entry per decoder layer, by its mixer:
     KDAState        KDA layer: the delta-rule state and the short convolutions' windows
         state             [B, H, K, V] f32
         conv_q/k/v        [B, W-1, H*K]   (the last W-1 inputs of each causal conv)
+        active            None, or [B] bool during a serving decode step: rows whose
+                          state the step may change (an idle slot's is kept, in the layer)
     MLACache        MLA layer, contiguous (prefill / decode): the latents of every position
         c_kv              [B, S, R]
         k_r               [B, S, Pr]     (R = kv_lora_rank, Pr = qk_rope_head_dim)
@@ -45,6 +47,7 @@ class KDAState:
   conv_q: jax.Array         # [B, W-1, H*K]
   conv_k: jax.Array
   conv_v: jax.Array
+  active: jax.Array | None = None   # [B] bool (serving decode), else None
 
 
 @_pytree

@@ -92,12 +92,13 @@ def apply_pod_layout(layout: PodLayout | None, cfg: ModelConfig, tc: TrainConfig
 def compile_step(cfg: ModelConfig, tc: TrainConfig, target: Target, step: str,
                  mesh_spec: str = "", global_batch: int | None = None,
                  seq_len: int | None = None, cache_len: int | None = None,
-                 expert_format: str = "dense") -> dict:
+                 expert_format: str = "dense", page_split: str = "auto") -> dict:
   """Lower and compile the real `step` of `cfg` for `target` with abstract inputs (nothing
   is allocated); returns sharding.aot.compile_report's per-chip memory report plus what was
   compiled. global_batch / seq_len default to tc's; cache_len (prefill / decode) to seq_len.
   The grouped-matmul kind and the expert-parallel capacity are cfg's execution-only fields
-  (moe.gmm, moe.ep_capacity)."""
+  (moe.gmm, moe.ep_capacity). page_split (decode): how the paged cache's pages lie over the
+  mesh, "column" (by length), "slot" (by sequence) or "auto" (`decode_page_split`)."""
   if step not in STEPS:
     raise ConfigError(f"step={step!r}: expected one of {', '.join(STEPS)}")
   if expert_format not in EXPERT_FORMATS:
@@ -128,7 +129,16 @@ def compile_step(cfg: ModelConfig, tc: TrainConfig, target: Target, step: str,
   length = cache_len or seq
   if step == "decode" and length > cfg.max_seq_len:
     raise ConfigError(f"cache_len={length} exceeds max_seq_len={cfg.max_seq_len}")
-  fn, args = _serving_program(cfg, mesh, step, batch, seq, length, expert_format)
+  if step == "decode":
+    page_split = decode_page_split(batch, mesh, page_split)
+    exchange = expert_exchange(batch, mesh)
+    if exchange == "all_to_all" and not cfg.moe.ep_capacity:
+      cap = decode_ep_capacity(batch, mesh, cfg)
+      cfg = validate(dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, ep_capacity=cap)))
+      report["ep_capacity"] = cap
+    report.update(page_split=page_split, expert_exchange=exchange,
+                  weight_split="output" if page_split == "slot" else "model")
+  fn, args = _serving_program(cfg, mesh, step, batch, seq, length, expert_format, page_split)
   report.update(cache_len=length, expert_format=expert_format,
                 step_function=("k3_jax.serve.steps.decode_step (the engine's, paged cache)"
                                if step == "decode" else "k3_jax.model.prefill"))
@@ -156,6 +166,99 @@ def compile_step(cfg: ModelConfig, tc: TrainConfig, target: Target, step: str,
     if "at_min_routing" in r:
       r["at_min_routing"]["vs_target"] = r["at_min_routing"]["tokens_per_s"] / NODE_TARGET_TOKENS_S
   return {**report, **rep}
+
+
+def decode_page_split(batch: int, mesh, given: str = "auto") -> str:
+  """The decode layout rule for the paged cache (an explicit "column" / "slot" wins):
+  a batch the page shards divide is split by sequence ("slot": each chip holds and attends
+  its own sequences' pages whole, nothing combined across chips); a smaller or ragged batch
+  by length ("column": every chip holds a stripe of every sequence's pages, decode context
+  parallelism, the partials combined per layer). KDA states follow the batch on their own:
+  split by sequence where the batch fills the mesh, on K where it does not
+  (kv_pages.paged_cache_shardings)."""
+  from sharding.paged import PAGE_SPLITS
+  if given not in ("auto", *PAGE_SPLITS):
+    raise ConfigError(f"page_split={given!r}: expected auto or one of {', '.join(PAGE_SPLITS)}")
+  shards = kv.page_shards(mesh)
+  if given != "auto":
+    if given == "slot" and batch % shards:
+      raise ConfigError(f"page_split=slot needs a batch divisible by the {shards} page "
+                        f"shards; got {batch}")
+    return given
+  return "slot" if shards > 1 and batch % shards == 0 else "column"
+
+
+def weights_by_output(params, mesh):
+  """Shardings of the served parameters for a decode whose batch fills the mesh: a weight
+  whose model dimension ("embed") is an input (not its last dimension) is split on its last
+  (output) dimension instead, over the same mesh axes, where that divides; the others
+  (outputs of the model dimension, vectors, the routed experts) as the default rule has
+  them. With an input model dimension split (the default) and the batch split over the
+  same axes, the partitioner gathers each such weight whole on every chip, every step
+  (k3, 1,024 x 32K: ~270 GB per chip); split on its output the tokens travel instead (an
+  all-gather of [B, D] in, an all-to-all of the [B, F / n] result). A weight that outputs
+  the model dimension keeps it split (split on an input, the partitioner gathered those
+  whole too)."""
+  from jax.sharding import NamedSharding, PartitionSpec
+  from sharding.rules import logical_to_spec
+  default = tree_shardings(params, mesh)
+  keep = {"embed", "layers", "experts", "expert_embed", "expert_mlp", None}
+
+  def one(x, sh):
+    if not isinstance(x, nnx.Variable) or not hasattr(x.get_raw_value(), "shape"):
+      return sh
+    axes = x.get_metadata().get("logical_axes")
+    if axes is None or len(axes) != len(x.shape) or "experts" in axes or len(axes) < 2:
+      return sh
+    spec = list(logical_to_spec(tuple(x.shape), tuple(axes), mesh))
+    split = [d for d, name in enumerate(axes) if name == "embed" and spec[d] is not None]
+    last = len(axes) - 1
+    if not split or split[0] == last or axes[last] in keep or spec[last] is not None:
+      return sh
+    mesh_axes = spec[split[0]] if isinstance(spec[split[0]], tuple) else (spec[split[0]],)
+    if x.shape[last] % math.prod(mesh.shape[a] for a in mesh_axes):
+      return sh
+    spec[last], spec[split[0]] = spec[split[0]], None
+    return NamedSharding(mesh, PartitionSpec(*spec))
+  return jax.tree.map(one, params, default, is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+
+# The decode's expert exchange drops a (source, destination) chunk's pairs past its
+# capacity with at most this probability (per chunk per layer, Poisson load).
+DROP_TAIL = 1e-6
+
+
+def decode_ep_capacity(batch: int, mesh, cfg: ModelConfig, tail: float = DROP_TAIL) -> float:
+  """The capacity factor of a decode whose expert axis splits the tokens (all-to-all).
+
+  Dropless, a chunk must hold n min(k, E_l) rows (n tokens a chip), and every buffer of
+  the exchange and the expert FFN is P times that: at k3's 1,024 x 32K, 14,336 rows a
+  layer where 256 arrive on average (~400 GB per chip a step in those buffers). The
+  rows a source sends one destination are about Poisson with mean n k / P under balanced
+  routing; the factor is the least c whose chunk of ceil(c n k / P) rows overflows with
+  probability below `tail`, e.g. n = 16, k = 16, P = 64: mean 4, 16 rows, c = 4."""
+  from sharding import expert
+  ex = expert.expert_axes(mesh)
+  p = math.prod(mesh.shape[a] for a in ex)
+  shards = math.prod(mesh.shape[a] for a in expert.token_axes(mesh, batch))
+  mean = batch / shards * cfg.moe.top_k / p
+  cap, pmf, cdf = 0, math.exp(-mean), math.exp(-mean)
+  while 1.0 - cdf >= tail:
+    cap += 1
+    pmf *= mean / cap
+    cdf += pmf
+  return cap / mean
+
+
+def expert_exchange(batch: int, mesh) -> str:
+  """Which expert-parallel path a decode of `batch` tokens takes (sharding/expert.py):
+  "all_to_all" when the expert axis splits the tokens, "replicated" (each chip its own
+  experts' pairs of every token, one all-reduce) when it cannot; "none" without one."""
+  from sharding import expert
+  ex = expert.expert_axes(mesh)
+  if not ex:
+    return "none"
+  return "all_to_all" if any(a in expert.token_axes(mesh, batch) for a in ex) else "replicated"
 
 
 # The serving target of the seed: a 64-chip v5p node decoding K3 at 8,700 tokens/s.
@@ -315,11 +418,13 @@ def train_program(cfg: ModelConfig, tc: TrainConfig, mesh):
 
 
 def _serving_program(cfg: ModelConfig, mesh, step: str, batch: int, seq: int, length: int,
-                     expert_format: str):
+                     expert_format: str, page_split: str = "column"):
   """(jitted fn, abstract sharded args) of the prefill or decode step: parameters in their
   served format, caches sharded on the batch, the decode cache donated."""
   graphdef, params, rest = serving_params(cfg, expert_format)
   p_sh, r_sh = tree_shardings(params, mesh), tree_shardings(rest, mesh)
+  if step == "decode" and page_split == "slot":     # the batch fills the mesh
+    p_sh = weights_by_output(params, mesh)
   cache = jax.eval_shape(lambda: create_model(cfg, mode="abstract").init_cache(batch, length))
   c_sh = cache_shardings(cache, mesh)
   logits_sh = aot.batch_shardings(
@@ -327,7 +432,8 @@ def _serving_program(cfg: ModelConfig, mesh, step: str, batch: int, seq: int, le
   p_args = (aot.with_shardings(params, p_sh), aot.with_shardings(rest, r_sh))
   par = parallel_for(mesh)     # built per call, for this mesh: no compile is shared across meshes
   if step == "decode":
-    return _paged_decode_program(cfg, mesh, graphdef, par, p_args, (p_sh, r_sh), batch, length)
+    return _paged_decode_program(cfg, mesh, graphdef, parallel_for(mesh, page_split), p_args,
+                                 (p_sh, r_sh), batch, length, page_split)
 
   def run(params, rest, tokens):
     logits, cache = prefill(nnx.merge(graphdef, params, rest), tokens, length,
@@ -340,15 +446,19 @@ def _serving_program(cfg: ModelConfig, mesh, step: str, batch: int, seq: int, le
 
 
 def _paged_decode_program(cfg: ModelConfig, mesh, graphdef, par, p_args, p_shardings,
-                          batch: int, length: int):
+                          batch: int, length: int, page_split: str = "column"):
   """(jitted serve.steps.decode_step, abstract sharded args): the engine's decode over its
   paged cache (every slot at up to `length` tokens: ceil(length / 512) pages each, striped
-  over the page axis's shards with the null page, kv_pages.pool_pages), with the
-  per-slot sampling inputs (a logit bias row per slot) and the cache and counts donated."""
+  over the page axis's shards with the null page, kv_pages.pool_pages; with
+  page_split="slot" each shard holds its own slots' pages and one spare, the null page on
+  shard 0), with the per-slot sampling inputs (a logit bias row per slot) and the cache and
+  counts donated."""
   from k3_jax.serve import steps
   from k3_jax.serve.kv_pages import PAGE
   per_slot = -(-length // PAGE)
-  pages = kv.pool_pages(batch, per_slot, 0, kv.page_shards(mesh))
+  shards = kv.page_shards(mesh)
+  pages = (shards * (batch // shards * per_slot + 1) if page_split == "slot"
+           else kv.pool_pages(batch, per_slot, 0, shards))
   cache = jax.eval_shape(lambda: create_model(cfg, mode="abstract").init_paged_cache(
       batch, pages, PAGE))
   c_sh = kv.paged_cache_shardings(cache, mesh)

@@ -36,6 +36,15 @@ weights are read from HBM exactly once per call (per F tile, and F tiles partiti
 weights); visits that do not compute (zero tails, padding) keep the previous block indices
 and so trigger no copies. `rhs_fetches` replays this to count the copies.
 
+Rows outermost (`order="rows_outer"`, or "auto" when it reads fewer bytes: a long
+prefill's lhs is many times its local experts' weights, and F outermost reads the lhs once
+per F tile, 6-7 times at K3 shapes): the grid is (visits, F tiles, L tiles), each visit's
+lhs tile is fetched once for all F tiles, its expert's weights once per visit (so per row
+tile, which a larger row tile, ROWS_OUTER_TM, keeps few), every computing step unpacks,
+and the output block is the row tile's whole width [tm, F], resident across the visit's F
+tiles and the tile's consecutive visits. Its leading grid axis cannot be "parallel" (a
+tile's visits are ordered), so a two-core chip runs it on one core.
+
 Unpacking (VPU) runs when a visit starts a new group (flag bit 2) and fills a BF16
 [tk, tn] weight tile in VMEM that the following visits of the same group reuse, so it
 costs once per (expert, F tile), not once per row tile. It goes in chunks of `tc` rows:
@@ -197,7 +206,7 @@ def _fp8_f32(c: jax.Array, fmt: str) -> jax.Array:
 
 
 def _kernel(offsets_ref, group_ref, tile_ref, lhs_tile_ref, flags_ref, layer_ref, *refs,
-            lhs_fmt: str | None, tiling: Tiling, tiles_k: int):
+            lhs_fmt: str | None, tiling: Tiling, tiles_k: int, rows_outer: bool = False):
   del lhs_tile_ref, layer_ref
   if lhs_fmt is None:
     x_ref, wc_ref, ws_ref, o_ref, acc_ref, wscale_ref, w_ref, wtile_ref = refs
@@ -205,15 +214,17 @@ def _kernel(offsets_ref, group_ref, tile_ref, lhs_tile_ref, flags_ref, layer_ref
   else:
     x_ref, xs_ref, wc_ref, ws_ref, o_ref, acc_ref, wscale_ref, w_ref, wtile_ref = refs
   tm, tn, tk, tc = tiling
-  v = pl.program_id(1)
+  v = pl.program_id(0 if rows_outer else 1)
+  n = pl.program_id(1 if rows_outer else 0)
   k = pl.program_id(2)
   flags = flags_ref[v]
   active = (flags & 1) == 1
   first = (flags & 2) == 2
   # The unpacked [tk, tn] weight tile stays in VMEM across the consecutive visits of one
   # group (one L tile: its rhs block does not change), so the VPU unpack runs once per
-  # (expert, F tile), not once per row tile; with several L tiles every step unpacks.
-  unpack = active & (((flags & 4) == 4) if tiles_k == 1 else True)
+  # (expert, F tile), not once per row tile; with several L tiles, or rows outermost
+  # (each step a new F tile), every computing step unpacks.
+  unpack = active & (((flags & 4) == 4) if tiles_k == 1 and not rows_outer else True)
 
   @pl.when(active & (k == 0))
   def _zero_acc():
@@ -279,8 +290,11 @@ def _kernel(offsets_ref, group_ref, tile_ref, lhs_tile_ref, flags_ref, layer_ref
     start, end = offsets_ref[g], offsets_ref[g + 1]
     rows = tile_ref[v] * tm + jax.lax.broadcasted_iota(jnp.int32, (tm, tn), 0)
     mine = (rows >= start) & (rows < end) & active
-    prev = jnp.where(first, 0.0, o_ref[...].astype(jnp.float32))
-    o_ref[...] = jnp.where(mine, acc_ref[...], prev).astype(o_ref.dtype)
+    # rows outermost: the output block is the row tile's whole width, resident across its
+    # F tiles and consecutive visits; this step stores its F tile's columns
+    out = o_ref.at[:, pl.ds(pl.multiple_of(n * tn, tn), tn)] if rows_outer else o_ref
+    prev = jnp.where(first, 0.0, out[...].astype(jnp.float32))
+    out[...] = jnp.where(mine, acc_ref[...], prev).astype(o_ref.dtype)
 
 
 # ----------------------------------------------------------------------------- wrapper
@@ -310,10 +324,54 @@ def _check(cond: bool, msg: str) -> None:
     raise ValueError(msg)
 
 
+# Grid orders: "f_outer" (F tiles outermost: each expert's weights read once a call, the
+# lhs once per F tile) or "rows_outer" (row-tile visits outermost: the lhs read once, each
+# visit's weights once per visit), or "auto": the one whose estimated HBM bytes are fewer
+# (`choose_order`; a long prefill's rows are many times its local experts' weights).
+ORDERS = ("auto", "f_outer", "rows_outer")
+ROWS_OUTER_TM = 1024      # rows_outer's default row tile: fewer visits, fewer weight reads
+# "auto" takes rows outermost only where it reads at most this share of F-outer's bytes:
+# it gives up the parallel grid axis (a two-core chip's second core).
+ROWS_OUTER_SHARE = 0.75
+_VMEM_BUDGET = 48 << 20
+
+
+def hbm_bytes(m_pad: int, l: int, f: int, e: int, tiling: Tiling, lhs_row_bytes: float,
+              out_itemsize: int, rows_outer: bool) -> int:
+  """The kernel's HBM bytes as its static estimate counts them (every row of the buffer,
+  every visit of the static bound): lhs, packed weights, output."""
+  tm, tn, tk, _ = tiling
+  nv = m_pad // tm + e - 1
+  per_expert = (l // 2 + l // BLOCK) * f
+  lhs = m_pad * lhs_row_bytes
+  if rows_outer:
+    return int(lhs + nv * per_expert + m_pad * f * out_itemsize)
+  weights = e * per_expert if tk == l else nv * per_expert
+  return int((f // tn) * lhs + weights + m_pad * f * out_itemsize)
+
+
+def choose_order(m: int, l: int, f: int, e: int, row_align: int, lhs_row_bytes: float,
+                 out_itemsize: int) -> tuple[bool, Tiling]:
+  """(rows_outer, tiling) for order "auto" without a given tiling: the default F-outer
+  tiling, or rows outermost at ROWS_OUTER_TM rows a tile when that reads fewer bytes."""
+  base = default_tiling(m, l, f, row_align)
+  tm = min(ROWS_OUTER_TM, _round_up(max(m, 1), row_align))
+  wide = base._replace(tm=tm)
+  while tm > row_align and vmem_bytes(wide, int(lhs_row_bytes) // l or 1, out_itemsize,
+                                      False, f) > _VMEM_BUDGET:
+    tm //= 2
+    wide = base._replace(tm=tm)
+  cost = lambda t, ro: hbm_bytes(_round_up(m, t.tm), l, f, e, t, lhs_row_bytes,
+                                 out_itemsize, ro)
+  if cost(wide, True) <= ROWS_OUTER_SHARE * cost(base, False):
+    return True, wide
+  return False, base
+
+
 def mxfp4_gmm(lhs, rhs, group_sizes: jax.Array, *, preferred_element_type=None,
               tiling: Tiling | tuple[int, int, int, int] | None = None,
               interpret: bool | pltpu.InterpretParams = False,
-              layer: jax.Array | None = None) -> jax.Array:
+              layer: jax.Array | None = None, order: str = "auto") -> jax.Array:
   """Grouped matmul lhs [M, L] x MXFP4 rhs [E, L, F] -> [M, F] (see the module docstring).
 
   layer: with an int32 scalar, rhs is a stack of such weights [layers, E, L, F] (a scanned
@@ -324,7 +382,10 @@ def mxfp4_gmm(lhs, rhs, group_sizes: jax.Array, *, preferred_element_type=None,
   preferred_element_type: output dtype; default the lhs dtype (BF16 for an MXFP8 lhs).
   tiling: Tiling(tm, tn, tk, tc) or None for `default_tiling`. interpret: run the kernel
   in Pallas interpret mode on CPU (True, or pltpu.InterpretParams for the TPU one).
+  order: the grid order (ORDERS); "auto" picks by `choose_order` (with a given tiling,
+  by the same byte estimate at that tiling).
   """
+  _check(order in ORDERS, f"order={order!r}: expected one of {ORDERS}")
   _check(_is_mx(rhs), f"rhs must be an MXFP4 MX array (codes, scales, fmt, axis), got "
                       f"{type(rhs).__name__}")
   _check(rhs.fmt == "mxfp4", f"rhs.fmt={rhs.fmt!r}; the kernel reads packed 'mxfp4' weights")
@@ -367,7 +428,15 @@ def mxfp4_gmm(lhs, rhs, group_sizes: jax.Array, *, preferred_element_type=None,
          f"{group_sizes.shape}")
   out_dtype = jnp.dtype(preferred_element_type or default_out)
   align = _row_align(lhs_dtype, out_dtype)
-  t = Tiling(*(tiling or default_tiling(m, l, f, align)))
+  row_bytes = l * jnp.dtype(lhs_dtype).itemsize + (l // BLOCK if lhs_fmt else 0)
+  if tiling is None and order == "auto":
+    rows_outer, t = choose_order(m, l, f, e, align, row_bytes, out_dtype.itemsize)
+  else:
+    t = Tiling(*(tiling or default_tiling(m, l, f, align)))
+    rows_outer = order == "rows_outer" or (order == "auto" and hbm_bytes(
+        _round_up(m, t.tm), l, f, e, t, row_bytes, out_dtype.itemsize, True)
+        <= ROWS_OUTER_SHARE * hbm_bytes(_round_up(m, t.tm), l, f, e, t, row_bytes,
+                                        out_dtype.itemsize, False))
   _check(t.tm % align == 0, f"tiling.tm={t.tm} must be a multiple of {align} for lhs "
                             f"{lhs_dtype} / output {out_dtype}")
   _check(f % t.tn == 0 and t.tn % LANES == 0,
@@ -378,14 +447,17 @@ def mxfp4_gmm(lhs, rhs, group_sizes: jax.Array, *, preferred_element_type=None,
          f"tiling.tc={t.tc} must be a multiple of 256 dividing tk={t.tk}")
   return _mxfp4_gmm(lhs.codes if lhs_fmt else lhs, lhs.scales if lhs_fmt else None,
                     codes, scales, group_sizes.astype(jnp.int32), layer,
-                    lhs_fmt=lhs_fmt, out_dtype=out_dtype, tiling=t, interpret=interpret)
+                    lhs_fmt=lhs_fmt, out_dtype=out_dtype, tiling=t, interpret=interpret,
+                    rows_outer=rows_outer)
 
 
-def vmem_bytes(tiling: Tiling, lhs_itemsize: int, out_itemsize: int, mx_lhs: bool) -> int:
-  """Rough VMEM need: double-buffered blocks, scratch, and chunk temporaries."""
+def vmem_bytes(tiling: Tiling, lhs_itemsize: int, out_itemsize: int, mx_lhs: bool,
+               out_width: int | None = None) -> int:
+  """Rough VMEM need: double-buffered blocks, scratch, and chunk temporaries (out_width:
+  the output block's width, tn unless rows are outermost: F)."""
   tm, tn, tk, tc = tiling
   blocks = 2 * (tm * tk * lhs_itemsize + tk // 2 * tn + _round_up(tk // BLOCK, 32) * tn
-                + tm * tn * out_itemsize)
+                + tm * (out_width or tn) * out_itemsize)
   if mx_lhs:
     blocks += 2 * (tk // tc) * tm * LANES                # [tk/tc, tm, tc/32] lane-padded
   scratch = tm * tn * 4 + _round_up(tk // BLOCK, 8) * tn * 4 + tc * tn * 4 + tk * tn * 2
@@ -393,8 +465,10 @@ def vmem_bytes(tiling: Tiling, lhs_itemsize: int, out_itemsize: int, mx_lhs: boo
   return blocks + scratch + temps
 
 
-@functools.partial(jax.jit, static_argnames=("lhs_fmt", "out_dtype", "tiling", "interpret"))
-def _mxfp4_gmm(x, xs, wc, ws, group_sizes, layer, *, lhs_fmt, out_dtype, tiling, interpret):
+@functools.partial(jax.jit, static_argnames=("lhs_fmt", "out_dtype", "tiling", "interpret",
+                                             "rows_outer"))
+def _mxfp4_gmm(x, xs, wc, ws, group_sizes, layer, *, lhs_fmt, out_dtype, tiling, interpret,
+               rows_outer=False):
   tm, tn, tk, tc = tiling
   m, l = x.shape
   e, _, f = wc.shape[1:]                           # wc, ws [layers, E, ...]; layer [1]
@@ -410,17 +484,24 @@ def _mxfp4_gmm(x, xs, wc, ws, group_sizes, layer, *, lhs_fmt, out_dtype, tiling,
     act = flags_ref[v] & 1
     return k * act + (tiles_k - 1) * (1 - act)
 
-  def lhs_map(n, v, k, offs, grp, tile, lt, flags, lay):
+  # grid (F tiles, visits, L tiles), or (visits, F tiles, L tiles) with rows outermost
+  ids = (lambda a, b: (b, a)) if rows_outer else (lambda a, b: (a, b))
+
+  def lhs_map(a, b, k, offs, grp, tile, lt, flags, lay):
+    n, v = ids(a, b)
     return lt[v], kk(k, flags, v)
 
-  def lhs_scale_map(n, v, k, offs, grp, tile, lt, flags, lay):
+  def lhs_scale_map(a, b, k, offs, grp, tile, lt, flags, lay):
+    n, v = ids(a, b)
     return kk(k, flags, v), lt[v], 0
 
-  def rhs_map(n, v, k, offs, grp, tile, lt, flags, lay):
+  def rhs_map(a, b, k, offs, grp, tile, lt, flags, lay):
+    n, v = ids(a, b)
     return lay[0], grp[v], kk(k, flags, v), n
 
-  def out_map(n, v, k, offs, grp, tile, lt, flags, lay):
-    return tile[v], n
+  def out_map(a, b, k, offs, grp, tile, lt, flags, lay):
+    n, v = ids(a, b)
+    return tile[v], 0 if rows_outer else n
 
   in_specs = [pl.BlockSpec((tm, tk), lhs_map)]
   args = [x]
@@ -433,28 +514,30 @@ def _mxfp4_gmm(x, xs, wc, ws, group_sizes, layer, *, lhs_fmt, out_dtype, tiling,
                pl.BlockSpec((None, None, tk // BLOCK, tn), rhs_map)]
   args += [wc, ws]
 
-  lhs_bytes = x.size * x.dtype.itemsize + (0 if xs is None else xs.size)
-  weight_bytes = e * (l // 2 + l // BLOCK) * f                 # each expert once (tk = L)
-  if tiles_k > 1:
-    weight_bytes = nv * (l // 2 + l // BLOCK) * f              # worst case: every visit
+  row_bytes = l * x.dtype.itemsize + (0 if xs is None else l // BLOCK)
+  # (F outermost: each expert once when tk = L, else every visit; rows outermost: every
+  # visit's weights, the lhs once)
   cost = pl.CostEstimate(flops=2 * m_pad * l * f, transcendentals=0,
-                         bytes_accessed=int(tiles_n * lhs_bytes + weight_bytes
-                                            + m_pad * f * out_dtype.itemsize))
-  need = vmem_bytes(tiling, x.dtype.itemsize, out_dtype.itemsize, lhs_fmt is not None)
+                         bytes_accessed=hbm_bytes(m_pad, l, f, e, tiling, row_bytes,
+                                                  out_dtype.itemsize, rows_outer))
+  need = vmem_bytes(tiling, x.dtype.itemsize, out_dtype.itemsize, lhs_fmt is not None,
+                    f if rows_outer else None)
   call = pl.pallas_call(
-      functools.partial(_kernel, lhs_fmt=lhs_fmt, tiling=tiling, tiles_k=tiles_k),
+      functools.partial(_kernel, lhs_fmt=lhs_fmt, tiling=tiling, tiles_k=tiles_k,
+                        rows_outer=rows_outer),
       out_shape=jax.ShapeDtypeStruct((m_pad, f), out_dtype),
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=6,
-          grid=(tiles_n, nv, tiles_k),
+          grid=(nv, tiles_n, tiles_k) if rows_outer else (tiles_n, nv, tiles_k),
           in_specs=in_specs,
-          out_specs=pl.BlockSpec((tm, tn), out_map),
+          out_specs=pl.BlockSpec((tm, f if rows_outer else tn), out_map),
           scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32),                 # accumulator
                           pltpu.VMEM((tk // BLOCK, tn), jnp.float32),        # rhs scales
                           pltpu.VMEM((tn // LANES, tc, LANES), jnp.float32),  # rhs chunk
                           pltpu.VMEM((tk, tn), jnp.bfloat16)]),              # rhs tile
       compiler_params=pltpu.CompilerParams(
-          dimension_semantics=("parallel", "arbitrary", "arbitrary"),
+          dimension_semantics=(("arbitrary",) * 3 if rows_outer
+                               else ("parallel", "arbitrary", "arbitrary")),
           vmem_limit_bytes=int(min(max(2 * need, 32 << 20), 64 << 20))),
       cost_estimate=cost,
       interpret=interpret,
@@ -464,5 +547,6 @@ def _mxfp4_gmm(x, xs, wc, ws, group_sizes, layer, *, lhs_fmt, out_dtype, tiling,
   return out[:m] if m_pad != m else out
 
 
-__all__ = ["Tiling", "GroupMetadata", "LHS_FORMATS", "default_tiling", "group_metadata",
-           "mxfp4_gmm", "rhs_fetches", "vmem_bytes"]
+__all__ = ["Tiling", "GroupMetadata", "LHS_FORMATS", "ORDERS", "ROWS_OUTER_TM", "ROWS_OUTER_SHARE",
+           "default_tiling", "group_metadata", "hbm_bytes", "choose_order", "mxfp4_gmm",
+           "rhs_fetches", "vmem_bytes"]

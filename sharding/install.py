@@ -18,23 +18,27 @@ from sharding import context, expert, kernels, paged
 from sharding.rules import named_sharding
 
 
-def mesh_parallel_ops(mesh: Mesh) -> partitioning.ParallelOps:
-  """The explicit-collective ops for `mesh` (fields None where the mesh lacks the axis)."""
+def mesh_parallel_ops(mesh: Mesh, page_split: str = "column") -> partitioning.ParallelOps:
+  """The explicit-collective ops for `mesh` (fields None where the mesh lacks the axis);
+  page_split: how the serving cache's pages lie over the mesh (sharding/paged.py)."""
   return partitioning.ParallelOps(**expert.parallel_ops(mesh), **context.parallel_ops(mesh),
-                                  **paged.parallel_ops(mesh))
+                                  **paged.parallel_ops(mesh, page_split))
 
 
 @functools.lru_cache(maxsize=64)
-def parallel_for(mesh: Mesh | None) -> partitioning.Parallel:
+def parallel_for(mesh: Mesh | None, page_split: str = "column") -> partitioning.Parallel:
   """The program's parallel setup on `mesh` (`partitioning.SINGLE` for None): model code
   called with it shards activations by the rules table, runs kernels per shard and takes
   the mesh's explicit-collective ops. Memoised per mesh, and equal for equal meshes in any
   case (compared by the mesh and its platform), so a jitted step keyed on it recompiles for
-  a different mesh only."""
+  a different mesh only. page_split="slot": the paged decode attention for pages laid out
+  by sequence (paged.PAGE_SPLITS; part of the value's key)."""
   if mesh is None:
     return partitioning.SINGLE
   return partitioning.Parallel(
-      mesh=mesh, target=kernels.mesh_platform(mesh), ops=mesh_parallel_ops(mesh),
+      mesh=mesh, target=kernels.mesh_platform(mesh),
+      key=None if page_split == "column" else ("page_split", page_split),
+      ops=mesh_parallel_ops(mesh, page_split),
       resolver=functools.partial(named_sharding, mesh),
       sharder=functools.partial(kernels.shard_map_kernel, mesh))
 

@@ -171,6 +171,8 @@ CASES = [
      "--mesh=foo:1", "--port=0"], "mesh axis 'foo' is unknown"),
     ("serve", "tokenizer file missing", ["serve", "--random_weights", "--config=k3_tiny",
      "--tokenizer={t}/tok", "--port=0"], "no such file"),
+    ("serve", "tokenizer directory without a tokenizer file", ["serve", "--random_weights",
+     "--config=k3_tiny", "--tokenizer={t}/empty", "--port=0"], "a directory without"),
     ("serve", "host that does not resolve", ["serve", "--random_weights", "--config=k3_tiny",
      "--host=999.1.1.1", "--port=0"], "--host=999.1.1.1: cannot resolve"),
     ("serve", "port already in use", ["serve", "--random_weights", "--config=k3_tiny",

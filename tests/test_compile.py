@@ -152,3 +152,29 @@ def test_lowered_train_step_does_not_grow_with_the_sequence_split():
                 len(re.findall(r"stablehlo\.collective_permute\b", text)))
   assert stats[2][1:] == stats[4][1:], stats           # the same collectives
   assert stats[4][0] < 1.15 * stats[2][0], stats
+
+
+@pytest.mark.slow   # two k3_tiny decode compiles (~1 min)
+def test_compile_sweep_k3_tiny(tmp_path):
+  """compile --sweep: each point on its layout (batch 8 fills the 4 page shards: pages by
+  slot, all-to-all experts at the rule's capacity; batch 2 does not: by length,
+  replicated experts), the JSON lines resumed (a second run compiles nothing), the
+  frontier and the plot; points too big to hold are skipped without compiling."""
+  out, png = tmp_path / "pts.jsonl", tmp_path / "f.png"
+  args = ("--config=k3_tiny", "--topology=v5p-8", "--step=decode",
+          "--sweep=batch:2,8;cache_len:64", f"--sweep_out={out}", f"--sweep_plot={png}")
+  rep = _compile(*args)
+  pts = {(p["batch"], p["cache_len"]): p for p in rep["points"]}
+  small, big = pts[(2, 64)], pts[(8, 64)]
+  assert (small["page_split"], small["expert_exchange"]) == ("column", "replicated")
+  assert (big["page_split"], big["expert_exchange"]) == ("slot", "all_to_all")
+  assert big["ep_capacity"] > 1 and big["fits"] and big["tokens_per_s"] > 0
+  assert big["hbm_vs_min"] >= 1 and big["tpot_s"] == big["step_time_s"]
+  assert rep["frontier"] and png.stat().st_size > 1000
+  assert len(out.read_text().splitlines()) == 2
+  again = _compile(*args)
+  assert again["points"] == rep["points"]                 # read back, not compiled again
+  huge = _compile(*args[:3], "--sweep=batch:2,8;cache_len:64", "--mesh=fsdp:4",
+                  "--override=moe.num_experts=64", "--override=moe.latent_dim=4096",
+                  "--override=moe.expert_intermediate=65536")
+  assert all(p.get("skipped") and not p["fits"] for p in huge["points"])

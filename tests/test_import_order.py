@@ -19,8 +19,9 @@ SOURCES = ("main.py", "k3_jax", "sharding", "configs", "pallas_kernels")
 # Groups of modules, by path prefix (first match wins, so specific prefixes come first).
 GROUPS = (
     ("cli", ("main.py",)),
-    ("jobs", ("k3_jax/train.py", "k3_jax/serve/", "k3_jax/checkpoint/", "k3_jax/compile.py",
-              "k3_jax/info.py", "k3_jax/faults.py", "k3_jax/goodput.py",
+    ("jobs", ("k3_jax/train.py", "k3_jax/captions.py", "k3_jax/serve/", "k3_jax/checkpoint/",
+              "k3_jax/compile.py", "k3_jax/frontier.py", "k3_jax/info.py", "k3_jax/faults.py",
+              "k3_jax/goodput.py",
               "k3_jax/profiling.py", "k3_jax/summaries.py")),
     ("sharding", ("sharding/",)),
     ("model", ("k3_jax/model.py",)),

@@ -3,7 +3,7 @@
     chats.jsonl (a conversation a line) or a prepared "messages" directory
       -> held out: every EVAL_EVERY-th conversation (the 2nd, 52nd, ...; prepare's rule)
       -> this process's share: conversations[process_index::process_count]
-      -> rendered by the server's chat template (serve/chat.render_conversation):
+      -> rendered by the server's chat template (data/chat.render_conversation):
          ids + the template's assistant mask
       -> conversations of more than seq_len + 1 tokens dropped (counted, one warning)
       -> shuffled (reshuffled each epoch), repeated
@@ -16,8 +16,10 @@ A line is an object with `messages` (OpenAI chat messages; assistant turns may c
 `reasoning_content` and `tool_calls`, tool results are `tool` messages), optionally `tools`
 (the OpenAI tools array, rendered as the template puts it before the conversation) and
 `thinking` (default true: the template's thinking mode, as the server renders by default;
-false renders no think channel). Which reasoning is kept is the template's rule: in thinking
-mode only the assistant turns after the last user message keep their think channel.
+false renders no think channel). Thinking is preserved as K3 was trained: in thinking mode
+every assistant turn keeps its think channel (its `reasoning_content`, or `reasoning`; an
+empty channel when it has none), and the loss is on every assistant turn's think channel,
+response and tool calls.
 
 The loss mask: loss_mask[t] = 1 where targets[t] = ids[t + 1] is an assistant token of the
 same conversation (the template's mask: everything the assistant writes after
@@ -139,7 +141,8 @@ def render(tokenizer, conv: Conversation) -> tuple[np.ndarray, np.ndarray]:
   rec = conv.record
   k3 = chat.template_for(tokenizer).name == "k3"
   if not k3 and (rec.get("tools") or any(
-      isinstance(m, dict) and (m.get("tool_calls") or m.get("reasoning_content"))
+      isinstance(m, dict) and (m.get("tool_calls") or m.get("reasoning_content")
+                               or m.get("reasoning"))
       for m in rec["messages"])):
     raise UserError(f"{conv.where}: this conversation has {_K3_ONLY}, which only the K3 chat "
                     f"template renders, and the tokenizer {tokenizer!r} has no K3 special "

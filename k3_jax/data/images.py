@@ -202,11 +202,14 @@ def num_image_tokens(grid: tuple[int, int], v: VisionConfig) -> int:
 
 
 def image_token_ids(grid: tuple[int, int], v: VisionConfig,
-                    encode: Callable[[str], list[int]]) -> list[int]:
+                    encode: Callable[[str], list[int]],
+                    size: tuple[int, int] | None = None) -> list[int]:
   """<|media_begin|>image {W}x{H}<|media_content|> + h*w/merge^2 placeholders + <|media_end|>
-  (W, H: the resized size in pixels)."""
+  (W, H: `size`, the image's original size in pixels, as the chat format names it; without
+  it the resized size)."""
   h, w = grid
-  header = encode(f"image {w * v.patch_size}x{h * v.patch_size}")
+  width, height = size or (w * v.patch_size, h * v.patch_size)
+  header = encode(f"image {width}x{height}")
   return ([v.media_begin_id] + list(header) + [v.media_content_id]
           + [v.image_token_id] * num_image_tokens(grid, v) + [v.media_end_id])
 

@@ -161,9 +161,14 @@ class KDA(nnx.Module):
                                    segment_ids=segment_ids, backend=self.c.backend,
                                    par=par)
     y = self._output(o, gate)
-    new_cache = None if cache is None else KDAState(state=state, conv_q=cq, conv_k=ck,
-                                                    conv_v=cv)
-    return y, new_cache
+    if cache is None:
+      return y, None
+    if cache.active is not None:   # idle rows keep their state (selected here, per layer,
+      keep = lambda new, old: jnp.where(                   # as the new state is written)
+          cache.active.reshape((-1,) + (1,) * (new.ndim - 1)), new, old.astype(new.dtype))
+      state, cq, ck, cv = (keep(n, o) for n, o in ((state, cache.state), (cq, cache.conv_q),
+                                                   (ck, cache.conv_k), (cv, cache.conv_v)))
+    return y, KDAState(state=state, conv_q=cq, conv_k=ck, conv_v=cv, active=cache.active)
 
 
 __all__ = ["KDA"]

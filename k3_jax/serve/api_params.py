@@ -10,7 +10,7 @@ chat template, and turns the template parser's Deltas into OpenAI fields with `T
 
 from __future__ import annotations
 
-from k3_jax.data.chat import ChatError, check_tools, tool_choice_name
+from k3_jax.data.chat import ChatError, check_effort, check_tools, tool_choice_name
 
 
 class ParamError(ValueError):
@@ -43,6 +43,26 @@ _REFUSED = {
         "web_search_options": (_set, "web_search_options is not supported"),
     },
 }
+
+
+def refuse_lone_surrogates(value, path: str = "") -> None:
+  """A JSON string may escape half of a UTF-16 pair ("\\udcff"): Python keeps it as a lone
+  surrogate, which no tokenizer can encode. Refused (ParamError naming the field) before any
+  work, instead of failing deep in a tokenizer."""
+  if isinstance(value, str):
+    try:
+      value.encode("utf-8")
+    except UnicodeEncodeError as e:
+      raise ParamError(f"{path or 'the body'} holds a lone UTF-16 surrogate "
+                       f"({value[e.start]!r} at character {e.start}), which is not valid "
+                       "Unicode text", path.split("[")[0].split(".")[0] or None) from None
+  elif isinstance(value, dict):
+    for k, v in value.items():
+      refuse_lone_surrogates(k, path)
+      refuse_lone_surrogates(v, f"{path}.{k}" if path else str(k))
+  elif isinstance(value, list):
+    for i, v in enumerate(value):
+      refuse_lone_surrogates(v, f"{path}[{i}]")
 
 
 def refuse_unsupported(body: dict, endpoint: str) -> None:
@@ -136,18 +156,43 @@ def best_of(body: dict, n: int) -> int:
   return b
 
 
-def render_kwargs(body: dict) -> dict:
-  """The chat template's tools / tool_choice from the request (checked: ParamError)."""
+def render_kwargs(body: dict, tokenize: bool = False) -> dict:
+  """The chat template's keyword arguments from a chat request (checked: ParamError naming
+  the parameter): tools, tool_choice, response_format (its note), reasoning_effort (low /
+  high / max) and chat_template_kwargs.thinking (false: instant, no think channels);
+  with `tokenize` (POST /tokenize) also add_generation_prompt (default true)."""
+  kwargs = body.get("chat_template_kwargs")
+  if kwargs is None:
+    kwargs = {}
+  if not isinstance(kwargs, dict):
+    raise ParamError("chat_template_kwargs must be an object", "chat_template_kwargs")
+  thinking = kwargs.get("thinking", True)
+  if not isinstance(thinking, bool):
+    raise ParamError(f"chat_template_kwargs.thinking must be true or false, got {thinking!r}",
+                     "chat_template_kwargs")
   try:
     tools = check_tools(body.get("tools"))
     tool_choice_name(body.get("tool_choice"), tools)
+    check_effort(body.get("reasoning_effort"))
   except ChatError as e:
-    raise ParamError(str(e), "tool_choice" if "tool_choice" in str(e) else "tools") from None
+    raise ParamError(str(e), e.param) from None
   ptc = body.get("parallel_tool_calls")
   if ptc is not None and not isinstance(ptc, bool):
     raise ParamError(f"parallel_tool_calls must be a boolean, got {ptc!r}",
                      "parallel_tool_calls")
-  return {"tools": tools or None, "tool_choice": body.get("tool_choice")}
+  out = {"tools": tools or None, "tool_choice": body.get("tool_choice"),
+         "response_format": body.get("response_format"), "thinking": thinking,
+         "effort": body.get("reasoning_effort")}
+  if tokenize:
+    agp = body.get("add_generation_prompt", True)
+    if not isinstance(agp, bool):
+      raise ParamError(f"add_generation_prompt must be a boolean, got {agp!r}",
+                       "add_generation_prompt")
+    if body.get("continue_final_message"):
+      raise ParamError("continue_final_message is not supported by the K3 chat format",
+                       "continue_final_message")
+    out["add_generation_prompt"] = agp
+  return out
 
 
 class ToolCalls:

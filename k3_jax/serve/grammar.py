@@ -350,27 +350,33 @@ def _call_rules(m: K3Marks, fn: dict, k: int, rules: list[str]) -> str:
   return f"args{k}"
 
 
-def tool_call_grammar(sp: dict, tools: list[dict], choice: str) -> str:
-  """One K3 call block (and the message's end) after the prompt chat.K3Template.render
-  writes for tool_choice `choice` ("required": the tools channel is open; a name: its call
-  block is open too)."""
+def tool_call_grammar(sp: dict, tools: list[dict], choice: str, start=()) -> str:
+  """The rest of a K3 assistant message that is one call (tool_choice `choice`: "required",
+  any of the tools; a name, that function) from the generation start of `start`
+  (chat.Rendered.start): free reasoning if the think channel is open, an empty response,
+  then the tools channel holding the call, then the message's end."""
   from k3_jax.data.chat import header  # pylint: disable=g-import-not-at-top
   m = K3Marks(sp)
   rules: list[str] = []
-  tail = f"{m.close('tools')} {m.close('message')} {m.eom}"
-  if choice == "required":
-    alts = []
-    for k, t in enumerate(tools):
-      name = t["function"]["name"]
-      args = _call_rules(m, t["function"], k, rules)
-      rules.append(f"call{k}: {m.open(header('call', tool=name, index=1))} {args} "
-                   f"{m.close('call')}")
-      alts.append(f"call{k}")
-    rules.insert(0, f"start: ({' | '.join(alts)}) {tail}")
-  else:
-    k = [t["function"]["name"] for t in tools].index(choice)
-    args = _call_rules(m, tools[k]["function"], k, rules)
-    rules.insert(0, f"start: {args} {m.close('call')} {tail}")
+  channel = start[-1][0] if start else "response"
+  if channel not in ("think", "response"):
+    raise GrammarError(f"tool_choice: the generation starts in the {channel!r} block",
+                       "tool_choice")
+  head = f"{m.close('response')} {m.open('tools')}"
+  if channel == "think":
+    head = f"THINK {m.close('think')} {m.open('response')} {head}"
+    rules.append("THINK: /(?s:.*)/")
+  alts = []
+  for k, t in enumerate(tools):
+    name = t["function"]["name"]
+    if choice not in ("required", name):
+      continue
+    args = _call_rules(m, t["function"], k, rules)
+    rules.append(f"call{k}: {m.open(header('call', tool=name, index=1))} {args} "
+                 f"{m.close('call')}")
+    alts.append(f"call{k}")
+  rules.insert(0, f"start: {head} ({' | '.join(alts)}) {m.close('tools')} "
+               f"{m.close('message')} {m.eom}")
   return "\n".join(rules) + "\n"
 
 
@@ -393,7 +399,7 @@ def for_chat(template, rendered, body: dict, vocab_size: int) -> Constraint | No
   lltok = ll_tokenizer(template.tok, vocab_size)
   if isinstance(template, K3Template):
     if forced:
-      g, what = tool_call_grammar(template.sp, tools, choice), "tool_choice"
+      g, what = tool_call_grammar(template.sp, tools, choice, rendered.start), "tool_choice"
     else:
       check_schema(schema, lltok, "response_format.json_schema.schema")
       g, what = k3_message_grammar(template.sp, rendered.start, schema), "response_format"

@@ -29,7 +29,7 @@ import uuid
 import numpy as np
 from fastapi import Request as HttpRequest   # at module level: FastAPI resolves annotations
 
-from k3_jax.serve import api_params, api_schema, grammar, logprobs
+from k3_jax.serve import api_params, api_schema, grammar, logprobs, tokenize_api
 from k3_jax.serve import completions as cmpl
 from k3_jax.data.chat import ChatError, template_for
 from k3_jax.serve.engine import Engine
@@ -272,6 +272,7 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, start_loop: bool = 
       raise ApiError(400, f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
       raise ApiError(400, "the request body must be a JSON object")
+    api_params.refuse_lone_surrogates(body)     # a 400 naming the field, not a tokenizer's 500
     model = body.get("model")
     if model not in (model_name, None, ""):
       raise ApiError(404, f"the model {model!r} does not exist; this server serves "
@@ -578,14 +579,11 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, start_loop: bool = 
     n = api_params.chat_n(body)
     k = api_params.chat_logprobs(body)
     bias = api_params.logit_bias(body, engine.cfg.vocab_size)
-    kwargs = body.get("chat_template_kwargs") or {}
-    thinking = bool(kwargs.get("thinking", True))
     try:           # in a worker thread: image parts are decoded and resized here
       rendered = await asyncio.to_thread(template.render, body.get("messages"),
-                                         thinking=thinking, effort=body.get("reasoning_effort"),
                                          **api_params.render_kwargs(body))
     except ChatError as e:
-      raise ApiError(400, str(e), "messages") from None
+      raise ApiError(400, str(e), e.param) from None
     params = sampling_from(body, engine, len(rendered.ids), stop_extra=rendered.stop,
                            stop_ids=tuple(rendered.stop_ids) + eos, allow_n=True)
     params = dataclasses.replace(params, logit_bias=bias, logprobs=k)
@@ -661,6 +659,8 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, start_loop: bool = 
       raise
     return {"id": rid, "object": "chat.completion", "created": int(time.time()),
             "model": model_name, "choices": out, "usage": chat_usage(choices)}
+
+  tokenize_api.register(app, template, tokenizer, engine, read_body)
 
   # ----- the rest ------------------------------------------------------------------------
   @app.get("/v1/models")

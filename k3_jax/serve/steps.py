@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3_jax.cache import ModelCache, PagedMLACache, replace
+from k3_jax.cache import KDAState, ModelCache, PagedMLACache, replace
 from k3_jax.serve import kv_pages as kv
 from k3_jax.serve.sampling import sample_rows
 from k3_jax.stack import map_cache
@@ -137,12 +137,17 @@ def decode_step(graphdef, par, params, rest, cache: ModelCache, counts, batch: D
   state and write their MLA latents to the null page; `counts` [B, V] (each slot's
   generated-token counts, for the penalties) gains the active slots' new tokens."""
   model = nnx.merge(graphdef, params, rest)
-  states = kv.kda_states(cache)
   tokens = jnp.where(batch.from_prev, batch.prev, batch.tokens)
-  logits, new, _ = model(tokens[:, None], cache=kv.with_pages(cache, batch.pos, batch.tables),
-                         par=par)
-  new = kv.without_pages(new)
-  out = kv.with_kda_states(new, kv.select_rows(batch.active, kv.kda_states(new), states))
+  # Each KDA layer keeps its idle rows' state as it writes the new one (KDAState.active):
+  # a select over the whole stacked states after the model read them twice more and
+  # needed a copy of the old ones (k3, 1,024 x 32K: ~33 GB per chip a step).
+  mark = lambda e, axis: (replace(e, active=jnp.broadcast_to(batch.active,
+                                                             e.state.shape[:axis + 1]))
+                          if isinstance(e, KDAState) else e)
+  marked = map_cache(mark, kv.with_pages(cache, batch.pos, batch.tables))
+  logits, new, _ = model(tokens[:, None], cache=marked, par=par)
+  out = map_cache(lambda e, axis: replace(e, active=None) if isinstance(e, KDAState) else e,
+                  kv.without_pages(new))
   out = out.replace(pos=cache.pos)
   got = sample_logits(logits[:, 0], counts, batch.sampling)
   counts = counts.at[jnp.arange(got.ids.shape[0]), got.ids].add(batch.active.astype(jnp.int32))

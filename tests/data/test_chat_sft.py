@@ -91,12 +91,32 @@ def test_sft_rendering_is_the_servers(k3_tokenizer):
   assert ids == chat.render_conversation(tok, AGENTIC, TOOLS)[0]     # no second renderer
 
 
-def test_reasoning_kept_only_after_the_last_user_turn(k3_tokenizer):
-  ids, mask = chat_sft.render(k3_tokenizer, _conv(MULTI))
+def test_reasoning_kept_and_learnt_in_every_turn(k3_tokenizer):
+  """Preserved thinking: every assistant turn keeps its think channel (an empty one when it
+  has no reasoning; `reasoning` is read as reasoning_content), and the loss mask covers each
+  turn's think and response, never a user turn; thinking false renders no think channel."""
+  multi = MULTI + [{"role": "user", "content": "And 3+3?"},
+                   {"role": "assistant", "content": "6", "reasoning": "ALIAS-REASONING"},
+                   {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Bye."}]
+  ids, mask = chat_sft.render(k3_tokenizer, _conv(multi))
   text = k3_tokenizer.decode(ids.tolist())
-  assert "NEW-REASONING" in text and "OLD-REASONING" not in text
-  learnt = k3_tokenizer.decode(ids[mask].tolist())
-  assert "Hello." in learnt and "4" in learnt and "What is" not in learnt
+  for r in ("OLD-REASONING", "NEW-REASONING", "ALIAS-REASONING"):
+    assert f"<|open|>think<|sep|>{r}<|close|>think<|sep|>" in text
+  assert text.count("<|open|>think<|sep|><|close|>think<|sep|>") == 1       # the last turn
+  eom = k3_tokenizer.special_tokens["<|end_of_msg|>"]
+  ends = [i for i, t in enumerate(ids.tolist()) if t == eom]
+  turns = [k3_tokenizer.decode(ids[a + 1:b + 1].tolist()) for a, b in zip([-1] + ends, ends)]
+  spans = [k3_tokenizer.decode(ids[a + 1:b + 1][mask[a + 1:b + 1]].tolist())
+           for a, b in zip([-1] + ends, ends)]
+  for m, turn, learnt in zip(multi, turns, spans):
+    if m["role"] == "user":
+      assert learnt == ""
+    else:
+      reasoning = m.get("reasoning_content") or m.get("reasoning") or ""
+      assert learnt == (f"<|open|>think<|sep|>{reasoning}<|close|>think<|sep|><|open|>response"
+                        f"<|sep|>{m['content']}<|close|>response<|sep|><|close|>message<|sep|>"
+                        "<|end_of_msg|>")
+      assert turn == '<|open|>message role="assistant"<|sep|>' + learnt
   ids, _ = chat_sft.render(k3_tokenizer, _conv(MULTI, thinking=False))
   assert "think" not in k3_tokenizer.decode(ids.tolist())
 
@@ -141,7 +161,7 @@ def test_packing_keeps_conversations_apart(small_tok):
   the loss mask is the shifted assistant mask inside a segment and 0 across boundaries and
   padding, and the packed batch's loss is the sum of each conversation's loss alone (with
   one segment over the whole row instead, it is not)."""
-  convs = [_conv(MULTI), _conv(AGENTIC[1:3]), _conv(MULTI[:2])]   # with a tool call
+  convs = [_conv(MULTI), _conv(AGENTIC[1:3]), _conv(MULTI[:2], thinking=False)]
   rendered = [chat_sft.render(small_tok, c) for c in convs]
   seq = 512
   assert sum(len(i) for i, _ in rendered) <= seq + 1

@@ -275,3 +275,38 @@ def test_scanned_layers_pass_the_stack_to_the_kernel():
   calls = [ln for ln in text.splitlines() if 'custom_call_target="tpu_custom_call"' in ln
            and "mxfp4_gmm" in ln]
   assert calls and all(f"u8[{layers},{e},{l // 2},{f}]" in ln for ln in calls)
+
+
+def test_rows_outer_order_matches_reference(data):
+  """order="rows_outer": visits outermost, the output block the row tile's whole width;
+  in the TPU interpret mode with memory initialised to NaN (an output column or weight
+  tile it failed to write shows), ragged groups that straddle row tiles, empty groups and
+  rows past the end; equal to the F-outer order bitwise (the same products and sums)."""
+  x, w = data
+  lhs = x.astype(jnp.bfloat16)
+  interpret = pltpu.InterpretParams(uninitialized_memory="nan")
+  for pattern in (PATTERNS[0], PATTERNS[4]):
+    sizes = jnp.asarray(np.diff(np.minimum(np.cumsum([0] + pattern), M)), jnp.int32)
+    got = mxfp4_gmm(lhs, w, sizes, preferred_element_type=jnp.float32,
+                    tiling=Tiling(16, 128, L, 256), interpret=interpret, order="rows_outer")
+    ref = reference(lhs, w, sizes, preferred_element_type=jnp.float32)
+    _assert_close(got, ref, _abs_bound(lhs, w, sizes), sizes, L, bf16_out=False)
+    f_outer = mxfp4_gmm(lhs, w, sizes, preferred_element_type=jnp.float32,
+                        tiling=Tiling(16, 128, L, 256), interpret=True, order="f_outer")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(f_outer))
+
+
+def test_order_choice_by_bytes():
+  """auto: F outermost for a small decode's few rows (each expert's weights once), rows
+  outermost for a long prefill's many (the lhs once instead of once per F tile)."""
+  from pallas_kernels.mxfp4_gmm import ROWS_OUTER_TM, choose_order, default_tiling, hbm_bytes
+  l, f, e = 3584, 3072, 14
+  ro, t = choose_order(112, l, f, e, 32, l + l // 32, 2)      # 8 tokens x 14 local experts
+  assert not ro and t.tm == 128
+  ro, t = choose_order(1 << 19, l, f, e, 32, l + l // 32, 2)
+  assert ro and t.tm == ROWS_OUTER_TM
+  f_out = hbm_bytes(1 << 19, l, f, e, default_tiling(1 << 19, l, f, 32), l + l // 32, 2, False)
+  assert hbm_bytes(1 << 19, l, f, e, t, l + l // 32, 2, True) < 0.6 * f_out
+  with pytest.raises(ValueError, match="order"):
+    mxfp4_gmm(jnp.zeros((16, L), jnp.bfloat16), _data(0)[1], jnp.zeros((E,), jnp.int32),
+              order="columns")

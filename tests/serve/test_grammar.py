@@ -129,18 +129,28 @@ def test_k3_json_schema_in_the_response_channel(k3_tokenizer):
 @pytest.mark.parametrize("choice", ["required", {"type": "function",
                                                  "function": {"name": "get_weather"}}])
 def test_forced_tool_call_parses_back(k3_tokenizer, choice):
-  """tool_choice required / named: the walk is exactly one well-formed call block (then the
-  message's end) that MessageParser turns into tool_calls whose arguments validate against
-  the function's parameters; the named choice always calls that function."""
+  """tool_choice required / named: after the release's prompt (which opens the think or the
+  response channel), the walk is an empty response and exactly one well-formed call block
+  (then the message's end) that MessageParser turns into tool_calls whose arguments validate
+  against the function's parameters; the named choice always calls that function. Thinking:
+  free reasoning first (walked by hand to the end of the think channel)."""
   t = chat.template_for(k3_tokenizer)
   rng = np.random.default_rng(2)
   names = set()
-  for _ in range(8):
-    r = t.render(ASK, tools=TOOLS, tool_choice=choice)
+  think = k3_tokenizer.encode("Plan.") + [t.sp["close"]] + k3_tokenizer.encode("think") + \
+      [t.sp["sep"]]
+  for k in range(8):
+    thinking = k % 2 == 1
+    r = t.render(ASK, tools=TOOLS, tool_choice=choice, thinking=thinking)
     c = gm.for_chat(t, r, {"tools": TOOLS, "tool_choice": choice}, K3_VOCAB)
-    out = walk(c, rng)
+    head = think if thinking else []
+    for i in head:
+      assert c.allowed()[i]
+      c.advance(i)
+    out = head + walk(c, rng)
     assert out[-1] == t.sp["eom"]
     msg = chat.parse_assistant(t, r, out[:-1])
+    assert msg["content"] == "" and msg.get("reasoning_content", "Plan.") == "Plan."
     (call,) = msg["tool_calls"]
     fn = next(x["function"] for x in TOOLS if x["function"]["name"] == call["function"]["name"])
     args = json.loads(call["function"]["arguments"])

@@ -158,6 +158,19 @@ def test_malformed_json_and_messages(server):
   assert httpx.get(f"{server}/health", timeout=10).json()["status"] == "ok"   # still up
 
 
+@pytest.mark.parametrize("path,body,param", [
+    ("completions", b'{"prompt": "ab\\udcffc", "max_tokens": 2}', "prompt"),
+    ("chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages"),
+])
+def test_lone_surrogate_is_400_naming_the_field(server, path, body, param):
+  """JSON may escape half a UTF-16 pair; no tokenizer can encode it: a 400, not a 500."""
+  r = httpx.post(f"{server}/v1/{path}", content=body, timeout=60,
+                 headers={"content-type": "application/json"})
+  assert r.status_code == 400, r.text
+  err = error_of(r)
+  assert "surrogate" in err["message"] and err["param"] == param
+
+
 def health(server):
   return httpx.get(f"{server}/health", timeout=10).json()
 

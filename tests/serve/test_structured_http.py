@@ -118,18 +118,28 @@ def test_parse_with_pydantic_and_completions_json(served):
 
 
 def test_forced_tool_call_round_trip(served):
-  """tool_choice named (sampled, constrained): a well-formed call whose arguments validate,
-  finish_reason tool_calls; then the tool message and the answer."""
+  """tool_choice named and required (sampled, constrained, instant mode): a well-formed call
+  whose arguments validate, finish_reason tool_calls, streamed as one whole delta.tool_calls
+  entry; then the message sent back with the tool's result and the answer."""
   client, tok, *_ = served
   for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
     r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice,
-                                       max_tokens=80, temperature=1.0, seed=7)
+                                       max_tokens=200, temperature=1.0, seed=7,
+                                       extra_body=INSTANT)    # (random weights never end a
+                                                              # think channel)
     c = r.choices[0]
     assert c.finish_reason == "tool_calls"
     (call,) = c.message.tool_calls
     assert call.function.name == "get_weather"
     args = json.loads(call.function.arguments)
     jsonschema.validate(args, TOOLS[0]["function"]["parameters"])
+  chunks = list(client.chat.completions.create(   # the same seeded call, streamed: one whole
+      model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=200,  # entry
+      temperature=1.0, seed=7, extra_body=INSTANT, stream=True))
+  streamed = [c for ch in chunks if ch.choices for c in (ch.choices[0].delta.tool_calls or [])]
+  assert [(c.index, c.function.name, c.function.arguments) for c in streamed] == \
+      [(0, call.function.name, call.function.arguments)]
+  assert chunks[-1].choices[0].finish_reason == "tool_calls"
   messages = ASK + [c.message.model_dump(exclude_none=True),
                     {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
   r = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS,

@@ -1,0 +1,85 @@
+"""compile --sweep (k3_jax/frontier.py) and the decode layout rules of k3_jax/compile.py,
+without compiling: the grid syntax, the per-point layout (page split, expert exchange and
+its capacity, weights by output dimension), the frontier, the table and the plot. The
+compiled sweep is tested slow (tests/test_compile.py)."""
+
+import math
+
+import jax
+
+import configs
+import pytest
+
+from k3_jax import compile as comp
+from k3_jax import frontier
+from k3_jax.config import ConfigError
+from sharding.mesh import make_mesh, parse_mesh
+
+
+def test_parse_sweep_accepts_k_and_m_suffixes():
+  g = frontier.parse_sweep("batch:8,64,256,1024;cache_len:8K,32k,128K,1M")
+  assert g == {"batch": [8, 64, 256, 1024], "cache_len": [8192, 32768, 131072, 1048576]}
+  assert frontier.points({"batch": [8, 16]}, None, 64) == [(8, 64), (16, 64)]
+  for bad, msg in (("batch:8;batch:16", "twice"), ("seq:8", "AXIS"), ("batch:8X", "suffix"),
+                   ("batch:0", "positive"), ("", "empty")):
+    with pytest.raises(ConfigError, match=msg):
+      frontier.parse_sweep(bad)
+  with pytest.raises(ConfigError, match="cache_len"):
+    frontier.points({"batch": [8]}, None, None)
+
+
+def test_decode_layout_rule():
+  mesh = make_mesh(parse_mesh("expert:8"))
+  cfg = comp.validate(configs.get("k3_tiny"))
+  # pages by sequence when the page shards divide the batch, by length otherwise
+  assert comp.decode_page_split(16, mesh) == "slot"
+  assert comp.decode_page_split(4, mesh) == "column"
+  assert comp.decode_page_split(16, mesh, "column") == "column"        # explicit wins
+  with pytest.raises(ConfigError, match="divisible"):
+    comp.decode_page_split(4, mesh, "slot")
+  assert comp.expert_exchange(16, mesh) == "all_to_all"
+  assert comp.expert_exchange(4, mesh) == "replicated"
+  # the capacity: the least chunk whose Poisson overflow is below DROP_TAIL
+  c = comp.decode_ep_capacity(16, mesh, cfg)
+  mean = 16 / 8 * cfg.moe.top_k / 8
+  cap = round(c * mean)
+  tail = lambda n: 1 - sum(math.exp(-mean) * mean ** i / math.factorial(i) for i in range(n + 1))
+  assert tail(cap) < comp.DROP_TAIL <= tail(cap - 1)
+
+
+def test_weights_by_output_moves_the_model_dimension():
+  mesh = make_mesh(parse_mesh("expert:8"))
+  cfg = comp.validate(configs.get("k3_tiny"))
+  _, params, _ = comp.serving_params(cfg)
+  default = comp.tree_shardings(params, mesh)
+  moved = comp.weights_by_output(params, mesh)
+  flat = lambda t: dict(jax.tree_util.tree_leaves_with_path(t))
+  d, m = flat(default), flat(moved)
+  changed = [k for k in d if d[k].spec != m[k].spec]
+  assert changed                                    # the dense projections moved
+  for k in changed:                                 # the same axis, on another dimension
+    assert "expert" in tuple(d[k].spec) and "expert" in tuple(m[k].spec)
+    assert tuple(d[k].spec).index("expert") != tuple(m[k].spec).index("expert")
+  experts = [k for k in d if "w_gate" in jax.tree_util.keystr(k)]
+  assert experts and all(d[k].spec == m[k].spec for k in experts)   # routed experts stay
+
+
+def test_frontier_table_and_plot(tmp_path):
+  def pt(batch, length, step_s, fits=True):
+    return {"step": "decode", "batch": batch, "cache_len": length, "fits": fits,
+            "gib_per_chip": 50.0, "hbm_bytes_per_chip": 4e10, "hbm_vs_min": 1.2,
+            "bound": "hbm", "step_time_s": step_s, "tokens_per_s": batch / step_s,
+            "page_split": "slot", "expert_exchange": "all_to_all", "mesh": "expert:64"}
+  pts = [pt(8, 32768, 0.010), pt(64, 32768, 0.012), pt(256, 32768, 0.030),
+         pt(128, 32768, 0.040),                     # beaten by 256: more tok/s, less TPOT
+         pt(8, 1 << 20, 0.020),
+         {"step": "decode", "batch": 1024, "cache_len": 1 << 20, "fits": False,
+          "gib_per_chip": 500.0, "skipped": "too big"}]
+  front = frontier.frontier(pts)
+  assert [(p["batch"], p["cache_len"]) for p in front] == [(8, 32768), (64, 32768),
+                                                           (256, 32768), (8, 1 << 20)]
+  table = frontier.markdown_table(pts)
+  assert table.count("\n") == len(pts) + 1 and "too big" in table and "1M" in table
+  assert "skipped" not in frontier.point_line(pts[0]) and "not compiled" in frontier.point_line(pts[-1])
+  frontier.plot(pts, str(tmp_path / "f.png"), "test")
+  assert (tmp_path / "f.png").stat().st_size > 1000
