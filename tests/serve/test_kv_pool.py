@@ -169,3 +169,34 @@ def test_the_decode_step_never_copies_a_pool(small):
   copies = [ln for ln in text.splitlines()
             if re.search(r"\bcopy\(", ln) and any(p in ln.split("=")[1][:40] for p in pools)]
   assert not copies, copies[:2]
+
+
+@pytest.mark.slow
+def test_preemption_with_the_prefix_cache():
+  """Two 1,020-token prompts (two pages each, the first block cached with its KDA
+  checkpoint by earlier runs) on a four-page pool: both start from a prefix-cache hit, the
+  newer is preempted when the older crosses into a third page (the cached pages are pinned,
+  so nothing can be evicted), resumes from a hit on its own cached block, and both end with
+  the greedy tokens of cold runs; nothing leaks but the cached pages."""
+  cfg = tiny_serving_config()
+  g, p, r = train.split_model(create_model(cfg, seed=3))
+  probe = Engine(cfg, g, p, r, max_batch=1, prefix_cache_bytes=0, max_len=PAGE,
+                 kv_cache_bytes=1 << 20)
+  eng = Engine(cfg, g, p, r, max_batch=2, max_len=3 * PAGE,
+               prefix_cache_bytes=8 * (probe.page_bytes + probe.ckpt_bytes),
+               kv_cache_bytes=5 * probe.page_bytes)
+  assert eng.num_pages == 5 and eng.prefix is not None
+  prompts = [prompt_of(3, 1020), prompt_of(4, 1020)]
+  params = SamplingParams(max_tokens=12)
+  cold = []
+  for q in prompts:
+    req = eng.submit(q, params, use_prefix_cache=False)
+    eng.run_until_done([req])
+    cold.append(req.output_ids)
+  reqs = [eng.submit(q, params) for q in prompts]
+  eng.run_until_done(reqs)
+  c = eng.resource_counts()
+  assert c["preemptions"] >= 1
+  assert all(q.cached_tokens == PAGE for q in reqs)
+  assert [q.output_ids for q in reqs] == cold
+  assert c["used_pages"] == c["cached_pages"] and c["pinned_checkpoints"] == 0
