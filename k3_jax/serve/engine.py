@@ -207,8 +207,8 @@ class Engine:
     if not budget:
       devices = list(self.mesh.devices.flat) if self.mesh is not None else jax.devices()
       fixed = (self.max_batch + num_ckpt) * self.ckpt_bytes // shards
-      budget, how = kv_manager.auto_budget(devices, fixed, shards)
-      if jax.process_count() > 1:      # every process must build the same pool
+      budget, how, measured = kv_manager.auto_budget(devices, fixed, shards)
+      if measured and jax.process_count() > 1:    # every process must build the same pool
         from jax.experimental import multihost_utils
         budget = int(np.min(multihost_utils.process_allgather(np.int64(budget))))
     cap = kv_manager.full_reservation(self.max_batch, self.pages_per_slot, cache_pages, shards)

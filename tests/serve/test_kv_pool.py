@@ -83,11 +83,11 @@ def test_pool_size_and_the_default_budget():
   cpu = types.SimpleNamespace(memory_stats=lambda: None)
   assert kv_manager.auto_budget([cpu], 0, 1) == (kv_manager.CPU_KV_CACHE_BYTES,
                                                  "the fixed default of a device without "
-                                                 "memory statistics")
+                                                 "memory statistics", False)
   gpu = types.SimpleNamespace(memory_stats=lambda: {"bytes_limit": 100 << 30,
                                                     "bytes_in_use": 20 << 30})
-  budget, how = kv_manager.auto_budget([gpu], 10 << 30, 2)
-  assert budget == int(0.8 * (70 << 30)) * 2 and "80%" in how
+  budget, how, measured = kv_manager.auto_budget([gpu], 10 << 30, 2)
+  assert budget == int(0.8 * (70 << 30)) * 2 and "80%" in how and measured
   full = types.SimpleNamespace(memory_stats=lambda: {"bytes_limit": 1, "bytes_in_use": 2})
   with pytest.raises(ValueError, match="give --kv_cache_bytes"):
     kv_manager.auto_budget([full], 0, 1)
