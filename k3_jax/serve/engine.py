@@ -260,7 +260,7 @@ class Engine:
     (p_leaves, p_def), (r_leaves, r_def) = (jax.tree.flatten(t) for t in (self.params,
                                                                             self.rest))
     self.weights = (p_leaves, r_leaves)       # what prefill / decode / encode take
-    jitted = steps.jit_steps(self.graphdef, self.par, treedefs=(p_def, r_def))
+    jitted = self.jitted = steps.jit_steps(self.graphdef, self.par, treedefs=(p_def, r_def))
     self._steps = steps.Steps(*(_guard(name, self.relayed(name, fn), seen)
                                 for name, fn in zip(steps.Steps._fields, jitted)))
     self._fetch = None

@@ -152,7 +152,7 @@ def test_preempted_request_resumes_exactly(small):
 
 
 def test_the_decode_step_never_copies_a_pool(small):
-  """The compiled decode step (the engine's decode_step, cache donated) holds no copy of an
+  """The engine's compiled decode step (decode_step, cache donated) holds no copy of an
   MLA page pool: its latents are written in place and only the pages it needs are read,
   so its cost does not grow with the pool (benchmarks.serve --only pool times it)."""
   from k3_jax.cache import PagedMLACache
@@ -161,8 +161,7 @@ def test_the_decode_step_never_copies_a_pool(small):
   z, zf = np.zeros(b, np.int32), np.zeros(b, np.float32)
   batch = steps.DecodeBatch(z, z, eng.tables.copy(), np.ones(b, bool), steps.Sampling(
       z, z, zf, np.ones(b, np.float32), zf, zf, eng._no_bias[b]), z, np.zeros(b, bool))
-  fn = jax.jit(steps.bind(steps.decode_step, eng.graphdef, eng.par), donate_argnums=(2, 3))
-  text = fn.lower(eng.params, eng.rest, eng.cache, eng.counts, batch).compile().as_text()
+  text = eng.jitted.decode.lower(*eng.weights, eng.cache, eng.counts, batch).compile().as_text()
   pools = {f"[{','.join(map(str, a.shape))}]" for e in cache_leaves(eng.cache)
            if isinstance(e, PagedMLACache) for a in (e.c_kv, e.k_r)}
   assert pools
