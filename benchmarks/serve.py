@@ -108,7 +108,7 @@ def decode_step_time(eng, pos, runs, slots=1):
   times = []
   for i in range(runs + 1):                       # the first call compiles
     t0 = time.perf_counter()
-    out = eng._steps.decode(eng.params, eng.rest, eng.cache, eng.counts, batch())
+    out = eng._steps.decode(*eng.weights, eng.cache, eng.counts, batch())
     jax.block_until_ready(out)
     eng.cache, eng.counts = out[1], out[2]
     if i:
@@ -345,9 +345,14 @@ def bench_http(quick, flags):
   new = 16 if quick else 64
   res = {"flags": list(flags), "new_tokens": new}
   settings = {}
-  for f in flags:                                  # --name=value -> ServeConfig fields
-    name, _, value = f.lstrip("-").partition("=")
-    settings[name] = type(getattr(ServeConfig(), name) or 0)(value)
+  for f in flags:                # --name=value, --name, --noname -> ServeConfig fields
+    name, eq, value = f.lstrip("-").partition("=")
+    if not eq:
+      name, value = (name[2:], "false") if name.startswith("no") and not hasattr(
+          ServeConfig(), name) else (name, "true")
+    old = getattr(ServeConfig(), name)
+    settings[name] = (value.lower() in ("1", "true") if isinstance(old, bool)
+                      else type(old if old is not None else 0)(value))
   with tempfile.TemporaryDirectory() as tmp:
     hf, cfg, _, prompts = kimi_pair(tmp)
     hf_warm(hf, prompts)

@@ -207,8 +207,8 @@ class Engine:
     if not budget:
       devices = list(self.mesh.devices.flat) if self.mesh is not None else jax.devices()
       fixed = (self.max_batch + num_ckpt) * self.ckpt_bytes // shards
-      budget, how = kv_manager.auto_budget(devices, fixed, shards)
-      if jax.process_count() > 1:      # every process must build the same pool
+      budget, how, measured = kv_manager.auto_budget(devices, fixed, shards)
+      if measured and jax.process_count() > 1:    # every process must build the same pool
         from jax.experimental import multihost_utils
         budget = int(np.min(multihost_utils.process_allgather(np.int64(budget))))
     cap = kv_manager.full_reservation(self.max_batch, self.pages_per_slot, cache_pages, shards)
@@ -257,7 +257,10 @@ class Engine:
     # another mesh is another engine, with its own compiles.
     self.par = self._parallel()
     seen = self._compiled = set()
-    jitted = steps.jit_steps(self.graphdef, self.par)
+    (p_leaves, p_def), (r_leaves, r_def) = (jax.tree.flatten(t) for t in (self.params,
+                                                                            self.rest))
+    self.weights = (p_leaves, r_leaves)       # what prefill / decode / encode take
+    jitted = self.jitted = steps.jit_steps(self.graphdef, self.par, treedefs=(p_def, r_def))
     self._steps = steps.Steps(*(_guard(name, self.relayed(name, fn), seen)
                                 for name, fn in zip(steps.Steps._fields, jitted)))
     self._fetch = None
@@ -592,7 +595,7 @@ class Engine:
     tables[:len(live)] = self.tables[slots[:len(live)], :width]
     valid = np.arange(rows) < len(live)
     feats = None if live[0][1] is None else tuple(f for _, f in live + pad)
-    logits, self.cache = self._steps.prefill(self.params, self.rest, self.cache, slots,
+    logits, self.cache = self._steps.prefill(*self.weights, self.cache, slots,
                                              tokens, pos, tables, valid, feats)
     for row, (r, _) in enumerate(live):
       r.pos += size
@@ -686,7 +689,7 @@ class Engine:
             self.cfg.d_model, None, np.zeros(size, np.int32))
       return self._feature_zeros[size]
     if r.features is None:                            # the tower runs once per request
-      r.features = self._steps.encode(self.params, self.rest,
+      r.features = self._steps.encode(*self.weights,
                                       jax.tree.map(np.asarray, r.images))
     done = int(np.count_nonzero(r.feed[:r.pos] == v.image_token_id))
     rows = np.minimum(done + np.arange(size), r.features.shape[0] - 1).astype(np.int32)
@@ -799,7 +802,7 @@ class Engine:
     bucket = self._bucket(int(pos.max()) + 1)
     batch = steps.DecodeBatch(tokens, pos, tables[:, :bucket], active, sampling, self._prev,
                               from_prev)
-    got, self.cache, self.counts = self._steps.decode(self.params, self.rest, self.cache,
+    got, self.cache, self.counts = self._steps.decode(*self.weights, self.cache,
                                                       self.counts, batch)
     self._prev = got.ids
     return got, [(r, r.slot) for r in now]

@@ -61,24 +61,26 @@ def pool_size(budget_bytes: int, page_bytes: int, shards: int, cap: int) -> int:
   return n
 
 
-def auto_budget(devices, fixed_bytes: int, shards: int) -> tuple[int, str]:
-  """The default kv_cache_bytes and how it was chosen: KV_CACHE_FRACTION of what the first
-  device has free (its limit less what is in use: the weights, already placed, and
-  `fixed_bytes` more the engine will allocate per device), times the `shards` devices the
-  pool splits over; CPU_KV_CACHE_BYTES where the device reports no memory."""
+def auto_budget(devices, fixed_bytes: int, shards: int) -> tuple[int, str, bool]:
+  """The default kv_cache_bytes, how it was chosen, and whether it was measured:
+  KV_CACHE_FRACTION of what the first device has free (its limit less what is in use: the
+  weights, already placed, and `fixed_bytes` more the engine will allocate per device),
+  times the `shards` devices the pool splits over; CPU_KV_CACHE_BYTES (not measured: the
+  same on every process) where the device reports no memory."""
   stats = None
   try:
     stats = devices[0].memory_stats()
   except Exception:         # a backend without memory statistics
     stats = None
   if not stats or not stats.get("bytes_limit"):
-    return CPU_KV_CACHE_BYTES, "the fixed default of a device without memory statistics"
+    return CPU_KV_CACHE_BYTES, "the fixed default of a device without memory statistics", False
   free = stats["bytes_limit"] - stats.get("bytes_in_use", 0) - fixed_bytes
   if free <= 0:
     raise ValueError(f"no device memory left for the KV cache ({stats['bytes_limit']} bytes, "
                      f"{stats.get('bytes_in_use', 0)} in use): give --kv_cache_bytes")
   return (int(KV_CACHE_FRACTION * free) * shards,
-          f"{KV_CACHE_FRACTION:.0%} of the {free / 2**30:.2f} GiB free per device after weights")
+          f"{KV_CACHE_FRACTION:.0%} of the {free / 2**30:.2f} GiB free per device after weights",
+          True)
 
 
 class KVManager:

@@ -236,18 +236,34 @@ def bind(fn, *static):
   return bound
 
 
-def jit_steps(graphdef, par, jit=jax.jit) -> Steps:
+def flat_params(fn, treedefs):
+  """fn(params, rest, *args) as f(params' leaves, rest's leaves, *args): jit flattens a list
+  of arrays in C++, where an nnx Variable tree costs Python work on every call (~0.4 ms a
+  step for a small model, a fifth of its decode step)."""
+  if treedefs is None:
+    return fn
+  p_def, r_def = treedefs
+
+  def f(p_leaves, r_leaves, *args):
+    return fn(p_def.unflatten(p_leaves), r_def.unflatten(r_leaves), *args)
+  f.__name__ = fn.__name__
+  return f
+
+
+def jit_steps(graphdef, par, jit=jax.jit, treedefs=None) -> Steps:
   """The serving steps of `graphdef` under `par`, jitted with the cache donated. `jit` may
-  add shardings (compile passes one with in/out shardings)."""
+  add shardings (compile passes one with in/out shardings). treedefs: (params', rest's):
+  prefill, decode and encode then take the two trees' leaves (flat_params)."""
   return Steps(
-      prefill=jit(bind(prefill_step, graphdef, par), donate_argnums=(2,)),
-      decode=jit(bind(decode_step, graphdef, par), donate_argnums=(2, 3)),
+      prefill=jit(flat_params(bind(prefill_step, graphdef, par), treedefs), donate_argnums=(2,)),
+      decode=jit(flat_params(bind(decode_step, graphdef, par), treedefs),
+                 donate_argnums=(2, 3)),
       first_token=jit(first_token, donate_argnums=(2,)),
       load_slot=jit(load_slot, donate_argnums=(0,)),
       copy_slot=jit(copy_slot, donate_argnums=(0,)),
       zero_slot=jit(zero_slot, donate_argnums=(0, 1)),
       save_ckpt=jit(save_ckpt, donate_argnums=(0,)),
-      encode=jit(bind(encode, graphdef)),
+      encode=jit(flat_params(bind(encode, graphdef), treedefs)),
       copy_page=jit(copy_page, donate_argnums=(0,)),
       piece_features=jit(piece_features, static_argnums=(0,)),
       set_counts=jit(set_counts, donate_argnums=(0,)))
@@ -256,4 +272,4 @@ def jit_steps(graphdef, par, jit=jax.jit) -> Steps:
 __all__ = ["TOP_K", "Sampling", "DecodeBatch", "Sampled", "sample_logits", "prefill_step",
            "decode_step", "row_major_features", "first_token", "load_slot", "copy_slot",
            "zero_slot", "save_ckpt", "encode", "copy_page", "piece_features", "set_counts", "Steps",
-           "jit_steps"]
+           "flat_params", "jit_steps"]

@@ -83,11 +83,11 @@ def test_pool_size_and_the_default_budget():
   cpu = types.SimpleNamespace(memory_stats=lambda: None)
   assert kv_manager.auto_budget([cpu], 0, 1) == (kv_manager.CPU_KV_CACHE_BYTES,
                                                  "the fixed default of a device without "
-                                                 "memory statistics")
+                                                 "memory statistics", False)
   gpu = types.SimpleNamespace(memory_stats=lambda: {"bytes_limit": 100 << 30,
                                                     "bytes_in_use": 20 << 30})
-  budget, how = kv_manager.auto_budget([gpu], 10 << 30, 2)
-  assert budget == int(0.8 * (70 << 30)) * 2 and "80%" in how
+  budget, how, measured = kv_manager.auto_budget([gpu], 10 << 30, 2)
+  assert budget == int(0.8 * (70 << 30)) * 2 and "80%" in how and measured
   full = types.SimpleNamespace(memory_stats=lambda: {"bytes_limit": 1, "bytes_in_use": 2})
   with pytest.raises(ValueError, match="give --kv_cache_bytes"):
     kv_manager.auto_budget([full], 0, 1)
@@ -152,7 +152,7 @@ def test_preempted_request_resumes_exactly(small):
 
 
 def test_the_decode_step_never_copies_a_pool(small):
-  """The compiled decode step (the engine's decode_step, cache donated) holds no copy of an
+  """The engine's compiled decode step (decode_step, cache donated) holds no copy of an
   MLA page pool: its latents are written in place and only the pages it needs are read,
   so its cost does not grow with the pool (benchmarks.serve --only pool times it)."""
   from k3_jax.cache import PagedMLACache
@@ -161,11 +161,41 @@ def test_the_decode_step_never_copies_a_pool(small):
   z, zf = np.zeros(b, np.int32), np.zeros(b, np.float32)
   batch = steps.DecodeBatch(z, z, eng.tables.copy(), np.ones(b, bool), steps.Sampling(
       z, z, zf, np.ones(b, np.float32), zf, zf, eng._no_bias[b]), z, np.zeros(b, bool))
-  fn = jax.jit(steps.bind(steps.decode_step, eng.graphdef, eng.par), donate_argnums=(2, 3))
-  text = fn.lower(eng.params, eng.rest, eng.cache, eng.counts, batch).compile().as_text()
+  text = eng.jitted.decode.lower(*eng.weights, eng.cache, eng.counts, batch).compile().as_text()
   pools = {f"[{','.join(map(str, a.shape))}]" for e in cache_leaves(eng.cache)
            if isinstance(e, PagedMLACache) for a in (e.c_kv, e.k_r)}
   assert pools
   copies = [ln for ln in text.splitlines()
             if re.search(r"\bcopy\(", ln) and any(p in ln.split("=")[1][:40] for p in pools)]
   assert not copies, copies[:2]
+
+
+@pytest.mark.slow
+def test_preemption_with_the_prefix_cache():
+  """Two 1,020-token prompts (two pages each, the first block cached with its KDA
+  checkpoint by earlier runs) on a four-page pool: both start from a prefix-cache hit, the
+  newer is preempted when the older crosses into a third page (the cached pages are pinned,
+  so nothing can be evicted), resumes from a hit on its own cached block, and both end with
+  the greedy tokens of cold runs; nothing leaks but the cached pages."""
+  cfg = tiny_serving_config()
+  g, p, r = train.split_model(create_model(cfg, seed=3))
+  probe = Engine(cfg, g, p, r, max_batch=1, prefix_cache_bytes=0, max_len=PAGE,
+                 kv_cache_bytes=1 << 20)
+  eng = Engine(cfg, g, p, r, max_batch=2, max_len=3 * PAGE,
+               prefix_cache_bytes=8 * (probe.page_bytes + probe.ckpt_bytes),
+               kv_cache_bytes=5 * probe.page_bytes)
+  assert eng.num_pages == 5 and eng.prefix is not None
+  prompts = [prompt_of(3, 1020), prompt_of(4, 1020)]
+  params = SamplingParams(max_tokens=12)
+  cold = []
+  for q in prompts:
+    req = eng.submit(q, params, use_prefix_cache=False)
+    eng.run_until_done([req])
+    cold.append(req.output_ids)
+  reqs = [eng.submit(q, params) for q in prompts]
+  eng.run_until_done(reqs)
+  c = eng.resource_counts()
+  assert c["preemptions"] >= 1
+  assert all(q.cached_tokens == PAGE for q in reqs)
+  assert [q.output_ids for q in reqs] == cold
+  assert c["used_pages"] == c["cached_pages"] and c["pinned_checkpoints"] == 0
