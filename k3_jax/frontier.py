@@ -219,8 +219,10 @@ def markdown_table(pts: list[dict]) -> str:
   return "\n".join(rows)
 
 
-def plot(pts: list[dict], path: str, title: str) -> None:
-  """Node tokens/s against TPOT, one line per context length, frontier points joined."""
+def plot(pts: list[dict], path: str, title: str,
+         targets: tuple[tuple[float, float, str], ...] = ()) -> None:
+  """Node tokens/s against TPOT, one line per context length; targets: (TPOT s, tokens/s,
+  label) marked as stars."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -234,6 +236,10 @@ def plot(pts: list[dict], path: str, title: str) -> None:
     for p, x, y in zip(mine, xs, ys):
       ax.annotate(f"{p['batch']}", (x, y), textcoords="offset points", xytext=(4, 4),
                   fontsize=8, color=line.get_color())
+  for tpot, rate, label in targets:
+    ax.plot([tpot * 1e3], [rate], "k*", markersize=10)
+    ax.annotate(label, (tpot * 1e3, rate), textcoords="offset points", xytext=(6, -10),
+                fontsize=8)
   ax.set_xscale("log")
   ax.set_yscale("log")
   ax.set_xlabel("TPOT (ms, roofline step time)")
