@@ -57,7 +57,9 @@ def test_auto_backend_follows_the_compile_target():
   assert resolve_backend("reference", tpu) == "reference"
   assert resolve_backend("pallas") == "pallas"
   # The MoE grouped matmul follows the same target.
-  assert moe_ops.default_gmm(platform="tpu") is moe_ops.ragged_dot_gmm
+  # On TPU, ragged_dot's weight gradient is the grouped Pallas kernel where one can run.
+  assert moe_ops.default_gmm(platform="tpu") is moe_ops.ragged_dot_tpu_gmm
+  assert moe_ops.default_gmm(platform="tpu", kernel=False) is moe_ops.ragged_dot_gmm
   assert moe_ops.default_gmm(platform="cpu") is moe_ops.tiled_gmm
 
 
