@@ -147,16 +147,6 @@ def put_rows(states: ModelCache, rows: jax.Array, values: ModelCache) -> ModelCa
                    states, values)
 
 
-def select_rows(mask: jax.Array, new: ModelCache, old: ModelCache) -> ModelCache:
-  """Per batch row: new where mask [B] else old (keeps idle slots' states untouched)."""
-  def sel(n, o, axis):
-    shape = [1] * n.ndim
-    shape[axis] = mask.shape[0]
-    return jnp.where(mask.reshape(shape), n, o)
-  return map_cache(lambda e, oe, axis: jax.tree.map(lambda n, o: sel(n, o, axis), e, oe),
-                   new, old)
-
-
 def zeros_rows(states: ModelCache, n: int) -> ModelCache:
   """A zero state for n rows (a fresh sequence: S = 0, empty conv windows)."""
   def z(a, axis):
@@ -197,5 +187,4 @@ def tree_bytes(tree, rows: int = 1, batch: int | None = None) -> int:
 
 __all__ = ["PAGE", "NULL_PAGE", "PagePool", "page_shards", "pool_pages", "with_pages",
            "without_pages", "kda_states", "with_kda_states", "take_rows", "put_rows",
-           "select_rows", "zeros_rows",
-           "paged_cache_shardings"]
+           "zeros_rows", "paged_cache_shardings"]
