@@ -211,7 +211,8 @@ class Engine:
       if measured and jax.process_count() > 1:    # every process must build the same pool
         from jax.experimental import multihost_utils
         budget = int(np.min(multihost_utils.process_allgather(np.int64(budget))))
-    cap = kv_manager.full_reservation(self.max_batch, self.pages_per_slot, cache_pages, shards)
+    # the most pages the engine could ever hold (every slot at max_len, the prefix cache full)
+    cap = kv.pool_pages(self.max_batch, self.pages_per_slot, cache_pages, shards)
     try:
       n = kv_manager.pool_size(budget, self.page_bytes, shards, cap)
     except ValueError as e:

@@ -30,7 +30,7 @@ import math
 
 import numpy as np
 
-from k3_jax.serve.kv_pages import PAGE, PagePool, pool_pages
+from k3_jax.serve.kv_pages import PAGE, PagePool
 from k3_jax.serve.prefix_cache import PrefixCache
 
 CPU_KV_CACHE_BYTES = 1 << 30     # the pool's budget where the device reports no memory (CPU)
@@ -202,11 +202,5 @@ class KVManager:
             "preemptions": self.preemptions}
 
 
-def full_reservation(max_batch: int, pages_per_slot: int, cache_pages: int, shards: int) -> int:
-  """The most pages the engine could ever hold at once (every slot at max_len, the prefix
-  cache full): the pool's cap whatever the budget."""
-  return pool_pages(max_batch, pages_per_slot, cache_pages, shards)
-
-
-__all__ = ["KVManager", "Acquired", "pool_size", "auto_budget", "full_reservation",
+__all__ = ["KVManager", "Acquired", "pool_size", "auto_budget",
            "CPU_KV_CACHE_BYTES", "KV_CACHE_FRACTION"]
