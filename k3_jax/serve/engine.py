@@ -54,6 +54,7 @@ from k3_jax.serve import kv_manager
 from k3_jax.serve.kv_pages import PAGE
 from k3_jax.serve.prefix_cache import block_hashes, image_salts
 from k3_jax.serve import steps
+from k3_jax.serve import speculate
 from k3_jax.stack import cache_leaves
 from k3_jax.serve.scheduler import (EngineFatal, QueueFull, Request, RequestError,
                                     SamplingParams, checkpoint_boundaries, prefill_plan)
@@ -180,6 +181,7 @@ class Engine:
     self.counts = jnp.zeros((max_batch, cfg.vocab_size), jnp.int32)
     self.relay = relay
     self._build_steps()
+    self.speculator = speculate.for_engine(self, _guard, _HostSampled)   # speculation
     if relay is not None:     # the device state every process made alike, in one order
       relay.register((self.params, self.rest, self.cache, self.counts,
                       getattr(self, "ckpts", None), self._no_bias, self._prev))
@@ -757,6 +759,10 @@ class Engine:
     constraint (whose bias row needs that token first; any constrained request makes the
     step wait). When the unread token does end it (a stop id or string), its ahead row is
     wasted: that row wrote past the request's tokens in its own pages, and is dropped."""
+    if self.speculator is not None:   # speculation: a verify step when some request has drafts
+      dec = self.speculator.decode(self, dec)
+      if dec is None:
+        return
     pend, self._pending = self._pending, None
     if pend is not None and (not self.overlap or any(r.constraint is not None for r in dec)):
       self._read_decode(pend)

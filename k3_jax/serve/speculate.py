@@ -1,0 +1,114 @@
+"""Speculative decoding in the engine: drafts per request, one verify step for the batch,
+several tokens emitted a step (ServeConfig.speculative / num_speculative_tokens).
+
+Per engine step, when some decoding request has drafts (drafters.py), `Speculator.decode`
+runs the verify step (verify.py) over every slot in place of the decode step: a slot
+without drafts is a plain decode row of it (mixed batches), an idle slot keeps its state.
+Each request then emits its kept drafts and the model's next token in order, through the
+engine's own _take (logprobs, stop ids and strings, max_tokens, streaming: a stream gets all
+of them in one step). When no request has drafts the plain decode step runs.
+
+What it leaves as it was:
+- the prefix cache registers prompt blocks only (at prefill), never a decoded position, so no
+  checkpoint can hold a rejected draft; the KDA state after a verify step is the state of
+  the kept tokens (verify.py), so later prefill pieces or forks start from an exact one;
+- a request's output: greedy equals plain decoding's (to the verify step's float tolerance,
+  tests/serve/test_speculate.py); sampled output has the target's distribution
+  (acceptance.py), each token drawn with its token index's key;
+- batch invariance: drafts depend on the request's own tokens only, and every row of the
+  verify step on its own slot.
+
+Not speculated (they decode plainly inside the step): requests with a grammar constraint
+(their bias row would need the grammar advanced through each draft). With overlap on, a
+step that verifies first reads the previous step's tokens (the drafts need them).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from k3_jax.serve import verify as vf
+from k3_jax.serve.drafters import make_drafter
+from k3_jax.serve.steps import bind, flat_params
+
+
+class Speculator:
+  def __init__(self, engine, kind: str, k: int, guard, host_sampled):
+    """guard, host_sampled: the engine module's _guard and _HostSampled (a step's faults
+    made fatal, and its Sampled read back), passed in: this module sits below engine.py."""
+    self.k, self.drafter = k, make_drafter(kind)
+    e = engine
+    (_, p_def), (_, r_def) = (jax.tree.flatten(t) for t in (e.params, e.rest))
+    fn = jax.jit(flat_params(bind(vf.verify_step, e.graphdef, e.par), (p_def, r_def)),
+                 donate_argnums=(2, 3))
+    self._verify = guard("verify", e.relayed("verify", fn), e._compiled)
+    self._host = host_sampled
+    self.steps = self.tokens = self.drafted = self.accepted = 0   # totals, for benchmarks
+
+  def drafts(self, r) -> list[int]:
+    """r's drafts this step: none for a constrained request or one at its last token."""
+    room = r.params.max_tokens - len(r.output_ids) - 1
+    if r.constraint is not None or room <= 0:
+      return []
+    context = np.concatenate([r.prompt, np.asarray(r.output_ids, np.int32)])
+    return self.drafter.propose(context, min(self.k, room))[:min(self.k, room)]
+
+  def decode(self, eng, dec: list) -> list | None:
+    """This step's decode for `dec`: a verify step when some request has drafts (-> None),
+    else the requests the engine's plain decode step should run (-> list)."""
+    if eng._pending is not None:          # the drafts need the unread tokens
+      pend, eng._pending = eng._pending, None
+      eng._read_decode(pend)
+      dec = [r for r in dec if r.state == "decode"]
+    drafts = {}
+    for r in dec:
+      eng._own(r, lambda: drafts.__setitem__(id(r), self.drafts(r)))
+    dec = [r for r in dec if r.state == "decode"]
+    if not any(drafts.get(id(r)) for r in dec):
+      return dec
+    now = eng._grow(dec, lambda r: r.pos + 1 + len(drafts[id(r)]))
+    biases = {}
+    now = [r for r in now if eng._own(r, lambda: biases.update(eng._biases([r])))]
+    if now:
+      self._run(eng, now, drafts, biases)
+    return None
+
+  def _run(self, eng, now, drafts, biases) -> None:
+    b, k, t = eng.max_batch, self.k, self.k + 1
+    tokens, pos, ndraft = (np.zeros(b, np.int32) for _ in range(3))
+    window, active = np.zeros((b, k), np.int32), np.zeros(b, bool)
+    tables = np.zeros_like(eng.tables)
+    for r in now:
+      s, d = r.slot, drafts[id(r)]
+      tokens[s], pos[s], ndraft[s], active[s], tables[s] = r.last_token, r.pos, len(d), True, \
+          eng.tables[s]
+      window[s, :len(d)] = d
+    bucket = eng._bucket(int(pos.max()) + t)
+    batch = vf.VerifyBatch(tokens, window, ndraft, pos, tables[:, :bucket], active,
+                           eng._sampling(now, b, biases))
+    got, emitted, eng.cache, eng.counts = self._verify(*eng.weights, eng.cache, eng.counts,
+                                                       batch)
+    host = self._host(got, now, eng.fetch)
+    emitted = np.asarray(eng.fetch(emitted))
+    self.steps += 1
+    for r in now:
+      s = r.slot
+      self.drafted += int(ndraft[s])
+      self.accepted += int(emitted[s]) - 1
+      for i in range(int(emitted[s])):
+        if r.state != "decode" or r.slot != s:      # ended (stop, length, its own fault)
+          break
+        r.pos += 1
+        self.tokens += 1
+        eng._own(r, eng._take, r, host, s * t + i)
+
+
+def for_engine(engine, guard, host_sampled):
+  """The engine's Speculator, or None when ServeConfig.speculative is 'off'."""
+  s = engine.serve
+  return None if s.speculative == "off" else Speculator(
+      engine, s.speculative, s.num_speculative_tokens, guard, host_sampled)
+
+
+__all__ = ["Speculator", "for_engine"]
