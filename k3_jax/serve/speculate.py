@@ -1,12 +1,17 @@
 """Speculative decoding in the engine: drafts per request, one verify step for the batch,
 several tokens emitted a step (ServeConfig.speculative / num_speculative_tokens).
 
-Per engine step, when some decoding request has drafts (drafters.py), `Speculator.decode`
-runs the verify step (verify.py) over every slot in place of the decode step: a slot
-without drafts is a plain decode row of it (mixed batches), an idle slot keeps its state.
-Each request then emits its kept drafts and the model's next token in order, through the
-engine's own _take (logprobs, stop ids and strings, max_tokens, streaming: a stream gets all
-of them in one step). When no request has drafts the plain decode step runs.
+Per engine step `Speculator.decode` asks the drafter (drafters.py) for each decoding
+request's drafts and runs the verify step (verify.py) over every slot in place of the decode
+step: a slot without drafts is a plain decode row of it (mixed batches), an idle slot keeps
+its state. Each request then emits its kept drafts and the model's next token in order,
+through the engine's own _take (logprobs, stop ids and strings, max_tokens, streaming: a
+stream gets all of them in one step). With ServeConfig.batch_invariant (the default) every
+decode step is a verify step, drafts or not: the verify step's rows are B (k + 1) where the
+decode step's are B, and XLA moves a row's logits in the last bits with the row count (the
+plain decode step itself does, 8 against 32 slots: 4.8e-7), so a request's logits would
+otherwise depend on whether another request drafted. Without it the plain decode step runs
+when no request has drafts (cheaper).
 
 What it leaves as it was:
 - the prefix cache registers prompt blocks only (at prefill), never a decoded position, so no
@@ -15,8 +20,8 @@ What it leaves as it was:
 - a request's output: greedy equals plain decoding's (to the verify step's float tolerance,
   tests/serve/test_speculate.py); sampled output has the target's distribution
   (acceptance.py), each token drawn with its token index's key;
-- batch invariance: drafts depend on the request's own tokens only, and every row of the
-  verify step on its own slot.
+- batch invariance (see above): drafts depend on the request's own tokens only, and every
+  row of the verify step on its own slot.
 
 Not speculated (they decode plainly inside the step): requests with a grammar constraint
 (their bias row would need the grammar advanced through each draft). With overlap on, a
@@ -65,7 +70,7 @@ class Speculator:
     for r in dec:
       eng._own(r, lambda: drafts.__setitem__(id(r), self.drafts(r)))
     dec = [r for r in dec if r.state == "decode"]
-    if not any(drafts.get(id(r)) for r in dec):
+    if not dec or (not eng.serve.batch_invariant and not any(drafts.get(id(r)) for r in dec)):
       return dec
     now = eng._grow(dec, lambda r: r.pos + 1 + len(drafts[id(r)]))
     biases = {}

@@ -18,6 +18,8 @@ from k3_jax.serve.engine import SamplingParams
 from k3_jax.serve.steps import Sampling
 
 V, T = 6, 3
+N = 8000                 # rows of every accept call here (one compile)
+ACCEPT = jax.jit(accept)
 
 
 def rows(n, **kw):
@@ -39,12 +41,12 @@ def test_ngram_drafter_proposes_what_followed_the_latest_copy():
 
 
 def test_greedy_keeps_the_longest_agreeing_prefix():
-  raw = np.full((3, T, V), 0.0, np.float32)
+  raw = np.full((N, T, V), 0.0, np.float32)
   raw[:, 0, 2], raw[:, 1, 4], raw[:, 2, 1] = 5.0, 5.0, 5.0      # argmax: 2, then 4, then 1
-  drafts = np.array([[2, 4], [2, 3], [0, 4]], np.int32)
-  ids, n = jax.jit(accept)(raw, np.zeros((3, V), np.int32), drafts, np.array([2, 2, 1]),
-                           rows(3))
-  assert np.asarray(n).tolist() == [3, 2, 1]
+  drafts = np.resize(np.array([[2, 4], [2, 3], [0, 4]], np.int32), (N, 2))
+  ids, n = ACCEPT(raw, np.zeros((N, V), np.int32), drafts,
+                  np.resize(np.array([2, 2, 1], np.int32), N), rows(N))
+  assert np.asarray(n)[:3].tolist() == [3, 2, 1]
   assert np.asarray(ids)[0].tolist() == [2, 4, 1]
   assert np.asarray(ids)[1, :2].tolist() == [2, 4]
   assert np.asarray(ids)[2, :1].tolist() == [2]
@@ -75,7 +77,7 @@ def chi2_ok(draws, p, n):
 def test_rejection_sampling_keeps_the_target_distribution():
   """8,000 seeds, one draft per position: the first emitted token ~ p_0 and, where the first
   draft was kept, the second ~ p_1 (whose penalties count that draft)."""
-  n = 8000
+  n = N
   rng = np.random.default_rng(0)
   raw = np.broadcast_to(rng.normal(size=(1, T, V)).astype(np.float32), (n, T, V)).copy()
   counts = np.zeros((n, V), np.int32)
@@ -84,7 +86,7 @@ def test_rejection_sampling_keeps_the_target_distribution():
   bias[:, 5] = -np.inf                                    # a masked token (logit_bias, grammar)
   drafts = np.broadcast_to(np.array([[1, 2]], np.int32), (n, 2))
   params = dict(temperature=0.8, top_p=0.9, presence=0.3, frequency=0.2, bias=bias)
-  ids, kept = jax.jit(accept)(raw, counts, drafts, np.full(n, 2, np.int32), rows(n, **params))
+  ids, kept = ACCEPT(raw, counts, drafts, np.full(n, 2, np.int32), rows(n, **params))
   ids, kept = np.asarray(ids), np.asarray(kept)
   tp = lambda t, c: target(raw[0, t], c, bias[0], 0.8, 0.9, 0.3, 0.2)
   p0 = tp(0, counts[0])
@@ -98,9 +100,10 @@ def test_rejection_sampling_keeps_the_target_distribution():
 
 # ----- the engine ------------------------------------------------------------------------
 
-# 64 tokens each (one prefill piece), decoded together (a mixed batch: slots with and
+# in prefill pieces of 16, 4 and 1 tokens (test_overlap's shapes), decoded together (a mixed batch: slots with and
 # without drafts)
-PROMPTS = [np.random.default_rng(s).integers(1, 256, 64).astype(np.int32) for s in range(3)]
+PROMPTS = [np.random.default_rng(s).integers(1, 256, n).astype(np.int32)
+           for s, n in enumerate((48, 40, 33))]
 
 
 def generate(eng, prompts, params):

@@ -1,7 +1,7 @@
 """The speculative verify step (k3_jax/serve/verify.py) against plain decode steps, on the
 5-layer k3_tiny serving variant (KDA in the scanned unit, MLA in and after it, MoE, Attention
 Residuals), with engine8's compiled steps and speculator8's verify step (k = 3) on a copy of
-its cache: slot 0 verifying, the other slots idle.
+its cache (its shapes, so its compiled steps serve): slot 0 verifying, the other slots idle.
 
 With every draft accepted the step must equal k + 1 decode steps (every position's logits
 and the KDA states and conv tails after), and with a rejection at draft j it must equal
@@ -22,7 +22,7 @@ from k3_jax.serve import steps
 from k3_jax.serve.verify import VerifyBatch
 
 K = 3
-PROMPT = 64
+PROMPT = 48
 TOL = 1e-5
 
 
@@ -30,13 +30,15 @@ TOL = 1e-5
 def setup(engine8, speculator8):
   e = engine8
   b, v = e.max_batch, e.cfg.vocab_size
-  table = np.zeros((b, 8), np.int32)
-  table[0, :2] = [3, 1]
+  table = np.zeros((b, e.pages_per_slot), np.int32)    # engine8's one column (max_len 512)
+  table[0, 0] = 3
   cache, _ = e.jitted.zero_slot(jax.tree.map(jnp.copy, e.cache), jnp.zeros((b, v), jnp.int32),
                                 np.int32(0))
   prompt = np.random.default_rng(5).integers(1, 256, PROMPT).astype(np.int32)
-  logits, cache = e.jitted.prefill(*e.weights, cache, np.zeros(1, np.int32), prompt[None],
-                                   np.zeros(1, np.int32), table[:1], np.ones(1, bool), None)
+  for at in range(0, PROMPT, 16):   # in engine8's 16-token pieces (compiled by test_overlap)
+    logits, cache = e.jitted.prefill(*e.weights, cache, np.zeros(1, np.int32),
+                                     prompt[None, at:at + 16], np.array([at], np.int32),
+                                     table[:1], np.ones(1, bool), None)
   first = int(np.argmax(np.asarray(logits[0])))
   toks, ref_logits, ref_caches = [first], [], [cache]
   for i in range(K + 1):                          # the greedy continuation by plain decode
@@ -47,19 +49,21 @@ def setup(engine8, speculator8):
   return e, speculator8, table, toks, np.stack(ref_logits), ref_caches
 
 
-def sampling(b, v):
+def sampling(e):
+  """Greedy rows, with engine8's own bias array (the same argument types as its calls, so
+  its compiled steps serve)."""
+  b = e.max_batch
   z, zf = np.zeros(b, np.int32), np.zeros(b, np.float32)
-  return steps.Sampling(z, z, zf, np.ones(b, np.float32), zf, zf, np.zeros((b, v), np.float32))
+  return steps.Sampling(z, z, zf, np.ones(b, np.float32), zf, zf, e._no_bias[b])
 
 
 def decode(e, cache, table, tok, pos):
   """One plain decode step of slot 0 (on a copy of `cache`) -> (Sampled, cache)."""
   b, v = e.max_batch, e.cfg.vocab_size
-  z = np.zeros(b, np.int32)
   active = np.arange(b) == 0
   batch = steps.DecodeBatch(np.where(active, tok, 0).astype(np.int32),
                             np.where(active, pos, 0).astype(np.int32), table, active,
-                            sampling(b, v), z, np.zeros(b, bool))
+                            sampling(e), e._prev, np.zeros(b, bool))
   got, cache, _ = e.jitted.decode(*e.weights, jax.tree.map(jnp.copy, cache),
                                   jnp.zeros((b, v), jnp.int32), batch)
   return got, cache
@@ -72,7 +76,7 @@ def verify(e, sp, cache, table, first, drafts):
   active = np.arange(b) == 0
   batch = VerifyBatch(np.where(active, first, 0).astype(np.int32), window, ndraft,
                       np.where(active, PROMPT, 0).astype(np.int32), table, active,
-                      sampling(b, v))
+                      sampling(e))
   got, emitted, cache, _ = sp._verify(*e.weights, jax.tree.map(jnp.copy, cache),
                                       jnp.zeros((b, v), jnp.int32), batch)
   return np.asarray(got.ids).reshape(b, K + 1)[0], np.asarray(got.logits).reshape(
