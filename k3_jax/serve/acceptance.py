@@ -52,19 +52,26 @@ def accept(raw, counts, drafts, ndraft, s):
   keys = row_keys(rep(s.seeds), (s.steps[:, None] + jnp.arange(t)[None]).reshape(-1))
   plain = sample(keys, pen, temp, top_p)                               # the decode's draw
   d = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1).reshape(-1)
-  sampled = temp > 0
-  scaled = pen / jnp.maximum(temp, 1e-6)[:, None]
-  scaled = jax.lax.cond(jnp.any(sampled & (top_p < 1.0)), lambda z: nucleus(z, top_p),
-                        lambda z: z, scaled)
-  p_d = jnp.take_along_axis(jax.nn.softmax(scaled, axis=-1), d[:, None], axis=-1)[:, 0]
-  coin = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1)))(keys)
-  masked = jnp.where(jnp.arange(v)[None] == d[:, None], -jnp.inf, scaled)
-  resid = jax.vmap(lambda k, z: jax.random.categorical(jax.random.fold_in(k, 2), z))(
-      keys, masked).astype(jnp.int32)
-  ok = jnp.where(sampled, coin < p_d, d == plain).reshape(b, t)
   has = jnp.arange(t)[None] < ndraft[:, None]                          # [B, T]
+  sampled = temp > 0
+
+  def rejection(_):
+    """-> (draft kept [B T], the token at a rejection / past the drafts [B T])."""
+    scaled = pen / jnp.maximum(temp, 1e-6)[:, None]
+    scaled = jax.lax.cond(jnp.any(sampled & (top_p < 1.0)), lambda z: nucleus(z, top_p),
+                          lambda z: z, scaled)
+    p_d = jnp.take_along_axis(jax.nn.softmax(scaled, axis=-1), d[:, None], axis=-1)[:, 0]
+    coin = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1)))(keys)
+    masked = jnp.where(jnp.arange(v)[None] == d[:, None], -jnp.inf, scaled)
+    resid = jax.vmap(lambda k, z: jax.random.categorical(jax.random.fold_in(k, 2), z))(
+        keys, masked).astype(jnp.int32)
+    return (jnp.where(sampled, coin < p_d, d == plain),
+            jnp.where(sampled & has.reshape(-1), resid, plain))
+
+  # a greedy batch skips the probabilities and draws: kept while the draft is the argmax
+  ok, final = jax.lax.cond(jnp.any(sampled), rejection, lambda _: (d == plain, plain), None)
+  ok, final = ok.reshape(b, t), final.reshape(b, t)
   kept = jnp.sum(jnp.cumprod(ok & has, axis=1), axis=1).astype(jnp.int32)   # [B]
-  final = jnp.where(sampled & has.reshape(-1), resid, plain).reshape(b, t)
   ids = jnp.where(jnp.arange(t)[None] < kept[:, None], d.reshape(b, t), final)
   return ids.astype(jnp.int32), kept + 1
 

@@ -89,6 +89,17 @@ def max_state_diff(got, want, slots):
              for a, b in zip(rows(got), rows(want)))
 
 
+def assert_like_decoding(e, cache, ref_caches, n, table, next_tok):
+  """cache (after a verify step that kept n tokens) holds slot 0's state after decoding n
+  tokens, the idle slots' untouched, and the next decode step reads the same latents."""
+  assert max_state_diff(cache, ref_caches[n], [0]) <= TOL
+  assert max_state_diff(cache, ref_caches[0], range(1, e.max_batch)) == 0.0
+  after_v, _ = decode(e, cache, table, next_tok, PROMPT + n)
+  after_d, _ = decode(e, ref_caches[n], table, next_tok, PROMPT + n)
+  np.testing.assert_allclose(np.asarray(after_v.logits[0]), np.asarray(after_d.logits[0]),
+                             atol=TOL, rtol=0)
+
+
 def test_all_accepted_equals_k_plus_1_decode_steps(setup):
   e, sp, table, toks, ref_logits, ref_caches = setup
   ids, logits, emitted, cache = verify(e, sp, ref_caches[0], table, toks[0], toks[1:K + 1])
@@ -97,12 +108,7 @@ def test_all_accepted_equals_k_plus_1_decode_steps(setup):
   assert emitted.tolist() == [K + 1] + [0] * (e.max_batch - 1)
   assert ids.tolist() == toks[1:K + 2]             # the drafts, then the bonus token
   np.testing.assert_allclose(logits, ref_logits, atol=TOL, rtol=0)
-  assert max_state_diff(cache, ref_caches[K + 1], [0]) <= TOL
-  assert max_state_diff(cache, ref_caches[0], range(1, e.max_batch)) == 0.0
-  after_v, _ = decode(e, cache, table, toks[K + 1], PROMPT + K + 1)
-  after_d, _ = decode(e, ref_caches[K + 1], table, toks[K + 1], PROMPT + K + 1)
-  np.testing.assert_allclose(np.asarray(after_v.logits[0]), np.asarray(after_d.logits[0]),
-                             atol=TOL, rtol=0)
+  assert_like_decoding(e, cache, ref_caches, K + 1, table, toks[K + 1])
 
 
 @pytest.mark.parametrize("j", [0, 2])
@@ -113,9 +119,4 @@ def test_rejection_at_j_equals_decoding_the_kept_tokens(setup, j):
   ids, logits, emitted, cache = verify(e, sp, ref_caches[0], table, toks[0], drafts)
   assert emitted[0] == j + 1
   assert ids[:j + 1].tolist() == toks[1:j + 2]     # the kept drafts, then the target's token
-  assert max_state_diff(cache, ref_caches[j + 1], [0]) <= TOL
-  assert max_state_diff(cache, ref_caches[0], range(1, e.max_batch)) == 0.0
-  after_v, _ = decode(e, cache, table, toks[j + 1], PROMPT + j + 1)
-  after_d, _ = decode(e, ref_caches[j + 1], table, toks[j + 1], PROMPT + j + 1)
-  np.testing.assert_allclose(np.asarray(after_v.logits[0]), np.asarray(after_d.logits[0]),
-                             atol=TOL, rtol=0)
+  assert_like_decoding(e, cache, ref_caches, j + 1, table, toks[j + 1])
