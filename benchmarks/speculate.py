@@ -1,17 +1,17 @@
 """Speculative decoding: decode tokens per second with and without it, side by side in one run.
 
-  flock /tmp/heavy.lock python -m benchmarks.speculate [--copy_steps 400] [--new 96] [--k 4]
+  flock /tmp/heavy.lock python -m benchmarks.speculate [--copy_steps 1000] [--new 48] [--k 4]
 
 The model: no trained checkpoint exists in this tree (`python main.py train` was not run
 for it), and a random-weight model does not restate its context, so prompt lookup's drafts
 would be rejected and only the verify step's price for nothing would show. So the run first
 trains a 5-layer k3_tiny (3 KDA + 2 MLA layers as tests/serve use, d_model 32, byte
-vocabulary) for --copy_steps AdamW steps on copying: sequences of a random text (16-127
+vocabulary) for --copy_steps AdamW steps on copying: sequences of a random text (16-63
 bytes) followed by the text again, loss on the copy (minutes on CPU). --copy_steps 0 keeps
 the random weights.
 
-Workload (edit-like): each prompt holds a text (128 random bytes) and restates its first
-quarter; the completion continues restating it (96 tokens). Every mode decodes the same prompts, greedy,
+Workload (edit-like): each prompt holds a text (64 random bytes) and restates its first
+quarter; the completion continues restating it (48 tokens). Every mode decodes the same prompts, greedy,
 and must give the same output ids as `plain` (else the row says so):
 
   plain    --speculative=off
@@ -44,7 +44,7 @@ from k3_jax.serve.drafters import NgramDrafter
 from k3_jax.serve.engine import Engine, SamplingParams
 from k3_jax.serve.speculate import Speculator
 
-TEXT = 128
+TEXT = 64
 OVERRIDES = ["max_seq_len=2048", "num_layers=5", "mla_layers=(4,5)"]   # 3 KDA + 2 MLA
 
 
@@ -77,11 +77,11 @@ def copy_batch(rng, rows, seq):
               segment_ids=np.ones((rows, seq), np.int32))
 
 
-def train_copier(cfg, steps, seed=0, rows=16, seq=256):
+def train_copier(cfg, steps, seed=0, rows=32, seq=128, lr=1e-2):
   g, p, r = train.split_model(create_model(cfg, seed=3))
   if steps == 0:
     return g, p, r
-  opt = optax.adamw(optax.warmup_cosine_decay_schedule(0, 3e-3, min(20, steps // 2), steps, 3e-4),
+  opt = optax.adamw(optax.warmup_cosine_decay_schedule(0, lr, min(50, steps // 2), steps, lr / 10),
                     weight_decay=0.0)
 
   @jax.jit
@@ -121,9 +121,9 @@ def run(eng, ps, new):
 
 def main():
   ap = argparse.ArgumentParser()
-  ap.add_argument("--new", type=int, default=96)
+  ap.add_argument("--new", type=int, default=48)
   ap.add_argument("--k", type=int, default=4)
-  ap.add_argument("--copy_steps", type=int, default=400)
+  ap.add_argument("--copy_steps", type=int, default=1000)
   args = ap.parse_args()
   cfg = validate(apply_overrides(configs.get("k3_tiny"), OVERRIDES))
   g, p, r = train_copier(cfg, args.copy_steps)

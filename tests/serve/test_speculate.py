@@ -151,3 +151,25 @@ def test_greedy_output_is_identical_with_speculation(engine8, speculator8):
   finally:
     engine8.speculator, sp.drafter = None, NgramDrafter()
   assert engine8.resource_counts()["free_slots"] == 8
+
+
+def test_sampled_requests_with_speculation(engine8, speculator8):
+  """Sampling (temperature, top-p, penalties, a logit_bias that forbids the token the
+  drafter proposes) through the verify step: every request runs to its length and the
+  forbidden token never appears, though it is drafted at every step."""
+  class Always:                                    # drafts the forbidden token, k times
+    def propose(self, tokens, k):
+      return [7] * k
+
+  engine8.speculator, speculator8.drafter = speculator8, Always()
+  try:
+    reqs = [engine8.submit(p, SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9,
+                                             presence_penalty=0.5, seed=i,
+                                             logit_bias=((7, -100.0),)))
+            for i, p in enumerate(PROMPTS)]
+    engine8.run_until_done(reqs)
+  finally:
+    engine8.speculator, speculator8.drafter = None, NgramDrafter()
+  for r in reqs:
+    assert r.finish_reason == "length" and len(r.output_ids) == 12
+    assert 7 not in r.output_ids
