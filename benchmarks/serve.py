@@ -102,7 +102,7 @@ def decode_step_time(eng, pos, runs, slots=1):
     assert eng.kv.grow(s, pos + 1), "the pool cannot hold the timed context"
   bucket = eng._bucket(pos + 1)
   z, zf = np.zeros(b, np.int32), np.zeros(b, np.float32)
-  sampling = steps.Sampling(z, z, zf, np.ones(b, np.float32), zf, zf, eng._no_bias[b])
+  sampling = steps.Sampling(z, z, zf, np.ones(b, np.float32), zf, zf, eng._zero_bias(b))
   batch = lambda: steps.DecodeBatch(z, np.full(b, pos, np.int32), eng.tables[:, :bucket].copy(),
                                     np.ones(b, bool), sampling, z, np.zeros(b, bool))
   times = []
