@@ -29,15 +29,15 @@ LENGTHS = (20, 20, 20, 68)
 
 def _run(eng, prompts, n=4, shapes=None):
   """Runs `prompts` together; `shapes` (a list) gets each prefill call's tokens [R, T]."""
-  steps = eng._steps
+  steps = eng.runner.steps
   if shapes is not None:
-    eng._steps = steps._replace(
+    eng.runner.steps = steps._replace(
         prefill=lambda *a: shapes.append(a[4].shape) or steps.prefill(*a))
   try:
     reqs = [eng.submit(q, SamplingParams(max_tokens=n), record_logits=True) for q in prompts]
     eng.run_until_done(reqs)
   finally:
-    eng._steps = steps
+    eng.runner.steps = steps
   return reqs
 
 
