@@ -18,8 +18,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-MAX_LOGPROBS = 5          # OpenAI's bound on `logprobs` for completions
-
 
 def log_softmax(row) -> np.ndarray:
   x = np.asarray(row, np.float64)
@@ -127,5 +125,5 @@ def scorer_for(engine) -> Scorer:
   return engine.scorer()
 
 
-__all__ = ["MAX_LOGPROBS", "log_softmax", "entries", "assemble", "chat_content", "Scorer",
+__all__ = ["log_softmax", "entries", "assemble", "chat_content", "Scorer",
            "scorer_for"]

@@ -178,8 +178,8 @@ class Runner:
                                                                             self.rest))
     self.weights = (p_leaves, r_leaves)       # what prefill / decode / encode take
     jitted = self.jitted = steps.jit_steps(self.graphdef, self.par, treedefs=(p_def, r_def))
-    self.steps = steps.Steps(*(guard(name, self.relayed(name, fn), seen)
-                               for name, fn in zip(steps.Steps._fields, jitted)))
+    self.steps = steps.ServeSteps(*(guard(name, self.relayed(name, fn), seen)
+                               for name, fn in zip(steps.ServeSteps._fields, jitted)))
     self._fetch = None
     if self.relay is not None:   # what the leader reads, replicated onto every host
       from jax.sharding import NamedSharding, PartitionSpec
