@@ -337,7 +337,7 @@ class Engine:
       self._read_decode(pend)
       pend = None
       dec = [r for r in dec if r.state == "decode"]
-    now, ahead = planner.decode_rows(dec, {id(r) for r, _ in pend[1]} if pend else set())
+    now, ahead = planner.decode_rows(dec, {id(r) for r, *_ in pend[1]} if pend else set())
     biases = {}
     # the pages of the positions this step writes (preempting when the pool has run out)
     now = self._grow(now, lambda r: r.pos + 1 + (id(r) in ahead))
@@ -345,7 +345,9 @@ class Engine:
            if self._own(r, lambda: biases.update(output.biases([r], self.cfg.vocab_size)))]
     got = None
     if now:
-      got = self.runner.decode(now, biases, ahead, self.tables, self.pages_per_slot)
+      rows = planner.decode_slots([r.slot for r in now], self.max_batch,
+                                  self.serve.batch_invariant)
+      got = self.runner.decode(now, biases, ahead, self.tables, self.pages_per_slot, rows)
     if pend is not None:
       self._read_decode(pend)        # overlapped with the step just dispatched
     if got is not None:
@@ -358,13 +360,13 @@ class Engine:
     """Reads a dispatched decode step's tokens back and emits them, for the requests of it
     that are still decoding (one that ended meanwhile drops its row)."""
     got, rows = pend
-    live = [(r, slot) for r, slot in rows if r.state == "decode" and r.slot == slot]
+    live = [(r, row) for r, slot, row in rows if r.state == "decode" and r.slot == slot]
     if not live:
       return
     host = output.HostSampled(got, [r for r, _ in live], self.runner.fetch)
-    for r, slot in live:
+    for r, row in live:
       r.pos += 1
-      self._own(r, self._take, r, host, slot)
+      self._own(r, self._take, r, host, row)
 
   # ----- output ---------------------------------------------------------------------------
   def _take(self, r: Request, got, row: int) -> None:

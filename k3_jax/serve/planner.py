@@ -11,6 +11,8 @@ testable on plain objects (tests/serve/test_planner.py).
                 pieces of one size together, at most `rows` prompts a call
     decode_rows which decoding requests this step runs, and which of them run one step
                 ahead of the host (overlap: their last token is still on the device)
+    decode_slots  the slots the decode step runs (all, or without batch invariance only
+                the decoding ones, padded to a power of two)
     victim      the request to preempt when the page pool runs out: the newest admitted
 """
 
@@ -104,10 +106,24 @@ def decode_rows(dec: list[Request], unread: set) -> tuple[list[Request], set]:
   return [r for r in dec if id(r) not in unread or id(r) in ahead], ahead
 
 
+def decode_slots(slots: list[int], max_batch: int, batch_invariant: bool
+                 ) -> np.ndarray | None:
+  """The slots a decode step over requests at `slots` runs: without batch invariance, those
+  slots padded with idle ones to a power of two (so log2(max_batch) + 1 shapes compile);
+  None: all of them. (XLA:CPU's matrix products sum in an order that depends on the row
+  count, so a step over fewer rows moves the logits in the last bits.)"""
+  n = 1 << (len(slots) - 1).bit_length()
+  if batch_invariant or n >= max_batch:
+    return None
+  taken = sorted(slots)
+  idle = [s for s in range(max_batch) if s not in set(taken)]
+  return np.asarray(taken + idle[:n - len(taken)], np.int32)
+
+
 def victim(running: list[Request]) -> Request:
   """The request preempted when the pool has no page left: the most recently admitted."""
   return max(running, key=lambda q: (q.admitted, q.id))
 
 
 __all__ = ["expired", "cancelled", "feed", "pieces", "prefill", "rounds", "calls", "read_first",
-           "decode_rows", "victim"]
+           "decode_rows", "decode_slots", "victim"]

@@ -17,6 +17,7 @@ steps run over the shared cache, whose state is then unknown); the engine stops.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 
@@ -186,9 +187,7 @@ class Runner:
       self._fetch = guard("fetch", self.relayed("fetch", jax.jit(
           lambda t: t, out_shardings=NamedSharding(self.mesh, PartitionSpec()))), seen)
     self._feature_zeros = {}
-    v = self.cfg.vocab_size
-    self.no_bias = {1: jnp.zeros((1, v), jnp.float32),
-                    self.max_batch: jnp.zeros((self.max_batch, v), jnp.float32)}
+    self.no_bias = {}         # rows -> zeros [rows, V] kept on the device (zero_bias)
     self.prev = jnp.zeros((self.max_batch,), jnp.int32)    # the last decode step's ids
 
   def relayed(self, name: str, fn):
@@ -253,7 +252,13 @@ class Runner:
       if biases and r.id in biases:
         bias[s] = biases[r.id]
     return steps.Sampling(seeds, n, temp, top_p, pres, freq,
-                          self.no_bias[rows] if bias is None else bias)
+                          self.zero_bias(rows) if bias is None else bias)
+
+  def zero_bias(self, rows: int):
+    """A zeros [rows, V] bias on the device (the steps' bias when no row has one)."""
+    if rows not in self.no_bias:
+      self.no_bias[rows] = jnp.zeros((rows, self.cfg.vocab_size), jnp.float32)
+    return self.no_bias[rows]
 
   def piece_features(self, r, size: int):
     """Features [size, D] f32 for the placeholders of the prompt piece [r.pos, r.pos + size),
@@ -300,9 +305,10 @@ class Runner:
     return got
 
   def decode(self, now: list, biases: dict, ahead: set, tables: np.ndarray,
-             pages_per_slot: int):
+             pages_per_slot: int, rows: np.ndarray | None = None):
     """Dispatches the decode step for `now` (those whose id() is in `ahead` take their
-    unread token from the device) -> (the step's Sampled, [(request, slot)])."""
+    unread token from the device) over the slots `rows` (planner.decode_slots; None: all)
+    -> (the step's Sampled, [(request, its slot, its row in the step)])."""
     b = self.max_batch
     tokens, pos, active = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, bool)
     from_prev = np.zeros(b, bool)
@@ -321,10 +327,19 @@ class Runner:
     width = bucket(int(pos.max()) + 1, pages_per_slot)
     batch = steps.DecodeBatch(tokens, pos, table[:, :width], active, sampling, self.prev,
                               from_prev)
+    if rows is not None:        # fewer requests than slots: run only their rows
+      fields = [getattr(sampling, f.name) for f in dataclasses.fields(sampling)]
+      bias = fields.pop()
+      batch = steps.DecodeBatch(
+          tokens[rows], pos[rows], table[rows, :width], active[rows],
+          steps.Sampling(*(a[rows] for a in fields),
+                         self.zero_bias(rows.size) if not biases else bias[rows]),
+          self.prev, from_prev[rows], rows)
     got, self.cache, self.counts = self.steps.decode(*self.weights, self.cache, self.counts,
                                                      batch)
-    self.prev = got.ids
-    return got, [(r, r.slot) for r in now]
+    self.prev = got.by_slot
+    row_of = {int(s): i for i, s in enumerate(rows)} if rows is not None else None
+    return got, [(r, r.slot, r.slot if row_of is None else row_of[r.slot]) for r in now]
 
 
 __all__ = ["Runner", "guard", "shared", "bucket", "DECODE_MIN_PAGES"]

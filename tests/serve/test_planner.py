@@ -69,3 +69,10 @@ def test_victim_expired_cancelled_and_feed():
   r = req(4, out=[9, 8, 7])
   np.testing.assert_array_equal(planner.feed(r), [1, 2, 3, 4, 9, 8])
   assert planner.feed(req(4)) is not None and planner.feed(req(4)).size == 4
+
+
+def test_decode_slots_pad_to_a_power_of_two_unless_batch_invariant():
+  assert planner.decode_slots([5, 2, 6], 8, True) is None
+  assert planner.decode_slots([5, 2, 6], 8, False).tolist() == [2, 5, 6, 0]
+  assert planner.decode_slots([3], 8, False).tolist() == [3]
+  assert planner.decode_slots(list(range(5)), 8, False) is None     # 8 rows: all slots
