@@ -100,17 +100,18 @@ def decode_step_time(eng, pos, runs, slots=1):
   b = eng.max_batch
   for s in range(slots):
     assert eng.kv.grow(s, pos + 1), "the pool cannot hold the timed context"
-  bucket = eng._bucket(pos + 1)
+  from k3_jax.serve.runner import bucket as window
+  bucket, run = window(pos + 1, eng.pages_per_slot), eng.runner
   z, zf = np.zeros(b, np.int32), np.zeros(b, np.float32)
-  sampling = steps.Sampling(z, z, zf, np.ones(b, np.float32), zf, zf, eng._zero_bias(b))
+  sampling = steps.Sampling(z, z, zf, np.ones(b, np.float32), zf, zf, run.zero_bias(b))
   batch = lambda: steps.DecodeBatch(z, np.full(b, pos, np.int32), eng.tables[:, :bucket].copy(),
                                     np.ones(b, bool), sampling, z, np.zeros(b, bool))
   times = []
   for i in range(runs + 1):                       # the first call compiles
     t0 = time.perf_counter()
-    out = eng._steps.decode(*eng.weights, eng.cache, eng.counts, batch())
+    out = run.steps.decode(*run.weights, run.cache, run.counts, batch())
     jax.block_until_ready(out)
-    eng.cache, eng.counts = out[1], out[2]
+    run.cache, run.counts = out[1], out[2]
     if i:
       times.append(time.perf_counter() - t0)
   return statistics.median(times)

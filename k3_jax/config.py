@@ -260,7 +260,7 @@ class TrainConfig:
                           "--init_from's; generate default: the run's)", step=False)
 
 
-SERVE_PAGE = 512        # tokens per KV page (k3_jax/serve/kv_pages.PAGE)
+SERVE_PAGE = 512        # tokens per KV page (its one definition; serve/kv_pages.PAGE)
 
 
 @dataclass(frozen=True)

@@ -38,10 +38,11 @@ from flax import nnx
 
 from k3_jax.cache import KDAState, ModelCache, PagedMLACache, replace
 from k3_jax.serve import kv_pages as kv
+from k3_jax.serve import limits
 from k3_jax.serve.sampling import sample_rows
 from k3_jax.stack import map_cache
 
-TOP_K = 5            # alternatives returned per token (the API's logprobs range is 0-5)
+TOP_K = limits.TOP_LOGPROBS   # alternatives returned per token
 
 
 def _pytree(cls):
@@ -245,7 +246,7 @@ def piece_features(d_model, feats, rows):
   return feats[rows]
 
 
-class Steps(NamedTuple):
+class ServeSteps(NamedTuple):
   """The jitted steps of one (model, parallel setup); the cache arguments are donated."""
   prefill: Callable
   decode: Callable
@@ -282,11 +283,11 @@ def flat_params(fn, treedefs):
   return f
 
 
-def jit_steps(graphdef, par, jit=jax.jit, treedefs=None) -> Steps:
+def jit_steps(graphdef, par, jit=jax.jit, treedefs=None) -> ServeSteps:
   """The serving steps of `graphdef` under `par`, jitted with the cache donated. `jit` may
   add shardings (compile passes one with in/out shardings). treedefs: (params', rest's):
   prefill, decode and encode then take the two trees' leaves (flat_params)."""
-  return Steps(
+  return ServeSteps(
       prefill=jit(flat_params(bind(prefill_step, graphdef, par), treedefs), donate_argnums=(2,)),
       decode=jit(flat_params(bind(decode_step, graphdef, par), treedefs),
                  donate_argnums=(2, 3)),
@@ -302,6 +303,6 @@ def jit_steps(graphdef, par, jit=jax.jit, treedefs=None) -> Steps:
 
 
 __all__ = ["TOP_K", "Sampling", "DecodeBatch", "Sampled", "sample_logits", "prefill_step",
-           "decode_step", "rows_decode_step", "row_major_features", "first_token", "load_slot", "copy_slot",
-           "zero_slot", "save_ckpt", "encode", "copy_page", "piece_features", "set_counts", "Steps",
-           "flat_params", "jit_steps"]
+           "decode_step", "rows_decode_step", "row_major_features", "first_token", "load_slot",
+           "copy_slot", "zero_slot", "save_ckpt", "encode", "copy_page", "piece_features",
+           "set_counts", "ServeSteps", "flat_params", "jit_steps"]

@@ -31,15 +31,15 @@ LENGTHS = (20, 20, 20, 68)
 
 def _run(eng, prompts, n=4, shapes=None):
   """Runs `prompts` together; `shapes` (a list) gets each prefill call's tokens [R, T]."""
-  steps = eng._steps
+  steps = eng.runner.steps
   if shapes is not None:
-    eng._steps = steps._replace(
+    eng.runner.steps = steps._replace(
         prefill=lambda *a: shapes.append(a[4].shape) or steps.prefill(*a))
   try:
     reqs = [eng.submit(q, SamplingParams(max_tokens=n), record_logits=True) for q in prompts]
     eng.run_until_done(reqs)
   finally:
-    eng._steps = steps
+    eng.runner.steps = steps
   return reqs
 
 
@@ -101,8 +101,8 @@ def test_decode_over_the_decoding_rows_matches_all_slots(engine8):
     return reqs
 
   full = run(prompts, params)
-  rows, decode = [], engine8._steps.decode
-  engine8._steps = engine8._steps._replace(
+  rows, decode = [], engine8.runner.steps.decode
+  engine8.runner.steps = engine8.runner.steps._replace(
       decode=lambda *a: rows.append(a[-1].tokens.shape[0]) or decode(*a))
   serve = engine8.serve
   engine8.serve = dataclasses.replace(serve, batch_invariant=False)
@@ -110,7 +110,7 @@ def test_decode_over_the_decoding_rows_matches_all_slots(engine8):
     some = run(prompts, params) + run(prompts[:1], params[:1])
     again = run(prompts, params)
   finally:
-    engine8.serve, engine8._steps = serve, engine8._steps._replace(decode=decode)
+    engine8.serve, engine8.runner.steps = serve, engine8.runner.steps._replace(decode=decode)
   assert set(rows) == {1, 2, 4}            # 3 requests -> 4 rows; 2 once one finishes; 1 alone
   for got in (some[:3], again, some[3:]):
     for a, b in zip(got, full):

@@ -19,8 +19,9 @@ MODEL = "k3-test"
 LAUNCH = """
 import time
 import k3_jax.serve.engine as E
+import k3_jax.serve.intake as I          # (admission's host work: intake.prepare)
 from k3_jax.serve.scheduler import EngineFatal
-real_hashes, real_submit, real_step = E.block_hashes, E.Engine.submit, E.Engine.step
+real_hashes, real_submit, real_step = I.block_hashes, E.Engine.submit, E.Engine.step
 
 def hashes(tokens, **kw):
   head = bytes(int(t) for t in tokens[:5])
@@ -40,7 +41,7 @@ def step(self):
     time.sleep(0.01)
   return real_step(self)
 
-E.block_hashes, E.Engine.submit, E.Engine.step = hashes, submit, step
+I.block_hashes, E.Engine.submit, E.Engine.step = hashes, submit, step
 from k3_jax.serve.loader import ServeOptions, run_server
 from k3_jax.config import ServeConfig
 run_server(ServeOptions(config="k3_tiny", overrides=("max_seq_len=1024", "num_layers=5",
