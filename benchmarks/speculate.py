@@ -39,7 +39,6 @@ import configs
 from k3_jax import train
 from k3_jax.config import apply_overrides, validate
 from k3_jax.model import create_model
-from k3_jax.serve import engine as eng_mod
 from k3_jax.serve.drafters import NgramDrafter
 from k3_jax.serve.engine import Engine, SamplingParams
 from k3_jax.serve.speculate import Speculator
@@ -133,7 +132,7 @@ def main():
         f"{'kept/req/verify':>16} {'tok/req/step':>13}")
   for batch in (1, 8):
     eng = Engine(cfg, g, p, r, max_batch=batch, prefix_cache_bytes=0, max_len=1024)
-    sp = Speculator(eng, "ngram", args.k, eng_mod._guard, eng_mod._HostSampled)
+    sp = Speculator(eng, "ngram", args.k)
     ps, warm = prompts(batch), prompts(batch, seed=1)
     run(eng, warm, args.new)                                   # compile prefill / decode
 

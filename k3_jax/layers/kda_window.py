@@ -44,7 +44,7 @@ def window_call(layer, x: jax.Array, cache: KDAState, par: Parallel = SINGLE):
   the state and tails as given and `window` the record of the T tokens)."""
   b, t = cache.window.beta.shape[:2]
   fold = lambda a: a.reshape((b, t) + a.shape[1:])       # [B T, 1, ...] -> [B, T, 1, ...]
-  xq, xk, xv, zf, gate = layer._inputs(x)
+  xq, xk, xv, zf, gate = layer._inputs(x, par)
   convs, raws = [], []
   for raw, weight, tail in ((xq, layer.q_conv, cache.conv_q), (xk, layer.k_conv, cache.conv_k),
                             (xv, layer.v_conv, cache.conv_v)):

@@ -33,22 +33,21 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from k3_jax.serve import output
 from k3_jax.serve import verify as vf
 from k3_jax.serve.drafters import make_drafter
+from k3_jax.serve.runner import bucket, guard
 from k3_jax.serve.steps import bind, flat_params
 
 
 class Speculator:
-  def __init__(self, engine, kind: str, k: int, guard, host_sampled):
-    """guard, host_sampled: the engine module's _guard and _HostSampled (a step's faults
-    made fatal, and its Sampled read back), passed in: this module sits below engine.py."""
+  def __init__(self, engine, kind: str, k: int):
     self.k, self.drafter = k, make_drafter(kind)
-    e = engine
-    (_, p_def), (_, r_def) = (jax.tree.flatten(t) for t in (e.params, e.rest))
-    fn = jax.jit(flat_params(bind(vf.verify_step, e.graphdef, e.par), (p_def, r_def)),
+    run = engine.runner
+    (_, p_def), (_, r_def) = (jax.tree.flatten(t) for t in (run.params, run.rest))
+    fn = jax.jit(flat_params(bind(vf.verify_step, run.graphdef, run.par), (p_def, r_def)),
                  donate_argnums=(2, 3))
-    self._verify = guard("verify", e.relayed("verify", fn), e._compiled)
-    self._host = host_sampled
+    self._verify = guard("verify", run.relayed("verify", fn), run._compiled)
     self.steps = self.tokens = self.drafted = self.accepted = 0   # totals, for benchmarks
 
   def drafts(self, r) -> list[int]:
@@ -74,13 +73,14 @@ class Speculator:
       return dec
     now = eng._grow(dec, lambda r: r.pos + 1 + len(drafts[id(r)]))
     biases = {}
-    now = [r for r in now if eng._own(r, lambda: biases.update(eng._biases([r])))]
+    now = [r for r in now if eng._own(
+        r, lambda: biases.update(output.biases([r], eng.cfg.vocab_size)))]
     if now:
       self._run(eng, now, drafts, biases)
     return None
 
   def _run(self, eng, now, drafts, biases) -> None:
-    b, k, t = eng.max_batch, self.k, self.k + 1
+    run, b, k, t = eng.runner, eng.max_batch, self.k, self.k + 1
     tokens, pos, ndraft = (np.zeros(b, np.int32) for _ in range(3))
     window, active = np.zeros((b, k), np.int32), np.zeros(b, bool)
     tables = np.zeros_like(eng.tables)
@@ -89,13 +89,13 @@ class Speculator:
       tokens[s], pos[s], ndraft[s], active[s], tables[s] = r.last_token, r.pos, len(d), True, \
           eng.tables[s]
       window[s, :len(d)] = d
-    bucket = eng._bucket(int(pos.max()) + t)
-    batch = vf.VerifyBatch(tokens, window, ndraft, pos, tables[:, :bucket], active,
-                           eng._sampling(now, b, biases))
-    got, emitted, eng.cache, eng.counts = self._verify(*eng.weights, eng.cache, eng.counts,
+    width = bucket(int(pos.max()) + t, eng.pages_per_slot)
+    batch = vf.VerifyBatch(tokens, window, ndraft, pos, tables[:, :width], active,
+                           run.sampling(now, b, biases))
+    got, emitted, run.cache, run.counts = self._verify(*run.weights, run.cache, run.counts,
                                                        batch)
-    host = self._host(got, now, eng.fetch)
-    emitted = np.asarray(eng.fetch(emitted))
+    host = output.HostSampled(got, now, run.fetch)
+    emitted = np.asarray(run.fetch(emitted))
     self.steps += 1
     for r in now:
       s = r.slot
@@ -109,11 +109,11 @@ class Speculator:
         eng._own(r, eng._take, r, host, s * t + i)
 
 
-def for_engine(engine, guard, host_sampled):
+def for_engine(engine):
   """The engine's Speculator, or None when ServeConfig.speculative is 'off'."""
   s = engine.serve
-  return None if s.speculative == "off" else Speculator(
-      engine, s.speculative, s.num_speculative_tokens, guard, host_sampled)
+  return None if s.speculative == "off" else Speculator(engine, s.speculative,
+                                                        s.num_speculative_tokens)
 
 
 __all__ = ["Speculator", "for_engine"]

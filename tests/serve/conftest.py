@@ -20,6 +20,5 @@ def engine8():
 def speculator8(engine8):
   """A prompt-lookup Speculator (k = 3) over engine8, not attached: its verify step compiles
   once for the tests that verify (test_verify.py) or attach it (test_speculate.py)."""
-  from k3_jax.serve import engine as eng_mod
   from k3_jax.serve.speculate import Speculator
-  return Speculator(engine8, "ngram", 3, eng_mod._guard, eng_mod._HostSampled)
+  return Speculator(engine8, "ngram", 3)

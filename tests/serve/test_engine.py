@@ -261,7 +261,7 @@ def grid(setup):
   out = Engine(cfg, g, p, r, max_batch=2, prefix_cache_bytes=eng.serve.prefix_cache_bytes,
                prefix_match_unit=UNIT, tokenizer=ByteTokenizer())
   assert out.num_pages == eng.num_pages
-  out._steps = eng._steps                               # no second compile
+  out.runner.steps = eng.runner.steps                 # no second compile
   return out
 
 

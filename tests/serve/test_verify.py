@@ -32,11 +32,11 @@ def setup(engine8, speculator8):
   b, v = e.max_batch, e.cfg.vocab_size
   table = np.zeros((b, e.pages_per_slot), np.int32)    # engine8's one column (max_len 512)
   table[0, 0] = 3
-  cache, _ = e.jitted.zero_slot(jax.tree.map(jnp.copy, e.cache), jnp.zeros((b, v), jnp.int32),
+  cache, _ = e.runner.jitted.zero_slot(jax.tree.map(jnp.copy, e.runner.cache), jnp.zeros((b, v), jnp.int32),
                                 np.int32(0))
   prompt = np.random.default_rng(5).integers(1, 256, PROMPT).astype(np.int32)
   for at in range(0, PROMPT, 16):   # in engine8's 16-token pieces (compiled by test_overlap)
-    logits, cache = e.jitted.prefill(*e.weights, cache, np.zeros(1, np.int32),
+    logits, cache = e.runner.jitted.prefill(*e.runner.weights, cache, np.zeros(1, np.int32),
                                      prompt[None, at:at + 16], np.array([at], np.int32),
                                      table[:1], np.ones(1, bool), None)
   first = int(np.argmax(np.asarray(logits[0])))
@@ -54,7 +54,7 @@ def sampling(e):
   its compiled steps serve)."""
   b = e.max_batch
   z, zf = np.zeros(b, np.int32), np.zeros(b, np.float32)
-  return steps.Sampling(z, z, zf, np.ones(b, np.float32), zf, zf, e._no_bias[b])
+  return steps.Sampling(z, z, zf, np.ones(b, np.float32), zf, zf, e.runner.zero_bias(b))
 
 
 def decode(e, cache, table, tok, pos):
@@ -63,8 +63,8 @@ def decode(e, cache, table, tok, pos):
   active = np.arange(b) == 0
   batch = steps.DecodeBatch(np.where(active, tok, 0).astype(np.int32),
                             np.where(active, pos, 0).astype(np.int32), table, active,
-                            sampling(e), e._prev, np.zeros(b, bool))
-  got, cache, _ = e.jitted.decode(*e.weights, jax.tree.map(jnp.copy, cache),
+                            sampling(e), e.runner.prev, np.zeros(b, bool))
+  got, cache, _ = e.runner.jitted.decode(*e.runner.weights, jax.tree.map(jnp.copy, cache),
                                   jnp.zeros((b, v), jnp.int32), batch)
   return got, cache
 
@@ -77,7 +77,7 @@ def verify(e, sp, cache, table, first, drafts):
   batch = VerifyBatch(np.where(active, first, 0).astype(np.int32), window, ndraft,
                       np.where(active, PROMPT, 0).astype(np.int32), table, active,
                       sampling(e))
-  got, emitted, cache, _ = sp._verify(*e.weights, jax.tree.map(jnp.copy, cache),
+  got, emitted, cache, _ = sp._verify(*e.runner.weights, jax.tree.map(jnp.copy, cache),
                                       jnp.zeros((b, v), jnp.int32), batch)
   return np.asarray(got.ids).reshape(b, K + 1)[0], np.asarray(got.logits).reshape(
       b, K + 1, -1)[0], np.asarray(emitted), cache
