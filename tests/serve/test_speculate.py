@@ -100,10 +100,10 @@ def test_rejection_sampling_keeps_the_target_distribution():
 
 # ----- the engine ------------------------------------------------------------------------
 
-# in prefill pieces of 16, 4 and 1 tokens (test_overlap's shapes), decoded together (a mixed batch: slots with and
+# in 16-token prefill pieces (test_verify's and test_overlap's shape), decoded together (a mixed batch: slots with and
 # without drafts)
 PROMPTS = [np.random.default_rng(s).integers(1, 256, n).astype(np.int32)
-           for s, n in enumerate((48, 40, 33))]
+           for s, n in enumerate((48, 32, 16))]
 
 
 def generate(eng, prompts, params):
