@@ -51,6 +51,7 @@ from k3_jax.model import check_tokens
 from k3_jax.partitioning import SINGLE
 from k3_jax.serve import kv_pages as kv
 from k3_jax.serve import kv_manager
+from k3_jax.serve import cache_tiers      # cache tiers
 from k3_jax.serve.kv_pages import PAGE
 from k3_jax.serve.prefix_cache import block_hashes, image_salts
 from k3_jax.serve import steps
@@ -185,6 +186,7 @@ class Engine:
                       getattr(self, "ckpts", None), self._no_bias, self._prev))
       from k3_jax.serve import logprobs
       relay.factories["score"] = lambda: logprobs.scorer_for(self)
+    self.tiers = cache_tiers.attach(self)      # cache tiers: host / disk behind the prefix cache
 
     # ----- host state ---------------------------------------------------------------------
     self.lock = threading.Condition()

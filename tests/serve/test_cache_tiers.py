@@ -1,0 +1,216 @@
+"""The prefix cache's host-memory and disk tiers (serve/cache_tiers.py, serve/cache_disk.py).
+
+Engines: the tiny serving config's 2-slot engine of test_engine.py (conftest prefix_setup,
+whose compiled steps they share), whose device prefix cache holds about four 512-token blocks
+with their checkpoints: two prompts of two blocks each (a checkpoint at 1,024) fit, a third
+pushes the first out of device memory.
+
+A block restored from host memory or disk is the bits that were demoted, so a restored hit
+runs the same computation from the same bits as a device hit and as the cold prefill of the
+same prompt (same pieces: 512, 512, then the 1-token tail): logits compared bitwise.
+"""
+
+import logging
+import os
+
+import numpy as np
+import pytest
+
+from k3_jax import train
+from k3_jax.data.tokenizers import ByteTokenizer
+from k3_jax.model import create_model
+from k3_jax.serve import cache_disk
+from k3_jax.serve.cache_tiers import CacheTiers, HostTier
+from k3_jax.serve.engine import Engine, SamplingParams
+from k3_jax.serve.kv_pages import PAGE, PagePool
+from k3_jax.serve.prefix_cache import PrefixCache, block_hashes
+from tests.serve.test_engine import tiny_serving_config
+
+N = 2 * PAGE + 1           # prompt tokens: two blocks, a checkpoint at 1,024, a 1-token tail
+
+
+@pytest.fixture(scope="module")
+def parts(prefix_setup):
+  cfg, model, eng = prefix_setup
+  return cfg, train.split_model(model), eng
+
+
+def make(parts, **kw):
+  """An engine of the shared engine's shapes (its compiled steps), with tiers `kw`."""
+  cfg, (g, p, r), shared = parts
+  eng = Engine(cfg, g, p, r, max_batch=2, prefix_cache_bytes=shared.serve.prefix_cache_bytes,
+               tokenizer=ByteTokenizer(), **kw)
+  assert eng.num_pages == shared.num_pages
+  eng._steps = shared._steps                             # no second compile
+  return eng
+
+
+def prompt_of(seed, n=N):
+  return np.random.default_rng(seed).integers(1, 256, n).astype(np.int32)
+
+
+def run(eng, prompt, n=3, **kw):
+  req = eng.submit(prompt, SamplingParams(max_tokens=n), record_logits=True, **kw)
+  eng.run_until_done([req])
+  return req
+
+
+def assert_bitwise(a, b):
+  assert a.output_ids == b.output_ids and len(a.logits) == len(b.logits)
+  for x, y in zip(a.logits, b.logits):
+    assert np.array_equal(x, y)
+
+
+@pytest.fixture(scope="module")
+def host_engine(parts):
+  return make(parts, host_cache_bytes=1 << 30)
+
+
+def test_host_tier_round_trip_is_bitwise(host_engine):
+  eng, a, b, c = host_engine, prompt_of(1), prompt_of(2), prompt_of(5)
+  cold = run(eng, a, use_prefix_cache=False)            # caches a's blocks on the device
+  hs = block_hashes(a)
+  pages = [eng.prefix.entries[h].page for h in hs]
+  before = [np.asarray(x) for p in pages for x in eng.tiers.io.read_page(p)]
+  ckpt = [np.asarray(x) for x in eng.tiers.io.read_ckpt(eng.prefix.entries[hs[1]].ckpt)]
+  run(eng, b)
+  run(eng, c)                                            # pushes a's blocks to the host
+  assert not any(h in eng.prefix.entries for h in hs)
+  assert all(h in eng.tiers.host for h in hs)
+  got = [eng.tiers.host.get(h) for h in hs]
+  assert all(np.array_equal(x, y) for x, y in zip(before, got[0].page + got[1].page))
+  assert got[0].ckpt is None and all(np.array_equal(x, y) for x, y in zip(ckpt, got[1].ckpt))
+  hit = run(eng, a)                                      # promoted back: a hit from the host
+  assert hit.cached_tokens == 2 * PAGE
+  assert_bitwise(hit, cold)
+  s = eng.tiers.stats
+  assert s["host"].hit_tokens == 2 * PAGE and s["host"].blocks_in == 2
+  assert all(h in eng.prefix.entries for h in hs) and not any(h in eng.tiers.host for h in hs)
+  assert all(h in eng.tiers.host for h in block_hashes(b))    # b went down in its place
+  assert eng.tiers.summary()["host_blocks"] == 2
+  c = eng.resource_counts()
+  assert c["used_pages"] == c["cached_pages"] and c["pinned_checkpoints"] == 0
+
+
+def test_disk_tier_hit_and_restart(parts, tmp_path, caplog):
+  d = str(tmp_path / "cache")
+  eng = make(parts, disk_cache_dir=d)                    # no host tier: device -> disk
+  a, b, c = prompt_of(3), prompt_of(4), prompt_of(6)
+  cold = run(eng, a, use_prefix_cache=False)
+  run(eng, b)
+  run(eng, c)
+  eng.tiers.disk.flush()
+  assert len(os.listdir(d)) == 2                         # a's blocks
+  hit = run(eng, a)
+  assert hit.cached_tokens == 2 * PAGE and eng.tiers.stats["disk"].hit_tokens == 2 * PAGE
+  assert_bitwise(hit, cold)
+  eng.tiers.disk.flush()
+  assert len(os.listdir(d)) == 4                         # + b's, pushed out by a's return
+
+  again = make(parts, disk_cache_dir=d)                  # a restarted server, same model
+  assert len(again.tiers.disk.index) == 4
+  first = run(again, a)                                  # the first returning request hits
+  assert first.cached_tokens == 2 * PAGE
+  assert_bitwise(first, cold)
+
+  # damaged: b's checkpoint block with a payload byte flipped (caught when read), a's first
+  # block's file cut inside its header (caught at the scan)
+  hb = block_hashes(b)
+  path = again.tiers.disk.path(hb[1])
+  data = bytearray(open(path, "rb").read())
+  data[-5] ^= 0xFF
+  open(path, "wb").write(bytes(data))
+  with open(again.tiers.disk.path(block_hashes(a)[0]), "r+b") as f:
+    f.truncate(12)
+  with caplog.at_level(logging.WARNING, logger="k3_jax.serve"):
+    third = make(parts, disk_cache_dir=d)
+    assert third.tiers.disk.skipped == 1 and "skipping" in caplog.text
+    caplog.clear()
+    hit_b = run(third, b)
+    assert third.tiers.disk.skipped == 2 and "digest mismatch" in caplog.text
+  assert hit_b.cached_tokens == 0 and run(third, a).cached_tokens == 0   # nothing damaged served
+  assert_bitwise(hit_b, run(third, b, use_prefix_cache=False))
+
+  # another model (different weights): its files are not served
+  cfg, _, shared = parts
+  other = train.split_model(create_model(cfg, seed=4))
+  with caplog.at_level(logging.WARNING, logger="k3_jax.serve"):
+    eng4 = make((cfg, other, shared), disk_cache_dir=d)
+  assert not eng4.tiers.disk.index and "fingerprint" in caplog.text
+
+
+# ----- bookkeeping alone (no model) ---------------------------------------------------------
+
+class FakeIO:
+  """Pages and checkpoint rows as numpy arrays: what EngineIO reads and writes."""
+
+  def __init__(self, pages, ckpts):
+    self.pages = {p: np.full(4, p, np.float32) for p in range(pages)}
+    self.ckpts = {c: np.full(2, 100 + c, np.float32) for c in range(ckpts)}
+
+  def read_page(self, p):
+    return [self.pages[p].copy()]
+
+  def read_ckpt(self, c):
+    return [self.ckpts[c].copy()]
+
+  def write_page(self, p, leaves):
+    self.pages[p] = np.asarray(leaves[0]).copy()
+
+  def write_ckpt(self, c, leaves):
+    self.ckpts[c] = np.asarray(leaves[0]).copy()
+
+
+def test_host_tier_evicts_least_recent_and_shares_page_copies():
+  host = HostTier(budget=250)
+  from k3_jax.serve.cache_tiers import _Shared
+  one = _Shared([np.zeros(1)])
+  assert host.put(b"a", None, one, None, 100, 10) == []
+  assert host.put(b"b", b"a", one, [np.zeros(1)], 100, 10) == []    # shares a's page copy
+  assert host.used == 110
+  assert host.put(b"c", b"b", _Shared([np.zeros(1)]), None, 100, 10) == []
+  assert host.put(b"d", None, _Shared([np.zeros(1)]), None, 100, 10) == [b"a", b"b"]
+  assert list(host.blocks) == [b"c", b"d"] and host.used == 200
+
+
+def test_demote_and_promote_bookkeeping():
+  # a device cache of one page + one checkpoint; two 2-block chains of unit 256 (one page)
+  pool = PagePool(8)
+  pc = PrefixCache(pool, num_ckpt_slots=2, budget_bytes=110, page_bytes=100, ckpt_bytes=10,
+                   unit=256)
+  io = FakeIO(8, 2)
+  tiers = CacheTiers(pc, io, host_bytes=1000)
+  x = [b"x0", b"x1"]
+  (p,) = pool.alloc(1)
+  assert pc.register_block(x[0], None, p, 1) and pc.register_block(x[1], x[0], p, 1)
+  c = pc.alloc_checkpoint(x[1])
+  io.pages[p][:] = 7
+  io.ckpts[c][:] = 70
+  pool.decref([p])                                       # the request finished
+  assert pc._evict_one() and pc._evict_one()             # leaf first: x1, then x0
+  assert not pc.entries and list(tiers.host.blocks) == [x[1], x[0]]
+  assert tiers.host.used == 110                          # one shared page copy + the ckpt
+  promoted = tiers.promote(x + [b"x2"], 2, step=5)
+  assert promoted == {0: "host", 1: "host"} and not tiers.host.blocks
+  e0, e1 = pc.entries[x[0]], pc.entries[x[1]]
+  assert e0.page == e1.page and np.all(io.pages[e0.page] == 7)   # one page for both blocks
+  assert e1.ckpt is not None and np.all(io.ckpts[e1.ckpt] == 70)
+  hit = pc.lookup(x, 2, step=5)
+  assert hit.tokens == 512 and hit.pages == [e0.page]
+  tiers.counted(hit.blocks, promoted)
+  assert tiers.stats["host"].hit_tokens == 512 and tiers.stats["device"].hit_tokens == 0
+
+
+def test_disk_file_format_checks(tmp_path):
+  blk = cache_disk.Block(b"p" * 16, [np.arange(6, dtype=np.float32).reshape(2, 3)],
+                         [np.ones(2, np.int32)])
+  data = cache_disk.encode("fp", b"h" * 16, blk)
+  back = cache_disk.decode(data, "fp", b"h" * 16)
+  assert back.parent == blk.parent and np.array_equal(back.page[0], blk.page[0])
+  assert back.ckpt[0].dtype == np.int32 and np.array_equal(back.ckpt[0], blk.ckpt[0])
+  for bad, match in ((data[:-1], "digest"), (data[:5], "magic"),
+                     (data.replace(b'"fp"', b'"fq"'), "fingerprint")):
+    with pytest.raises(ValueError, match=match):
+      cache_disk.decode(bad, "fp", b"h" * 16)
+  with pytest.raises(ValueError, match="holds block"):
+    cache_disk.decode(data, "fp", b"g" * 16)
