@@ -287,6 +287,9 @@ class ServeConfig:
                                "server restarted on the same model and tokenizer; empty: none")
   disk_cache_bytes: int = option(16 << 30, "the disk tier's budget in bytes (least recently "
                                  "used files are removed past it)")
+  cache_decoded: bool = option(True, "a finished request's prompt + generated tokens join the "
+                               "prefix cache (with a KDA checkpoint at the last grid boundary "
+                               "the decode passed), so the next turn hits through its answer")
   prefix_match_unit: int = option(SERVE_PAGE, "prefix-cache hit granularity in tokens (a "
                                   f"power of two dividing {SERVE_PAGE}): hash entries and "
                                   "KDA checkpoints lie on this grid, a hit ends on a multiple")

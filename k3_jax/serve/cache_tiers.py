@@ -317,6 +317,25 @@ class CacheTiers:
         self.io.write_ckpt(c, b.ckpt)
     return ok
 
+  def persist(self) -> int:
+    """Writes every block of the device and host tiers that the disk tier lacks to it and
+    waits for the writes (a draining server: the next one starts with them) -> blocks
+    written. Call it with the engine idle."""
+    if self.disk is None:
+      return 0
+    n = 0
+    for h, e in list(self.prefix.entries.items()):
+      if self.disk.peek(h) is None:
+        self.disk.put(h, Block(e.parent, self.io.read_page(e.page),
+                               self.io.read_ckpt(e.ckpt) if e.ckpt is not None else None))
+        n += 1
+    for h in list(self.host.blocks):
+      if self.disk.peek(h) is None:
+        self.disk.put(h, self.host.get(h))
+        n += 1
+    self.disk.flush()
+    return n
+
   def counted(self, hit_blocks: int, promoted: dict[int, str]) -> None:
     """A lookup hit `hit_blocks` blocks, `promoted` (promote's) of them from lower tiers:
     each block's tokens count as hits of the tier it came from."""
@@ -338,6 +357,55 @@ class CacheTiers:
     return out
 
 
+class TierMetrics:
+  """A prometheus collector of the tiers (server.py /metrics): per tier the prompt tokens
+  its blocks served, blocks promoted out of it and demoted into it with the host seconds
+  spent, its bytes and budget; the disk tier's file writes, reads and skipped files."""
+
+  def __init__(self, engine):
+    self.engine = engine
+
+  def collect(self):
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    t = self.engine.tiers
+    fams = {
+        "hit_tokens": ("prompt tokens served from blocks of this tier", "hit_tokens"),
+        "promoted_blocks": ("blocks promoted out of this tier to the device", "blocks_in"),
+        "demoted_blocks": ("blocks demoted into this tier", "blocks_out"),
+        "promotion_seconds": ("host seconds promoting blocks out of this tier",
+                              "seconds_in"),
+        "demotion_seconds": ("host seconds demoting blocks into this tier (copies are "
+                             "started, not waited for)", "seconds_out")}
+    for name, (doc, field) in fams.items():
+      c = CounterMetricFamily(f"k3_prefix_cache_tier_{name}", doc, labels=["tier"])
+      for tier, st in t.stats.items():
+        c.add_metric([tier], getattr(st, field))
+      yield c
+    used = GaugeMetricFamily("k3_prefix_cache_tier_bytes", "bytes held in this tier",
+                             labels=["tier"])
+    budget = GaugeMetricFamily("k3_prefix_cache_tier_budget_bytes", "this tier's budget",
+                               labels=["tier"])
+    rows = [("device", t.prefix.used, t.prefix.budget), ("host", t.host.used, t.host.budget)]
+    if t.disk is not None:
+      rows.append(("disk", t.disk.used, t.disk.budget))
+    for tier, u, b in rows:
+      used.add_metric([tier], u)
+      budget.add_metric([tier], b)
+    yield used
+    yield budget
+    if t.disk is not None:
+      d = t.disk
+      for name, doc, v in (("writes", "block files written", d.writes),
+                           ("reads", "block files read", d.reads),
+                           ("skipped", "block files skipped (damaged or another model's)",
+                            d.skipped),
+                           ("write_seconds", "seconds writing block files", d.write_seconds),
+                           ("read_seconds", "seconds reading block files", d.read_seconds)):
+        c = CounterMetricFamily(f"k3_prefix_cache_disk_{name}", doc)
+        c.add_metric([], v)
+        yield c
+
+
 def attach(engine) -> CacheTiers | None:
   """The tiers of `engine` (its ServeConfig's host_cache_bytes, disk_cache_dir,
   disk_cache_bytes) behind its prefix cache, or None when neither tier is on."""
@@ -357,5 +425,5 @@ def attach(engine) -> CacheTiers | None:
   return tiers
 
 
-__all__ = ["CacheTiers", "HostTier", "EngineIO", "attach", "fingerprint", "read_page",
+__all__ = ["CacheTiers", "HostTier", "TierMetrics", "EngineIO", "attach", "fingerprint", "read_page",
            "write_page", "TIERS"]

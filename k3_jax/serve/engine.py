@@ -51,7 +51,7 @@ from k3_jax.model import check_tokens
 from k3_jax.partitioning import SINGLE
 from k3_jax.serve import kv_pages as kv
 from k3_jax.serve import kv_manager
-from k3_jax.serve import cache_tiers      # cache tiers
+from k3_jax.serve import cache_tiers, turn_cache      # cache tiers
 from k3_jax.serve.kv_pages import PAGE
 from k3_jax.serve.prefix_cache import block_hashes, image_salts
 from k3_jax.serve import steps
@@ -187,6 +187,7 @@ class Engine:
       from k3_jax.serve import logprobs
       relay.factories["score"] = lambda: logprobs.scorer_for(self)
     self.tiers = cache_tiers.attach(self)      # cache tiers: host / disk behind the prefix cache
+    self.turns = turn_cache.attach(self)       # cache tiers: decoded tokens join the cache
 
     # ----- host state ---------------------------------------------------------------------
     self.lock = threading.Condition()
@@ -808,6 +809,8 @@ class Engine:
     got, self.cache, self.counts = self._steps.decode(*self.weights, self.cache,
                                                       self.counts, batch)
     self._prev = got.ids
+    if self.turns is not None:                 # cache tiers: KDA states at grid boundaries
+      self.turns.after_decode(now, pos)
     return got, [(r, r.slot) for r in now]
 
   def _bucket(self, tokens: int) -> int:
@@ -890,6 +893,8 @@ class Engine:
     if r in self.running:
       with _shared("the page pool bookkeeping"):
         self.running.remove(r)
+        if self.turns is not None and reason in ("stop", "length"):
+          self.turns.on_finish(r)              # cache tiers: the conversation so far
         self.kv.release(r.slot)
         self.free_slots.append(r.slot)
     r.features = r.images = r.feed = None

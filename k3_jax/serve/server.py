@@ -125,6 +125,9 @@ def make_metrics(engine: Engine):
     Gauge(f"k3_{key}", doc, registry=reg).set_function(
         lambda key=key: engine.resource_counts()[key])
   reg.register(EngineCounters())
+  if getattr(engine, "tiers", None) is not None:      # cache tiers: per-tier counters
+    from k3_jax.serve.cache_tiers import TierMetrics
+    reg.register(TierMetrics(engine))
   return reg, m
 
 
@@ -717,6 +720,10 @@ def serve(app, host: str, port: int) -> None:
           time.sleep(0.05)
         left = len(engine.running) + len(engine.waiting)
         log.warning("drained%s; shutting down", f" ({left} requests cut off)" if left else "")
+        if getattr(engine, "tiers", None) is not None and not engine.has_work():
+          with engine.lock:                  # cache tiers: the next server starts with them
+            log.warning("prefix cache: %d blocks written to the disk tier",
+                        engine.tiers.persist())
         self.should_exit = True
       threading.Thread(target=drain, name="k3-drain", daemon=True).start()
 

@@ -7,7 +7,7 @@ pushes the first out of device memory.
 
 A block restored from host memory or disk is the bits that were demoted, so a restored hit
 runs the same computation from the same bits as a device hit and as the cold prefill of the
-same prompt (same pieces: 512, 512, then the 1-token tail): logits compared bitwise.
+same prompt (same pieces: 512, 512, then the 276-token tail): logits compared bitwise.
 """
 
 import logging
@@ -26,7 +26,7 @@ from k3_jax.serve.kv_pages import PAGE, PagePool
 from k3_jax.serve.prefix_cache import PrefixCache, block_hashes
 from tests.serve.test_engine import tiny_serving_config
 
-N = 2 * PAGE + 1           # prompt tokens: two blocks, a checkpoint at 1,024, a 1-token tail
+N = 1300        # prompt tokens: two blocks, a checkpoint at 1,024, a tail (test_engine.py's shapes)
 
 
 @pytest.fixture(scope="module")
@@ -214,3 +214,48 @@ def test_disk_file_format_checks(tmp_path):
       cache_disk.decode(bad, "fp", b"h" * 16)
   with pytest.raises(ValueError, match="holds block"):
     cache_disk.decode(data, "fp", b"g" * 16)
+
+
+# ----- the state after decoded tokens (serve/turn_cache.py) ----------------------------------
+# A hit through decoded tokens reads latents and a KDA state the decode step computed one
+# token at a time; the cold prefill computes them in chunks: float32 rounding apart, 1e-4 on
+# logits of O(1) (the tolerance of test_engine.py against the unpaged model path).
+
+DECODED_TOL = 1e-4
+
+
+def test_next_turn_hits_through_the_previous_answer(parts):
+  eng = make(parts)
+  a = prompt_of(7, 1012)
+  first = run(eng, a, 16)                   # decodes past 1,024: a checkpoint there
+  assert first.finish_reason == "length" and eng.turns.registered_blocks == 1
+  nxt = np.concatenate([a, np.asarray(first.output_ids, np.int32), prompt_of(8, 272)])
+  hit = run(eng, nxt, 4)
+  assert hit.cached_tokens == 2 * PAGE      # through the answer, not only the prompt (512)
+  cold = run(eng, nxt, 4, use_prefix_cache=False)
+  assert hit.output_ids == cold.output_ids
+  for x, y in zip(hit.logits, cold.logits):
+    np.testing.assert_allclose(x, y, atol=DECODED_TOL, rtol=0)
+  c = eng.resource_counts()
+  assert c["used_pages"] == c["cached_pages"] and c["pinned_checkpoints"] == 0
+
+
+def test_k3_template_sends_the_answer_back_as_generated(k3_tokenizer):
+  # The next turn's prompt is the previous prompt, then the answer's ids as the model wrote
+  # them (its canonical tokenization), when the client sends the reasoning back; without
+  # it the think channel renders empty and the match ends at the previous prompt.
+  from k3_jax.data.chat import template_for
+  t = template_for(k3_tokenizer)
+  turn = [{"role": "system", "content": "Be brief."},
+          {"role": "user", "content": "What is the weather in Paris today?"}]
+  answer = {"role": "assistant", "content": "It is sunny and 21 degrees.",
+            "reasoning_content": "Let me think about the question."}
+  prev = t.render(turn).ids
+  wrote = t.render_conversation(turn + [answer])[0]      # the prompt, then what the model wrote
+  assert wrote[:len(prev)] == prev
+  again = t.render(turn + [answer, {"role": "user", "content": "And tomorrow?"}]).ids
+  assert again[:len(wrote)] == wrote
+  bare = {k: v for k, v in answer.items() if k != "reasoning_content"}
+  dropped = t.render(turn + [bare, {"role": "user", "content": "And tomorrow?"}]).ids
+  common = next(i for i, (x, y) in enumerate(zip(dropped, wrote)) if x != y)
+  assert common == len(prev)
