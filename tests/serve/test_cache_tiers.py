@@ -20,7 +20,7 @@ from k3_jax import train
 from k3_jax.data.tokenizers import ByteTokenizer
 from k3_jax.model import create_model
 from k3_jax.serve import cache_disk
-from k3_jax.serve.cache_tiers import CacheTiers, HostTier
+from k3_jax.serve.cache_tiers import CacheTiers, HostTier, TierMetrics
 from k3_jax.serve.engine import Engine, SamplingParams
 from k3_jax.serve.kv_pages import PAGE, PagePool
 from k3_jax.serve.prefix_cache import PrefixCache, block_hashes
@@ -90,6 +90,13 @@ def test_host_tier_round_trip_is_bitwise(host_engine):
   assert eng.tiers.summary()["host_blocks"] == 2
   c = eng.resource_counts()
   assert c["used_pages"] == c["cached_pages"] and c["pinned_checkpoints"] == 0
+  from prometheus_client import CollectorRegistry, generate_latest
+  reg = CollectorRegistry()
+  reg.register(TierMetrics(eng))
+  text = generate_latest(reg).decode()
+  assert f'k3_prefix_cache_tier_hit_tokens_total{{tier="host"}} {2 * PAGE}.0' in text
+  assert 'k3_prefix_cache_tier_promoted_blocks_total{tier="host"} 2.0' in text
+  assert f'k3_prefix_cache_tier_bytes{{tier="host"}} {float(eng.tiers.host.used)}' in text
 
 
 def test_disk_tier_hit_and_restart(parts, tmp_path, caplog):
