@@ -1,6 +1,6 @@
 """Agent-trace replay: the prefix cache's tiers on multi-turn agent sessions (k3_small, CPU).
 
-  python -m benchmarks.agent_replay [--sessions 8] [--turns 4] [--json out.json]
+  python -m benchmarks.agent_replay [--sessions 10] [--turns 4] [--json out.json]
 
 N sessions run concurrently through one engine (4 slots), each for several turns. Every
 session's first prompt is a system prompt + tool declarations shared by all sessions, then
@@ -13,9 +13,9 @@ configuration replays the same sessions (their answers are the model's greedy to
 
 Configurations, each one engine of the same shapes (one compile for all):
   no cache         every prompt prefilled from scratch (use_prefix_cache=False)
-  device           the device prefix cache alone, its budget about one session's context:
-                   far less than the sessions' working set
-  device+host      + a host-memory tier of about a third of the working set
+  device           the device prefix cache alone, its budget the pages the running
+                   requests hold and a little more: a fraction of the sessions' working set
+  device+host      + a host-memory tier of about a sixth of the working set
   device+host+disk + a disk tier (a temporary directory)
 
 Reported per configuration: the hit rate over prompt tokens (cached_tokens / prompt tokens,
@@ -159,7 +159,7 @@ def restore_vs_prefill(eng: Engine, context: np.ndarray) -> dict:
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--config", default="k3_small")
-  ap.add_argument("--sessions", type=int, default=8)
+  ap.add_argument("--sessions", type=int, default=10)
   ap.add_argument("--turns", type=int, default=4)
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--json", default=None)
@@ -170,16 +170,19 @@ def main():
   max_len = min(cfg.max_seq_len, 4096)
   probe = Engine(cfg, g, p, r, max_batch=1, max_len=512, prefix_cache_bytes=0)
   block = probe.page_bytes
-  device = 8 * (block + probe.ckpt_bytes)             # ~ one session's context
-  working = args.sessions * (max_len // 512) * block
-  tiers = {"no cache": {}, "device": {}, "device+host": {"host_cache_bytes": working // 3},
-           "device+host+disk": {"host_cache_bytes": working // 3}}
+  # the device cache: the pages the 4 running requests hold (each cached block a running
+  # request shares counts against it) and a little more; the sessions' working set (their
+  # contexts grow to ~6 pages) is several times that
+  device = (4 * (max_len // 512) + 8) * block + 16 * probe.ckpt_bytes
+  working = args.sessions * 6 * block
+  tiers = {"no cache": {}, "device": {}, "device+host": {"host_cache_bytes": working // 6},
+           "device+host+disk": {"host_cache_bytes": working // 6}}
   tmp = tempfile.mkdtemp(prefix="k3_agent_replay_")
   tiers["device+host+disk"]["disk_cache_dir"] = tmp
   steps, rows, engines = None, {}, {}
   print(f"{args.config}: {args.sessions} sessions x up to {args.turns} turns, 4 slots, "
         f"max_len {max_len}, match unit {UNIT}; device prefix cache {device / 2**20:.1f} MiB, "
-        f"host tier {working // 3 / 2**20:.1f} MiB, sessions' working set ~{working / 2**20:.0f}"
+        f"host tier {working // 6 / 2**20:.1f} MiB, sessions' working set ~{working / 2**20:.0f}"
         f" MiB")
   # warm-up: one replay on a throwaway engine compiles every shape the runs use
   for name, kw in [("warm-up", {})] + list(tiers.items()):
@@ -189,8 +192,12 @@ def main():
       eng._steps = steps
     steps = eng._steps
     t0 = time.monotonic()
+    if name == "warm-up":      # every prefill piece size (512, 256, 64, 16, 4, 1), cold and hit
+      warm = np.random.default_rng(9).integers(1, 256, 512 + 256 + 64 + 16 + 4 + 1)
+      for _ in range(2):
+        eng.run_until_done([eng.submit(warm.astype(np.int32), SamplingParams(max_tokens=2))])
     got, last = replay(eng, args.sessions if name != "warm-up" else 2, args.turns,
-                 args.seed + (name == "warm-up"), name != "no cache")
+                       args.seed + (name == "warm-up"), name != "no cache")
     if name == "warm-up":
       print(f"warm-up (compiles): {time.monotonic() - t0:.0f} s")
       continue

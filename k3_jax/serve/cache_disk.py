@@ -201,12 +201,13 @@ class DiskTier:
 
   # ----- writing -------------------------------------------------------------------------
   def put(self, h: bytes, b: Block) -> None:
-    """Stores the block (a no-op when the tier holds it already); the file is written on the
-    background thread."""
+    """Stores the block (a no-op when the tier holds it already, with a checkpoint if this
+    one has one); the file is written on the background thread."""
     with self.lock:
-      if h in self.index:
+      if h in self.index and (b.ckpt is None or self.index[h].has_ckpt or h in self.pending):
         self.index.move_to_end(h)
         return
+      self._drop(h)                 # (held without the checkpoint this one brings)
       size = len(MAGIC) + 4 + 512 + nbytes(b.page) + nbytes(b.ckpt)    # ~ the file's size
       if size > self.budget:
         return

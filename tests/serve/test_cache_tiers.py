@@ -266,3 +266,22 @@ def test_k3_template_sends_the_answer_back_as_generated(k3_tokenizer):
   dropped = t.render(turn + [bare, {"role": "user", "content": "And tomorrow?"}]).ids
   common = next(i for i, (x, y) in enumerate(zip(dropped, wrote)) if x != y)
   assert common == len(prev)
+
+
+def test_disk_tier_evicts_least_recent_and_keeps_checkpoints(tmp_path):
+  page = [np.zeros(2500, np.float32)]                    # ~10 KB files: two fit the budget
+  disk = cache_disk.DiskTier(str(tmp_path), 25_000, "fp")
+  for h in (b"a", b"b", b"c"):
+    disk.put(h, cache_disk.Block(None, page, None))
+  disk.flush()
+  assert list(disk.index) == [b"b", b"c"] and disk.evictions == 1
+  assert disk.get(b"b") is not None                      # read: now the most recent
+  disk.put(b"d", cache_disk.Block(None, page, None))
+  disk.flush()
+  assert list(disk.index) == [b"b", b"d"] and disk.used <= disk.budget
+  assert sorted(os.listdir(tmp_path)) == [b"b".hex() + ".k3c", b"d".hex() + ".k3c"]
+  disk.put(b"b", cache_disk.Block(None, page, [np.ones(3, np.float32)]))   # gained a ckpt
+  disk.flush()
+  assert disk.index[b"b"].has_ckpt and np.array_equal(disk.get(b"b").ckpt[0], np.ones(3))
+  again = cache_disk.DiskTier(str(tmp_path), 25_000, "fp")   # a restart: the same blocks
+  assert set(again.index) == {b"b", b"d"} and again.index[b"b"].has_ckpt
