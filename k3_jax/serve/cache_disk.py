@@ -34,6 +34,7 @@ import struct
 import threading
 import time
 
+import ml_dtypes  # noqa: F401  (registers bfloat16 and the float8 types with numpy)
 import numpy as np
 
 log = logging.getLogger("k3_jax.serve")
@@ -55,8 +56,10 @@ def nbytes(arrays) -> int:
   return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in arrays or ())
 
 
-def _spec(arrays):
-  return None if arrays is None else [[list(a.shape), np.dtype(a.dtype).str] for a in arrays]
+def spec(arrays):
+  """[[shape, dtype name], ...] of arrays, or None (names, not numpy's type strings: a
+  bfloat16's is the opaque '<V2'; ml_dtypes, imported here, makes numpy know the names)."""
+  return None if arrays is None else [[list(a.shape), np.dtype(a.dtype).name] for a in arrays]
 
 
 def encode(fp: str, h: bytes, b: Block) -> bytes:
@@ -64,7 +67,7 @@ def encode(fp: str, h: bytes, b: Block) -> bytes:
   payload = b"".join(a.tobytes() for a in arrays)
   head = json.dumps({"fingerprint": fp, "hash": h.hex(),
                      "parent": None if b.parent is None else b.parent.hex(),
-                     "page": _spec(b.page), "ckpt": _spec(b.ckpt),
+                     "page": spec(b.page), "ckpt": spec(b.ckpt),
                      "digest": hashlib.blake2b(payload, digest_size=16).hexdigest()}).encode()
   return MAGIC + struct.pack("<I", len(head)) + head + payload
 
@@ -267,4 +270,4 @@ class DiskTier:
     self.pool.shutdown(wait=True)
 
 
-__all__ = ["Block", "DiskTier", "DiskEntry", "encode", "decode", "nbytes", "MAGIC"]
+__all__ = ["Block", "DiskTier", "DiskEntry", "encode", "decode", "nbytes", "spec", "MAGIC"]

@@ -39,7 +39,7 @@ import numpy as np
 from k3_jax.cache import PagedMLACache, replace
 from k3_jax.config import UserError
 from k3_jax.serve import kv_pages as kv
-from k3_jax.serve.cache_disk import Block, DiskTier, nbytes
+from k3_jax.serve.cache_disk import Block, DiskTier, spec
 from k3_jax.serve.kv_pages import PAGE
 from k3_jax.stack import map_cache
 
@@ -90,8 +90,8 @@ class EngineIO:
     self._write_ckpt = jax.jit(write_ckpt, donate_argnums=(0,))
     self.page_def = jax.tree.structure(jax.eval_shape(read_page, engine.cache, 0))
     self.ckpt_def = jax.tree.structure(jax.eval_shape(read_ckpt, engine.ckpts, np.int32(0)))
-    self.page_spec = _spec(jax.eval_shape(read_page, engine.cache, 0))
-    self.ckpt_spec = _spec(jax.eval_shape(read_ckpt, engine.ckpts, np.int32(0)))
+    self.page_spec = spec(jax.tree.leaves(jax.eval_shape(read_page, engine.cache, 0)))
+    self.ckpt_spec = spec(jax.tree.leaves(jax.eval_shape(read_ckpt, engine.ckpts, np.int32(0))))
 
   @staticmethod
   def _start(tree) -> list:
@@ -113,10 +113,6 @@ class EngineIO:
   def write_ckpt(self, c: int, leaves: list) -> None:
     e = self.engine
     e.ckpts = self._write_ckpt(e.ckpts, np.int32(c), self.ckpt_def.unflatten(leaves))
-
-
-def _spec(tree):
-  return [[list(a.shape), np.dtype(a.dtype).str] for a in jax.tree.leaves(tree)]
 
 
 def host_arrays(arrays: list) -> list:

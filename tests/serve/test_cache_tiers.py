@@ -21,10 +21,10 @@ from k3_jax.data.tokenizers import ByteTokenizer
 from k3_jax.model import create_model
 from k3_jax.serve import cache_disk
 from k3_jax.serve.cache_tiers import CacheTiers, HostTier, TierMetrics
-from k3_jax.serve.engine import Engine, SamplingParams
+from k3_jax.serve.engine import Engine
 from k3_jax.serve.kv_pages import PAGE, PagePool
 from k3_jax.serve.prefix_cache import PrefixCache, block_hashes
-from tests.serve.test_engine import tiny_serving_config
+from tests.serve.test_engine import assert_bitwise, prompt_of, run
 
 N = 1300        # prompt tokens: two blocks, a checkpoint at 1,024, a tail (test_engine.py's shapes)
 
@@ -45,29 +45,13 @@ def make(parts, **kw):
   return eng
 
 
-def prompt_of(seed, n=N):
-  return np.random.default_rng(seed).integers(1, 256, n).astype(np.int32)
-
-
-def run(eng, prompt, n=3, **kw):
-  req = eng.submit(prompt, SamplingParams(max_tokens=n), record_logits=True, **kw)
-  eng.run_until_done([req])
-  return req
-
-
-def assert_bitwise(a, b):
-  assert a.output_ids == b.output_ids and len(a.logits) == len(b.logits)
-  for x, y in zip(a.logits, b.logits):
-    assert np.array_equal(x, y)
-
-
 @pytest.fixture(scope="module")
 def host_engine(parts):
   return make(parts, host_cache_bytes=1 << 30)
 
 
 def test_host_tier_round_trip_is_bitwise(host_engine):
-  eng, a, b, c = host_engine, prompt_of(1), prompt_of(2), prompt_of(5)
+  eng, a, b, c = host_engine, prompt_of(1, N), prompt_of(2, N), prompt_of(5, N)
   cold = run(eng, a, use_prefix_cache=False)            # caches a's blocks on the device
   hs = block_hashes(a)
   pages = [eng.prefix.entries[h].page for h in hs]
@@ -102,7 +86,7 @@ def test_host_tier_round_trip_is_bitwise(host_engine):
 def test_disk_tier_hit_and_restart(parts, tmp_path, caplog):
   d = str(tmp_path / "cache")
   eng = make(parts, disk_cache_dir=d)                    # no host tier: device -> disk
-  a, b, c = prompt_of(3), prompt_of(4), prompt_of(6)
+  a, b, c = prompt_of(3, N), prompt_of(4, N), prompt_of(6, N)
   cold = run(eng, a, use_prefix_cache=False)
   run(eng, b)
   run(eng, c)
@@ -209,11 +193,14 @@ def test_demote_and_promote_bookkeeping():
 
 
 def test_disk_file_format_checks(tmp_path):
-  blk = cache_disk.Block(b"p" * 16, [np.arange(6, dtype=np.float32).reshape(2, 3)],
+  import ml_dtypes
+  blk = cache_disk.Block(b"p" * 16, [np.arange(6, dtype=np.float32).reshape(2, 3),
+                                     np.arange(4).astype(ml_dtypes.bfloat16)],
                          [np.ones(2, np.int32)])
   data = cache_disk.encode("fp", b"h" * 16, blk)
   back = cache_disk.decode(data, "fp", b"h" * 16)
   assert back.parent == blk.parent and np.array_equal(back.page[0], blk.page[0])
+  assert back.page[1].dtype == ml_dtypes.bfloat16 and np.array_equal(back.page[1], blk.page[1])
   assert back.ckpt[0].dtype == np.int32 and np.array_equal(back.ckpt[0], blk.ckpt[0])
   for bad, match in ((data[:-1], "digest"), (data[:5], "magic"),
                      (data.replace(b'"fp"', b'"fq"'), "fingerprint")):
