@@ -19,6 +19,9 @@ One entry per decoder layer, by its mixer:
                           lives in page page_table[b, s // P] at offset s % P
         unit              None, or (a scanned unit's layer) the index of its pool in the
                           stacked [R, N, P, X] pools it reads in place
+        deferred          (static) a scanned unit's layer whose pools are written after the
+                          scan (model.POOL_WRITES "after_scan"): the layer only reads them
+                          and returns its new latents [B, T, X] as c_kv / k_r
 
     ModelCache      the whole model's: `pos` and one entry per layer, grouped as the layer
                     stack is (k3_jax/stack.py): `prefix` and `suffix` tuples of entries, and
@@ -64,9 +67,11 @@ class PagedMLACache:
   k_r: jax.Array            # [N, P, Pr]
   page_table: jax.Array | None = None   # [B, M] int32
   # Inside the scan over repeated units (model._run_units): c_kv / k_r are the whole
-  # stacked pools [R, N, P, X], read in place at this unit index; the layer then returns
-  # only the call's new latents [B, T, X] and the scan writes them after the loop.
+  # stacked pools [R, N, P, X], written and read in place at this unit index; deferred:
+  # only read, the layer returns the call's new latents [B, T, X] and the scan writes them
+  # after the loop.
   unit: jax.Array | None = None
+  deferred: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
 
 @_pytree

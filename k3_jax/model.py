@@ -26,7 +26,7 @@ from k3_jax.layers.embed import Embed, LMHead
 from k3_jax.layers.ffn import GatedFFN
 from k3_jax.layers.init import Init
 from k3_jax.layers.kda import KDA
-from k3_jax.layers.mla import MLA
+from k3_jax.layers.mla import MLA, page_slots
 from k3_jax.layers.moe import MoE
 from k3_jax.layers.norm import RMSNorm
 from k3_jax.ops import mx_gmm
@@ -187,6 +187,40 @@ def _stacked_units(cfg: ModelConfig, kinds, reps: int, init: Init) -> Unit:
   return units
 
 
+POOL_WRITES = ("in_layer", "after_scan")
+"""Where a scanned MLA layer's new latents go into the serving pools (K3Model, pool_write):
+in_layer: each layer writes them into the stacked pools, carried by the scan, then reads;
+after_scan: each layer reads the pools and returns its latents, all scattered after the
+scan. XLA:CPU copies the whole pool twice a step with the second (the step's cost grows
+with the pool); the TPU compiler copies it with the first (k3 v5p-128, 1,024 x 32K decode:
+366.8 GB a chip a step against 260.3; docs/pod-scale.md). Both give the same logits and
+pools."""
+
+
+def pool_write_for(platform: str) -> str:
+  """The pool write placement a program compiled for `platform` gets (POOL_WRITES)."""
+  return "after_scan" if platform == "tpu" else "in_layer"
+
+
+def _write_latents(e: PagedMLACache, latents, pos) -> PagedMLACache:
+  """The stacked pools of a scanned MLA layer with every unit's new latents [R, B, T, X]
+  written at their pages (the positions pos + [0, T) of each sequence)."""
+  c_new, r_new = latents
+  reps, _, t = c_new.shape[:3]
+  table = e.page_table[0]                                              # [B, M], same per unit
+  b = table.shape[0]
+  q_pos = jnp.broadcast_to(jnp.asarray(pos, jnp.int32), (b,))[:, None] + jnp.arange(t)[None]
+  page, off = page_slots(table, q_pos, e.c_kv.shape[-2])
+  # Every index named (unit too), so each update is one contiguous row of X: with the unit
+  # axis left as a window ([:, page, off]) the TPU compiler relaid out the whole stacked
+  # pool around the scatter, twice a step (k3, 1,024 x 32K: 2 x 23.7 GB per chip).
+  unit = jnp.broadcast_to(jnp.arange(reps)[:, None, None], (reps,) + page.shape)
+  page, off = (jnp.broadcast_to(a, unit.shape) for a in (page, off))
+  return PagedMLACache(c_kv=e.c_kv.at[unit, page, off].set(c_new.astype(e.c_kv.dtype)),
+                       k_r=e.k_r.at[unit, page, off].set(r_new.astype(e.k_r.dtype)),
+                       page_table=e.page_table)
+
+
 class K3Model(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, init: Init):
     self.cfg = cfg
@@ -232,7 +266,7 @@ class K3Model(nnx.Module):
         lambda s: plan.module(self, s).init_paged_cache(batch, num_pages, page_size))
 
   # ----- forward --------------------------------------------------------------
-  def _run_units(self, x, segment_ids, caches, pos, remat, train, par):
+  def _run_units(self, x, segment_ids, caches, pos, remat, train, par, pool_write):
     # Packed routed experts (serving) stay out of the scanned inputs: each layer gets its
     # whole stack and the layer index (mx_gmm.StackedLayer), which the MXFP4 kernel reads in
     # place; a scan slice feeding a Pallas call would be copied out, every layer, every step.
@@ -244,45 +278,55 @@ class K3Model(nnx.Module):
     # Per-sequence caches (KDA states, contiguous MLA latents) ride in the carry and are
     # written back in place (dynamic_update_index), so a decode step updates the donated
     # buffers instead of building a second stacked copy as scan outputs (at 128K context
-    # that copy is GBs per chip). Paged MLA pools (serving) ride in the carry whole: each
-    # layer scatters its new latents into the stacked pools at its unit's index, then reads
-    # its sequences' pages there in place (layers/mla.py _paged); never sliced out, never
-    # read before a later write (which would make XLA copy the pool: a one-unit scan is
-    # inlined, and a pool read by the loop then written after it was copied whole, twice,
-    # every step, so the step's cost grew with the pool's size).
+    # that copy is GBs per chip). Paged MLA pools (serving), pool_write "in_layer": they
+    # ride in the carry whole; each layer scatters its new latents into the stacked pools
+    # at its unit's index, then reads its sequences' pages there in place (layers/mla.py
+    # _paged); never sliced out, never read before a later write (on XLA:CPU a pool read by
+    # the loop then written after it was copied whole, twice, every step). "after_scan":
+    # the pools stay out of the carry, each layer reads them in place and returns its new
+    # latents, scattered after the loop (the TPU compiler keeps that in place; POOL_WRITES).
+    if pool_write not in POOL_WRITES:
+      raise ValueError(f"pool_write={pool_write!r}: expected one of {', '.join(POOL_WRITES)}")
+    after = pool_write == "after_scan"
     paged = tuple(isinstance(e, PagedMLACache) for e in caches or ())
-    carried = None if caches is None else tuple((e.c_kv, e.k_r) if p else e
-                                                for e, p in zip(caches, paged))
+    carried = None if caches is None else tuple(
+        (None if after else (e.c_kv, e.k_r)) if p else e for e, p in zip(caches, paged))
 
     def body(carry, xs):
       x, all_c = carry
       st, first, i = xs
       c = None
       if caches is not None:
-        c = tuple(PagedMLACache(a_c[0], a_c[1], e.page_table[i], unit=i) if p
-                  else jax.tree.map(lambda a: a[i], a_c)
+        c = tuple((PagedMLACache(e.c_kv, e.k_r, e.page_table[i], unit=i, deferred=True)
+                   if after else PagedMLACache(a_c[0], a_c[1], e.page_table[i], unit=i))
+                  if p else jax.tree.map(lambda a: a[i], a_c)
                   for e, a_c, p in zip(caches, all_c, paged))
       layer = jax.tree.map(lambda w: mx_gmm.StackedLayer(w, i), stacks,
                            is_leaf=lambda w: isinstance(w, mx_gmm.MXArray))
       x, c, aux = nnx.merge(graphdef, layer, st)(x, segment_ids, c, pos, first, train,
                                           layer_remat="block" if remat == "layer" else "none",
                                           par=par)
+      latents = None
       if caches is not None:
-        all_c = tuple((u_c.c_kv, u_c.k_r) if p else jax.tree.map(
+        all_c = tuple((None if after else (u_c.c_kv, u_c.k_r)) if p else jax.tree.map(
             lambda a, u: jax.lax.dynamic_update_index_in_dim(a, u.astype(a.dtype), i, 0),
             a_c, u_c) for a_c, u_c, p in zip(all_c, c, paged))
-      return (x, all_c), aux
+        if after:
+          latents = tuple((u.c_kv, u.k_r) if p else None for u, p in zip(c, paged))
+      return (x, all_c), (aux, latents)
 
     # "block": the scan keeps each unit's input and recomputes the unit in the backward
     # pass; "layer": the same, and within that recomputation each layer is rematerialised
     # again, so one layer's intermediates (not the unit's) are live at a time
     if remat != "none":
       body = jax.checkpoint(body, policy=_remat_policy(remat))
-    (x, carried), aux = jax.lax.scan(body, (x, carried),
-                                     (state, first_layers, jnp.arange(reps)))
+    (x, carried), (aux, latents) = jax.lax.scan(body, (x, carried),
+                                                (state, first_layers, jnp.arange(reps)))
     if caches is not None:
-      caches = tuple(PagedMLACache(c[0], c[1], e.page_table) if p else c
-                     for e, c, p in zip(caches, carried, paged))
+      caches = tuple((_write_latents(e, lat, pos) if after
+                      else PagedMLACache(c[0], c[1], e.page_table)) if p else c
+                     for e, c, lat, p in zip(caches, carried, latents or (None,) * len(caches),
+                                             paged))
     return x, caches, aux
 
   def embed_inputs(self, tokens: jax.Array, images: dict | None = None,
@@ -306,7 +350,8 @@ class K3Model(nnx.Module):
   def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
                cache: ModelCache | None = None, remat: str = "none", train: bool = False,
                images: dict | None = None, image_features: jax.Array | None = None,
-               last_only: bool = False, par: Parallel = SINGLE):
+               last_only: bool = False, par: Parallel = SINGLE,
+               pool_write: str | None = None):
     """tokens [B, T] -> (logits [B, T, vocab] f32, new cache or None, aux).
 
     par: how the program is parallelised (k3_jax/partitioning.py; built for a mesh by
@@ -318,6 +363,9 @@ class K3Model(nnx.Module):
     images: packed image patches (k3_jax/ops/vision.py) whose features replace the image
     placeholder tokens of `tokens`, in order; None (text only) runs exactly as before.
     image_features [M, D]: or the projected features themselves (see embed_inputs).
+
+    pool_write: where a scanned MLA layer writes its latents into a paged cache's pools
+    (POOL_WRITES); None = pool_write_for(par.platform), the program's target.
 
     aux: 'expert_load' [n_moe_layers, E] (tokens per expert), 'max_logit' [n_mla_layers, H],
     and with train=True 'new_bias' [n_moe_layers, E] (for `set_router_biases`). MoE layers
@@ -355,7 +403,8 @@ class K3Model(nnx.Module):
     if self.units is not None:
       with jax.named_scope("units"):
         x, new_caches["units"], unit_aux = self._run_units(
-            x, segment_ids, None if cache is None else cache.units, pos, remat, train, par)
+            x, segment_ids, None if cache is None else cache.units, pos, remat, train, par,
+            pool_write or pool_write_for(par.platform))
       auxes.extend(unit_aux)    # one aux per layer of the unit, each with a leading [R] axis
     x = run_list("suffix", x)
     new_cache = None if cache is None else ModelCache(

@@ -94,6 +94,13 @@ class Parallel:
     return self.target or jax.default_backend()
 
   @property
+  def batch_fills_mesh(self) -> bool:
+    """Is this the decode layout of a batch that fills the mesh (`parallel_for(mesh,
+    "slot")`): pages by sequence, the batch over every axis of the pages, the dense weights
+    split on their output dimension (k3_jax/compile.py weights_by_output)?"""
+    return self.key == SLOT_KEY
+
+  @property
   def kernels_sharded(self) -> bool:
     """Do kernels run per shard (so a kernel called directly would be partitioned by the
     compiler, which Mosaic kernels do not allow)?"""
@@ -126,8 +133,11 @@ class Parallel:
     return fn if self.sharder is None else self.sharder(fn, in_axes, out_axes)
 
 
+SLOT_KEY = ("page_split", "slot")
+"""The key of `parallel_for(mesh, "slot")`'s Parallel (see `batch_fills_mesh`)."""
+
 SINGLE = Parallel()
 """The single-device program: no constraints, kernels called directly, reference ops."""
 
 
-__all__ = ["Parallel", "ParallelOps", "SINGLE"]
+__all__ = ["Parallel", "ParallelOps", "SINGLE", "SLOT_KEY"]

@@ -37,7 +37,7 @@ def parallel_for(mesh: Mesh | None, page_split: str = "column") -> partitioning.
     return partitioning.SINGLE
   return partitioning.Parallel(
       mesh=mesh, target=kernels.mesh_platform(mesh),
-      key=None if page_split == "column" else ("page_split", page_split),
+      key=None if page_split == "column" else ("page_split", page_split),  # slot: SLOT_KEY
       ops=mesh_parallel_ops(mesh, page_split),
       resolver=functools.partial(named_sharding, mesh),
       sharder=functools.partial(kernels.shard_map_kernel, mesh))

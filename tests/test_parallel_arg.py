@@ -41,6 +41,9 @@ def test_parallel_is_compared_by_its_setup_not_its_callables():
   assert parallel_for(None) is SINGLE
   assert a.platform == "cpu" and a.kernels_sharded and not SINGLE.kernels_sharded
   assert SINGLE == Parallel() and SINGLE.ops == partitioning.ParallelOps()
+  slot = parallel_for(m2, "slot")                     # the decode of a batch filling the mesh
+  assert slot != a and slot.batch_fills_mesh and not (a.batch_fills_mesh or
+                                                      SINGLE.batch_fills_mesh)
 
 
 def test_a_step_is_never_reused_under_another_parallel_setup():

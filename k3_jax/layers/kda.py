@@ -21,7 +21,7 @@ from flax import nnx
 from k3_jax.cache import KDAState
 from k3_jax.config import ModelConfig, jnp_dtype
 from k3_jax.layers.init import Init
-from k3_jax.layers.linear import Linear, apply_stacked
+from k3_jax.layers.linear import SMALL_ROWS, Linear, apply_stacked
 from k3_jax.ops import conv as conv_ops
 from k3_jax.ops import kda as kda_ops
 from k3_jax.ops.norms import rms_norm
@@ -99,15 +99,20 @@ class KDA(nnx.Module):
     return jax.nn.silu(y.astype(jnp.float32)).reshape(b, t, h, k), new
 
   @jax.named_scope("projections")
-  def _inputs(self, x):
+  def _inputs(self, x, par: Parallel = SINGLE):
     """Every projection of x, stacked into as few matmuls as the shapes allow (layers/linear.
     apply_stacked): q, k, v (and the full-rank output gate) as one; the decay's and the
     low-rank gate's down projections as one when their ranks agree. Returns (q, k, v
-    [B, T, H, K] before the conv, decay input z_f [B, T, r], gate logits [B, T, H, K])."""
+    [B, T, H, K] before the conv, decay input z_f [B, T, r], gate logits [B, T, H, K]).
+    Stacked at any size where the batch fills the mesh: a decode's one-by-one projections
+    with the weights split on their output and the tokens on the same axes were gathered
+    whole by the partitioner, each, every layer (k3 v5p-128, 64 x 1M: ~340 GB a chip a
+    step); stacked, the tokens travel (an all-gather of [B, D], an all-to-all out)."""
+    small = 0 if par.batch_fills_mesh else SMALL_ROWS
     heads = [self.q_proj, self.k_proj, self.v_proj] + ([] if self.c.gate_rank else [self.g_proj])
-    out = apply_stacked(x, heads)
+    out = apply_stacked(x, heads, small)
     if self.c.gate_rank and self.g_down.out_shape == self.f_down.out_shape:
-      zf, zg = apply_stacked(x, (self.f_down, self.g_down))
+      zf, zg = apply_stacked(x, (self.f_down, self.g_down), small)
     else:
       zf, zg = self.f_down(x), self.g_down(x) if self.c.gate_rank else None
     gate = self.g_up(zg) if self.c.gate_rank else out[3]
@@ -142,7 +147,7 @@ class KDA(nnx.Module):
     parallel setup (k3_jax/partitioning.py)."""
     b, t, _ = x.shape
     get = (lambda n: getattr(cache, n)) if cache is not None else (lambda n: None)
-    xq, xk, xv, zf, gate = self._inputs(x)
+    xq, xk, xv, zf, gate = self._inputs(x, par)
     q, cq = self._conv(xq, self.q_conv, segment_ids, get("conv_q"), par)
     k, ck = self._conv(xk, self.k_conv, segment_ids, get("conv_k"), par)
     v, cv = self._conv(xv, self.v_conv, segment_ids, get("conv_v"), par)

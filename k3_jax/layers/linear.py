@@ -51,12 +51,14 @@ class Linear(nnx.Module):
 SMALL_ROWS = 64   # inputs of at most this many rows (decode) skip the stacking
 
 
-def apply_stacked(x: jax.Array, linears) -> list[jax.Array]:
+def apply_stacked(x: jax.Array, linears, small_rows: int = SMALL_ROWS) -> list[jax.Array]:
   """[lin(x) for lin in linears] as ONE matmul: the weights (same in/out shapes and dtype)
   are stacked on a new output axis ([*in, n, *out]), so the projections of one input read
   x once and their backward pass is one dx matmul instead of n plus n-1 adds. The
   parameters stay separate (checkpoints, sharding rules and per-head optimizers see the
-  same Linears); each output element is the same dot product as lin(x)."""
+  same Linears); each output element is the same dot product as lin(x). An input of at most
+  `small_rows` rows (a decode step) runs the Linears one by one instead: no per-call copy of
+  the weights (0: always stacked)."""
   first = linears[0]
   for lin in linears[1:]:
     if (lin.in_shape, lin.out_shape, lin.dtype) != (first.in_shape, first.out_shape,
@@ -64,7 +66,7 @@ def apply_stacked(x: jax.Array, linears) -> list[jax.Array]:
       raise ValueError(f"apply_stacked: {lin.in_shape}->{lin.out_shape} ({lin.dtype}) vs "
                        f"{first.in_shape}->{first.out_shape} ({first.dtype})")
   n_in, n_out = len(first.in_shape), len(first.out_shape)
-  if x.size // math.prod(first.in_shape) <= SMALL_ROWS:
+  if x.size // math.prod(first.in_shape) <= small_rows:
     return [lin(x) for lin in linears]     # a decode step: no per-call copy of the weights
   w = jnp.stack([lin.w[...].astype(first.dtype) for lin in linears], axis=n_in)
   contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))

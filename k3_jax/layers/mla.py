@@ -184,20 +184,30 @@ class MLA(nnx.Module):
     q_pos = pos[:, None] + jnp.arange(t, dtype=jnp.int32)[None]        # [B, T]
     m = table.shape[1]
     new_c, new_r = c_kv.astype(self.dtype), k_r.astype(self.dtype)
-    # Write first, then read: the pools (donated; a scanned layer's stacked pools ride in
-    # the scan's carry, read and written at this unit's index) are updated in place and
-    # only read after, so no step copies a pool whatever its size.
     lead = () if cache.unit is None else (cache.unit,)
-    page, off = page_slots(table, q_pos, page_size)                    # [B, T] each
-    pool_c = cache.c_kv.at[lead + (page, off)].set(new_c)              # [(R,) N, P, R]
-    pool_r = cache.k_r.at[lead + (page, off)].set(new_r)               # [(R,) N, P, Pr]
-    new_cache = PagedMLACache(c_kv=pool_c, k_r=pool_r, page_table=table, unit=cache.unit)
+    if cache.deferred:
+      # A scanned layer whose pools are written after the scan (model.POOL_WRITES): read
+      # them as they are, return only the new latents.
+      pool_c, pool_r = cache.c_kv, cache.k_r
+      new_cache = PagedMLACache(c_kv=new_c, k_r=new_r, page_table=table, unit=cache.unit,
+                                deferred=True)
+    else:
+      # Write first, then read: the pools (donated; a scanned layer's stacked pools ride in
+      # the scan's carry, read and written at this unit's index) are updated in place and
+      # only read after, so no step copies a pool whatever its size.
+      page, off = page_slots(table, q_pos, page_size)                  # [B, T] each
+      pool_c = cache.c_kv.at[lead + (page, off)].set(new_c)            # [(R,) N, P, R]
+      pool_r = cache.k_r.at[lead + (page, off)].set(new_r)             # [(R,) N, P, Pr]
+      new_cache = PagedMLACache(c_kv=pool_c, k_r=pool_r, page_table=table, unit=cache.unit)
     if t == 1:   # the pool's copy of the token is not read: it is merged as its own partial
       y, max_logit = self._paged_decode(x, q_nope, q_rope, new_c, new_r, pool_c, pool_r,
                                         cache.unit, table, pos, par)
       return y, new_cache, max_logit
     c_all = pool_c[lead + (table,)].reshape(b, m * page_size, -1)      # [B, S = M P, R]
     r_all = pool_r[lead + (table,)].reshape(b, m * page_size, -1)      # [B, S, Pr]
+    if cache.deferred:   # this call's latents at their positions in the gathered view
+      rows = jnp.arange(b)[:, None]
+      c_all, r_all = c_all.at[rows, q_pos].set(new_c), r_all.at[rows, q_pos].set(new_r)
     y, max_logit = self._absorbed(x, q_nope, q_rope, c_all, r_all, q_pos, par)
     return y, new_cache, max_logit
 

@@ -415,11 +415,14 @@ def attach(engine) -> CacheTiers | None:
   disk = None
   if s.disk_cache_dir:
     fp = fingerprint(engine.cfg, engine.params, engine.tokenizer, engine.unit)
-    disk = DiskTier(s.disk_cache_dir, s.disk_cache_bytes, fp, io.page_spec, io.ckpt_spec)
+    try:
+      disk = DiskTier(s.disk_cache_dir, s.disk_cache_bytes, fp, io.page_spec, io.ckpt_spec)
+    except OSError as e:
+      raise UserError(f"--disk_cache_dir={s.disk_cache_dir!r}: {e}") from None
   tiers = CacheTiers(engine.prefix, io, s.host_cache_bytes, disk)
   engine.kv.tiers = tiers
   return tiers
 
 
-__all__ = ["CacheTiers", "HostTier", "TierMetrics", "EngineIO", "attach", "fingerprint", "read_page",
-           "write_page", "TIERS"]
+__all__ = ["CacheTiers", "HostTier", "TierMetrics", "EngineIO", "attach", "fingerprint",
+           "read_page", "write_page", "TIERS"]

@@ -274,8 +274,7 @@ class Engine:
           lambda t: t, out_shardings=NamedSharding(self.mesh, PartitionSpec()))), seen)
     self._feature_zeros = {}
     v = self.cfg.vocab_size
-    self._no_bias = {1: jnp.zeros((1, v), jnp.float32),
-                     self.max_batch: jnp.zeros((self.max_batch, v), jnp.float32)}
+    self._no_bias = {}         # rows -> zeros [rows, V] kept on the device (_zero_bias)
     self._prev = jnp.zeros((self.max_batch,), jnp.int32)    # the last decode step's ids
 
   def relayed(self, name: str, fn):
@@ -729,7 +728,13 @@ class Engine:
       if biases and r.id in biases:
         bias[s] = biases[r.id]
     return steps.Sampling(seeds, n, temp, top_p, pres, freq,
-                          self._no_bias[rows] if bias is None else bias)
+                          self._zero_bias(rows) if bias is None else bias)
+
+  def _zero_bias(self, rows: int):
+    """A zeros [rows, V] bias on the device (the steps' bias when no row has one)."""
+    if rows not in self._no_bias:
+      self._no_bias[rows] = jnp.zeros((rows, self.cfg.vocab_size), jnp.float32)
+    return self._no_bias[rows]
 
   def _biases(self, reqs: list[Request]) -> dict:
     """request id -> bias row, for the requests with a logit_bias or a constraint."""
@@ -765,7 +770,7 @@ class Engine:
       self._read_decode(pend)
       pend = None
       dec = [r for r in dec if r.state == "decode"]
-    unread = {id(r) for r, _ in pend[1]} if pend is not None else set()
+    unread = {id(r) for r, *_ in pend[1]} if pend is not None else set()
     ahead = {id(r) for r in dec if id(r) in unread and not r.cancelled
              and len(r.output_ids) + 2 <= r.params.max_tokens}
     now = [r for r in dec if id(r) not in unread or id(r) in ahead]
@@ -806,12 +811,35 @@ class Engine:
     bucket = self._bucket(int(pos.max()) + 1)
     batch = steps.DecodeBatch(tokens, pos, tables[:, :bucket], active, sampling, self._prev,
                               from_prev)
+    rows = self._rows(now)
+    if rows is not None:        # fewer requests than slots: run only their rows
+      fields = [getattr(sampling, f.name) for f in dataclasses.fields(sampling)]
+      bias = fields.pop()
+      batch = steps.DecodeBatch(
+          tokens[rows], pos[rows], tables[rows, :bucket], active[rows],
+          steps.Sampling(*(a[rows] for a in fields),
+                         self._zero_bias(rows.size) if biases is None or not biases
+                         else bias[rows]),
+          self._prev, from_prev[rows], rows)
     got, self.cache, self.counts = self._steps.decode(*self.weights, self.cache,
                                                       self.counts, batch)
-    self._prev = got.ids
+    self._prev = got.by_slot
     if self.turns is not None:                 # cache tiers: KDA states at grid boundaries
       self.turns.after_decode(now, pos)
-    return got, [(r, r.slot) for r in now]
+    row_of = {int(s): i for i, s in enumerate(rows)} if rows is not None else None
+    return got, [(r, r.slot, r.slot if row_of is None else row_of[r.slot]) for r in now]
+
+  def _rows(self, now: list[Request]) -> np.ndarray | None:
+    """The slots a decode step over `now` runs: without batch invariance, its requests'
+    slots padded with idle ones to a power of two (so log2(max_batch) + 1 shapes compile);
+    None: all of them. (XLA:CPU's matrix products sum in an order that depends on the row
+    count, so a step over fewer rows moves the logits in the last bits.)"""
+    n = 1 << (len(now) - 1).bit_length()
+    if self.serve.batch_invariant or n >= self.max_batch:
+      return None
+    taken = sorted(r.slot for r in now)
+    idle = [s for s in range(self.max_batch) if s not in set(taken)]
+    return np.asarray(taken + idle[:n - len(taken)], np.int32)
 
   def _bucket(self, tokens: int) -> int:
     """Page-table columns a step over positions < tokens reads: a power of two (at least
@@ -824,13 +852,13 @@ class Engine:
     """Reads a dispatched decode step's tokens back and emits them, for the requests of it
     that are still decoding (one that ended meanwhile drops its row)."""
     got, rows = pend
-    live = [(r, slot) for r, slot in rows if r.state == "decode" and r.slot == slot]
+    live = [(r, row) for r, slot, row in rows if r.state == "decode" and r.slot == slot]
     if not live:
       return
     host = _HostSampled(got, [r for r, _ in live], self.fetch)
-    for r, slot in live:
+    for r, row in live:
       r.pos += 1
-      self._own(r, self._take, r, host, slot)
+      self._own(r, self._take, r, host, row)
 
   def _take(self, r: Request, got, row: int) -> None:
     """Records what the step sampled for `r` at `row` (logits, logprobs), then emits it."""

@@ -71,6 +71,9 @@ class DecodeBatch:
   prev: jax.Array           # int32 [B]: the previous decode step's ids (kept on the device)
   from_prev: jax.Array      # bool [B]: the slot's token is prev's, not `tokens` (the host
                             # dispatched this step before reading that one: one step ahead)
+  slots: jax.Array | None = None   # int32 [R]: with R < the slot count, the step runs R rows
+                            # and row i is slot slots[i] (every other field then has R rows,
+                            # `prev` keeps one per slot); None: row i is slot i
 
 
 @_pytree
@@ -81,6 +84,8 @@ class Sampled:
   top_ids: jax.Array        # int32 [B, TOP_K], most likely first
   top_logprobs: jax.Array   # f32 [B, TOP_K]
   logits: jax.Array         # f32 [B, V]: the model's logits (before bias and penalties)
+  by_slot: jax.Array | None = None   # int32 [slots]: a decode step's ids at their slots (the
+                            # next step's `prev`; other slots keep the previous one)
 
 
 def sample_logits(logits: jax.Array, counts: jax.Array, s: Sampling) -> Sampled:
@@ -135,7 +140,12 @@ def row_major_features(tokens, feats, placeholder_id: int):
 def decode_step(graphdef, par, params, rest, cache: ModelCache, counts, batch: DecodeBatch):
   """One token for every slot -> (Sampled [B], cache, counts). Idle slots keep their KDA
   state and write their MLA latents to the null page; `counts` [B, V] (each slot's
-  generated-token counts, for the penalties) gains the active slots' new tokens."""
+  generated-token counts, for the penalties) gains the active slots' new tokens.
+
+  With batch.slots, only those R slots run (rows_decode_step): a step's cost follows the
+  requests decoding, not the slot count."""
+  if batch.slots is not None:
+    return rows_decode_step(graphdef, par, params, rest, cache, counts, batch)
   model = nnx.merge(graphdef, params, rest)
   tokens = jnp.where(batch.from_prev, batch.prev, batch.tokens)
   # Each KDA layer keeps its idle rows' state as it writes the new one (KDAState.active):
@@ -151,7 +161,29 @@ def decode_step(graphdef, par, params, rest, cache: ModelCache, counts, batch: D
   out = out.replace(pos=cache.pos)
   got = sample_logits(logits[:, 0], counts, batch.sampling)
   counts = counts.at[jnp.arange(got.ids.shape[0]), got.ids].add(batch.active.astype(jnp.int32))
-  return got, out, counts
+  return dataclasses.replace(got, by_slot=got.ids), out, counts
+
+
+def rows_decode_step(graphdef, par, params, rest, cache: ModelCache, counts,
+                     batch: DecodeBatch):
+  """decode_step over R rows, row i being slot batch.slots[i]: the rows' KDA states and
+  counts are taken out, run like a batch of R, and put back (rows not active write nothing;
+  their latents go to the null page). Each row computes what it would in the full step: the
+  batch-invariance test holds the logits bitwise equal whatever R is."""
+  model = nnx.merge(graphdef, params, rest)
+  slots = batch.slots
+  tokens = jnp.where(batch.from_prev, batch.prev[slots], batch.tokens)
+  states = kv.kda_states(cache)
+  sub = kv.with_pages(kv.with_kda_states(cache, kv.take_rows(states, slots)), batch.pos,
+                      batch.tables)
+  logits, new, _ = model(tokens[:, None], cache=sub, par=par)
+  new = kv.without_pages(new)
+  keep = jnp.where(batch.active, slots, jnp.iinfo(jnp.int32).max)      # out of range: dropped
+  out = kv.with_kda_states(new, kv.put_rows(states, keep, kv.kda_states(new)))
+  got = sample_logits(logits[:, 0], counts[slots], batch.sampling)
+  counts = counts.at[slots, got.ids].add(batch.active.astype(jnp.int32))
+  by_slot = batch.prev.at[keep].set(got.ids, mode="drop")
+  return dataclasses.replace(got, by_slot=by_slot), out.replace(pos=cache.pos), counts
 
 
 def first_token(logits, row, counts, slot, sampling: Sampling):
@@ -270,6 +302,6 @@ def jit_steps(graphdef, par, jit=jax.jit, treedefs=None) -> Steps:
 
 
 __all__ = ["TOP_K", "Sampling", "DecodeBatch", "Sampled", "sample_logits", "prefill_step",
-           "decode_step", "row_major_features", "first_token", "load_slot", "copy_slot",
+           "decode_step", "rows_decode_step", "row_major_features", "first_token", "load_slot", "copy_slot",
            "zero_slot", "save_ckpt", "encode", "copy_page", "piece_features", "set_counts", "Steps",
            "flat_params", "jit_steps"]

@@ -31,7 +31,8 @@ def test_stacked_equals_separate():
 
   def loss(state, x, stacked):
     ls = nnx.merge(graphdef, state)
-    ys = apply_stacked(x, list(ls)) if stacked else [l(x) for l in ls]
+    # small_rows=0: stacked at any size (these 10 rows would take the one-by-one path)
+    ys = apply_stacked(x, list(ls), small_rows=0) if stacked else [l(x) for l in ls]
     return sum(jnp.sum(y * c) for y, c in zip(ys, cot)), ys
 
   vg = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), static_argnums=2)
