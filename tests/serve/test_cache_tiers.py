@@ -20,7 +20,7 @@ from k3_jax import train
 from k3_jax.data.tokenizers import ByteTokenizer
 from k3_jax.model import create_model
 from k3_jax.serve import cache_disk
-from k3_jax.serve.cache_tiers import CacheTiers, HostTier, TierMetrics
+from k3_jax.serve.cache_tiers import CacheTiers, HostTier, TierMetrics, _Shared
 from k3_jax.serve.engine import Engine
 from k3_jax.serve.kv_pages import PAGE, PagePool
 from k3_jax.serve.prefix_cache import PrefixCache, block_hashes
@@ -154,7 +154,6 @@ class FakeIO:
 
 def test_host_tier_evicts_least_recent_and_shares_page_copies():
   host = HostTier(budget=250)
-  from k3_jax.serve.cache_tiers import _Shared
   one = _Shared([np.zeros(1)])
   assert host.put(b"a", None, one, None, 100, 10) == []
   assert host.put(b"b", b"a", one, [np.zeros(1)], 100, 10) == []    # shares a's page copy
@@ -272,3 +271,20 @@ def test_disk_tier_evicts_least_recent_and_keeps_checkpoints(tmp_path):
   assert disk.index[b"b"].has_ckpt and np.array_equal(disk.get(b"b").ckpt[0], np.ones(3))
   again = cache_disk.DiskTier(str(tmp_path), 25_000, "fp")   # a restart: the same blocks
   assert set(again.index) == {b"b", b"d"} and again.index[b"b"].has_ckpt
+
+
+def test_persist_writes_device_and_host_blocks(tmp_path):
+  # what a draining server does: every block of the device and host tiers to disk, once
+  pool = PagePool(8)
+  pc = PrefixCache(pool, num_ckpt_slots=2, budget_bytes=1000, page_bytes=100, ckpt_bytes=10)
+  io = FakeIO(8, 2)
+  disk = cache_disk.DiskTier(str(tmp_path), 1 << 20, "fp")
+  tiers = CacheTiers(pc, io, host_bytes=1000, disk=disk)
+  a, b = pool.alloc(2)
+  assert pc.register_block(b"x", None, a, 1) and pc.register_block(b"y", b"x", b, 1)
+  c = pc.alloc_checkpoint(b"y")
+  pool.decref([a, b])
+  tiers.host.put(b"z", b"y", _Shared([np.zeros(4, np.float32)]), None, 100, 10)
+  assert tiers.persist() == 3 and tiers.persist() == 0
+  assert set(disk.index) == {b"x", b"y", b"z"} and disk.index[b"y"].has_ckpt
+  assert np.array_equal(disk.get(b"y").ckpt[0], io.ckpts[c])
