@@ -173,6 +173,8 @@ class HostTier:
           ckpt_bytes: int) -> list[bytes]:
     """Adds a block -> the blocks pushed out to make room, oldest first (the disk tier, when
     there is one, has them already: the tiers write through)."""
+    if h in self.blocks:                    # (replaced: its bytes counted once)
+      self.pop(h)
     page.refs += 1
     self.used += (page_bytes if page.refs == 1 else 0) + (ckpt_bytes if ckpt else 0)
     self.blocks[h] = (parent, page, ckpt, page_bytes, ckpt_bytes)

@@ -161,6 +161,8 @@ def test_host_tier_evicts_least_recent_and_shares_page_copies():
   assert host.put(b"c", b"b", _Shared([np.zeros(1)]), None, 100, 10) == []
   assert host.put(b"d", None, _Shared([np.zeros(1)]), None, 100, 10) == [b"a", b"b"]
   assert list(host.blocks) == [b"c", b"d"] and host.used == 200
+  assert host.put(b"d", None, _Shared([np.zeros(1)]), [np.zeros(1)], 100, 10) == []
+  assert list(host.blocks) == [b"c", b"d"] and host.used == 210     # replaced, not doubled
 
 
 def test_demote_and_promote_bookkeeping():
