@@ -279,6 +279,17 @@ class ServeConfig:
                                "1 GiB on a device that reports none (CPU)")
   prefix_cache_bytes: int = option(1 << 30, "prefix cache budget (cached MLA pages + KDA "
                                    "checkpoints); 0 disables it")
+  host_cache_bytes: int = option(0, "prefix cache host-memory tier: bytes of host memory "
+                                 "that entries evicted from the device cache are demoted into "
+                                 "(and promoted back from on a hit); 0: no host tier")
+  disk_cache_dir: str = option("", "prefix cache disk tier: a directory that demoted entries "
+                               "are also written to (one file per block), reloaded by a "
+                               "server restarted on the same model and tokenizer; empty: none")
+  disk_cache_bytes: int = option(16 << 30, "the disk tier's budget in bytes (least recently "
+                                 "used files are removed past it)")
+  cache_decoded: bool = option(True, "a finished request's prompt + generated tokens join the "
+                               "prefix cache (with a KDA checkpoint at the last grid boundary "
+                               "the decode passed), so the next turn hits through its answer")
   prefix_match_unit: int = option(SERVE_PAGE, "prefix-cache hit granularity in tokens (a "
                                   f"power of two dividing {SERVE_PAGE}): hash entries and "
                                   "KDA checkpoints lie on this grid, a hit ends on a multiple")
@@ -329,6 +340,10 @@ class ServeConfig:
              "must be a byte count >= 0 (0: sized from the device's free memory)")
     _require(self.prefix_cache_bytes >= 0, "prefix_cache_bytes", self.prefix_cache_bytes,
              "must be >= 0 (0 disables the prefix cache)")
+    _require(self.host_cache_bytes >= 0, "host_cache_bytes", self.host_cache_bytes,
+             "must be a byte count >= 0 (0: no host tier)")
+    _require(self.disk_cache_bytes >= 0, "disk_cache_bytes", self.disk_cache_bytes,
+             "must be a byte count >= 0")
     u = self.prefix_match_unit
     _require(isinstance(u, int) and 1 <= u <= SERVE_PAGE and SERVE_PAGE % u == 0 and
              u & (u - 1) == 0, "prefix_match_unit", u,

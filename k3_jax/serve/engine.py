@@ -36,6 +36,7 @@ from k3_jax.serve import generate, intake, kv_manager, output, planner
 from k3_jax.serve import kv_pages as kv
 from k3_jax.serve.kv_pages import PAGE
 from k3_jax.serve import speculate
+from k3_jax.serve import cache_tiers, turn_cache      # cache tiers
 from k3_jax.serve.roster import Roster
 from k3_jax.serve.runner import Runner, shared
 from k3_jax.serve.scheduler import (EngineFatal, QueueFull, Request, RequestError,
@@ -79,11 +80,15 @@ class Engine:
     if relay is not None:
       relay.factories["score"] = self.scorer
     self.speculator = speculate.for_engine(self)   # speculation
+    self.tiers = cache_tiers.attach(self)      # cache tiers: host / disk behind the prefix cache
+    self.turns = turn_cache.attach(self)       # cache tiers: decoded tokens join the cache
 
     self.roster = Roster(self.max_batch, serve.max_queue, self.kv)
     r = self.roster        # (the same objects: the server and tests read them here)
     self.lock, self.waiting, self.running, self.free_slots = (r.lock, r.waiting, r.running,
                                                               r.free_slots)
+    if self.turns is not None:                 # cache tiers: the conversation so far
+      r.on_done = self.turns.on_finish
     self.step_no = 0
     self.generated_tokens = 0
 
@@ -92,6 +97,11 @@ class Engine:
   failed_requests = property(lambda self: self.roster.failed_requests)
   max_queue = property(lambda self: self.roster.max_queue,       # waiting requests at most
                        lambda self, n: setattr(self.roster, "max_queue", n))
+
+  cache = property(lambda self: self.runner.cache,       # the device state (the runner's)
+                   lambda self, v: setattr(self.runner, "cache", v))
+  ckpts = property(lambda self: self.runner.ckpts,
+                   lambda self, v: setattr(self.runner, "ckpts", v))
 
   @property
   def pool(self):
@@ -354,6 +364,8 @@ class Engine:
       rows = planner.decode_slots([r.slot for r in now], self.max_batch,
                                   self.serve.batch_invariant)
       got = self.runner.decode(now, biases, ahead, self.tables, self.pages_per_slot, rows)
+      if self.turns is not None:               # cache tiers: KDA states at grid boundaries
+        self.turns.after_decode(now, ahead)
     if pend is not None:
       self._read_decode(pend)        # overlapped with the step just dispatched
     if got is not None:

@@ -60,6 +60,9 @@ def make_metrics(engine):
     Gauge(f"k3_{key}", doc, registry=reg).set_function(
         lambda key=key: engine.resource_counts()[key])
   reg.register(EngineCounters())
+  if getattr(engine, "tiers", None) is not None:      # cache tiers: per-tier counters
+    from k3_jax.serve.cache_tiers import TierMetrics
+    reg.register(TierMetrics(engine))
   return reg, m
 
 

@@ -39,6 +39,8 @@ class Roster:
     self.finished_requests = 0
     self.failed_requests = 0
     self.fatal: BaseException | None = None    # set when a device/shared-state fault stopped it
+    self.on_done = None      # fn(request) before a finished request's slot and pages go
+                             # (the cache tiers' decoded-turn cache, turn_cache.py)
 
   def enqueue(self, req: Request) -> None:
     """Queues req (or attaches it to the lead it forks from); EngineFatal once stopped,
@@ -103,6 +105,8 @@ class Roster:
     if r in self.running:
       with shared("the page pool bookkeeping"):
         self.running.remove(r)
+        if self.on_done is not None and reason in ("stop", "length"):
+          self.on_done(r)
         self.kv.release(r.slot)
         self.free_slots.append(r.slot)
     r.features = r.images = r.feed = None

@@ -170,6 +170,10 @@ def serve(app, host: str, port: int) -> None:
           time.sleep(0.05)
         left = len(engine.running) + len(engine.waiting)
         log.warning("drained%s; shutting down", f" ({left} requests cut off)" if left else "")
+        if getattr(engine, "tiers", None) is not None and not engine.has_work():
+          with engine.lock:                  # cache tiers: the next server starts with them
+            log.warning("prefix cache: %d blocks written to the disk tier",
+                        engine.tiers.persist())
         self.should_exit = True
       threading.Thread(target=drain, name="k3-drain", daemon=True).start()
 
