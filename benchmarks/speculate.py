@@ -123,10 +123,17 @@ def main():
   ap.add_argument("--new", type=int, default=48)
   ap.add_argument("--k", type=int, default=4)
   ap.add_argument("--copy_steps", type=int, default=1000)
+  ap.add_argument("--config", default="k3_tiny",
+                  help="the model (k3_tiny: with the 3 KDA + 2 MLA layers of tests/serve)")
+  ap.add_argument("--override", action="append", default=None,
+                  help="config overrides (repeatable); default for k3_tiny: " + " ".join(OVERRIDES))
+  ap.add_argument("--lr", type=float, default=1e-2, help="copy training's peak learning rate")
   args = ap.parse_args()
-  cfg = validate(apply_overrides(configs.get("k3_tiny"), OVERRIDES))
-  g, p, r = train_copier(cfg, args.copy_steps)
-  print(f"k3_tiny, {'random weights' if args.copy_steps == 0 else f'{args.copy_steps} copy-training steps'}, "
+  overrides = args.override if args.override is not None else (
+      OVERRIDES if args.config == "k3_tiny" else ["max_seq_len=2048"])
+  cfg = validate(apply_overrides(configs.get(args.config), overrides))
+  g, p, r = train_copier(cfg, args.copy_steps, lr=args.lr)
+  print(f"{args.config}, {'random weights' if args.copy_steps == 0 else f'{args.copy_steps} copy-training steps'}, "
         f"k = {args.k}, {args.new} new tokens a request, prompts {TEXT} + {TEXT // 4} tokens")
   print(f"{'batch':>5} {'mode':>7} {'dec tok/s':>10} {'x plain':>8} {'verify':>7} "
         f"{'kept/req/verify':>16} {'tok/req/step':>13}")
