@@ -128,6 +128,7 @@ def main():
   ap.add_argument("--override", action="append", default=None,
                   help="config overrides (repeatable); default for k3_tiny: " + " ".join(OVERRIDES))
   ap.add_argument("--lr", type=float, default=1e-2, help="copy training's peak learning rate")
+  ap.add_argument("--batches", default="1,8", help="requests at once, per row group")
   args = ap.parse_args()
   overrides = args.override if args.override is not None else (
       OVERRIDES if args.config == "k3_tiny" else ["max_seq_len=2048"])
@@ -137,7 +138,7 @@ def main():
         f"k = {args.k}, {args.new} new tokens a request, prompts {TEXT} + {TEXT // 4} tokens")
   print(f"{'batch':>5} {'mode':>7} {'dec tok/s':>10} {'x plain':>8} {'verify':>7} "
         f"{'kept/req/verify':>16} {'tok/req/step':>13}")
-  for batch in (1, 8):
+  for batch in map(int, args.batches.split(",")):
     eng = Engine(cfg, g, p, r, max_batch=batch, prefix_cache_bytes=0, max_len=1024)
     sp = Speculator(eng, "ngram", args.k)
     ps, warm = prompts(batch), prompts(batch, seed=1)
