@@ -35,6 +35,7 @@ from k3_jax.config import ModelConfig, ServeConfig
 from k3_jax.serve import generate, intake, kv_manager, output, planner
 from k3_jax.serve import kv_pages as kv
 from k3_jax.serve.kv_pages import PAGE
+from k3_jax.serve import speculate
 from k3_jax.serve.roster import Roster
 from k3_jax.serve.runner import Runner, shared
 from k3_jax.serve.scheduler import (EngineFatal, QueueFull, Request, RequestError,
@@ -77,6 +78,7 @@ class Engine:
                                    self.pages_per_slot, prefix)
     if relay is not None:
       relay.factories["score"] = self.scorer
+    self.speculator = speculate.for_engine(self)   # speculation
 
     self.roster = Roster(self.max_batch, serve.max_queue, self.kv)
     r = self.roster        # (the same objects: the server and tests read them here)
@@ -322,6 +324,10 @@ class Engine:
     takes it from the device, and the previous step's tokens are read and emitted while this
     step runs. When the unread token ends its request (a stop id or string), its ahead row
     is wasted: that row wrote past the request's tokens in its own pages, and is dropped."""
+    if self.speculator is not None:   # speculation: a verify step when some request has drafts
+      dec = self.speculator.decode(self, dec)
+      if dec is None:
+        return
     pend, self._pending = self._pending, None
     if planner.read_first(pend is not None, self.overlap, dec):
       self._read_decode(pend)

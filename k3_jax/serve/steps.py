@@ -95,6 +95,12 @@ def sample_logits(logits: jax.Array, counts: jax.Array, s: Sampling) -> Sampled:
   raw = logits.astype(jnp.float32)
   ids = sample_rows(raw + s.bias, counts, s.seeds, s.steps, s.temperature, s.top_p,
                     s.presence, s.frequency)
+  return with_logprobs(raw, ids)
+
+
+def with_logprobs(raw: jax.Array, ids: jax.Array) -> Sampled:
+  """Sampled of tokens ids [B] drawn from rows of raw [B, V] f32: their log-probabilities
+  and the TOP_K most likely under the model's own log_softmax(raw)."""
   lp = jax.nn.log_softmax(raw, axis=-1)
   top_lp, top_ids = jax.lax.top_k(lp, min(TOP_K, lp.shape[-1]))
   chosen = jnp.take_along_axis(lp, ids[:, None], axis=-1)[:, 0]
@@ -302,7 +308,7 @@ def jit_steps(graphdef, par, jit=jax.jit, treedefs=None) -> ServeSteps:
       set_counts=jit(set_counts, donate_argnums=(0,)))
 
 
-__all__ = ["TOP_K", "Sampling", "DecodeBatch", "Sampled", "sample_logits", "prefill_step",
-           "decode_step", "rows_decode_step", "row_major_features", "first_token", "load_slot",
-           "copy_slot", "zero_slot", "save_ckpt", "encode", "copy_page", "piece_features",
-           "set_counts", "ServeSteps", "flat_params", "jit_steps"]
+__all__ = ["TOP_K", "Sampling", "DecodeBatch", "Sampled", "sample_logits", "with_logprobs",
+           "prefill_step", "decode_step", "rows_decode_step", "row_major_features",
+           "first_token", "load_slot", "copy_slot", "zero_slot", "save_ckpt", "encode",
+           "copy_page", "piece_features", "set_counts", "ServeSteps", "flat_params", "jit_steps"]

@@ -14,3 +14,11 @@ def engine8():
   cfg = tiny_serving_config()
   g, p, r = train.split_model(create_model(cfg, seed=3))
   return Engine(cfg, g, p, r, max_batch=8, prefix_cache_bytes=0, max_len=512)
+
+
+@pytest.fixture(scope="session")
+def speculator8(engine8):
+  """A prompt-lookup Speculator (k = 3) over engine8, not attached: its verify step compiles
+  once for the tests that verify (test_verify.py) or attach it (test_speculate.py)."""
+  from k3_jax.serve.speculate import Speculator
+  return Speculator(engine8, "ngram", 3)
