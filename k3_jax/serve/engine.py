@@ -102,27 +102,16 @@ class Engine:
                    lambda self, v: setattr(self.runner, "cache", v))
   ckpts = property(lambda self: self.runner.ckpts,
                    lambda self, v: setattr(self.runner, "ckpts", v))
-
-  @property
-  def pool(self):
-    return self.kv.pool
-
-  @property
-  def prefix(self):
-    return self.kv.prefix
-
-  @property
-  def tables(self) -> np.ndarray:
-    return self.kv.tables
+  pool = property(lambda self: self.kv.pool)            # (read-only views of the KV manager)
+  prefix = property(lambda self: self.kv.prefix)
+  tables = property(lambda self: self.kv.tables)
 
   def scorer(self):
     """The teacher-forced scorer (logprobs.Scorer) over this engine's weights."""
     return self.runner.scorer(self.max_len)
 
   # ----- submission ---------------------------------------------------------------------
-  def validate(self, prompt_ids, params: SamplingParams, openai_ranges: bool = True,
-               images: dict | None = None) -> np.ndarray:
-    return intake.check_request(self, prompt_ids, params, openai_ranges, images)
+  validate = intake.check_request   # (prompt_ids, params, openai_ranges, images) -> prompt
 
   def submit(self, prompt_ids, params: SamplingParams = SamplingParams(),
              openai_ranges: bool = True, images: dict | None = None, **kw) -> Request:

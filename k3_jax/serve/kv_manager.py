@@ -14,7 +14,8 @@ them only through these verbs:
                    boundary); False when the pool has none left (the engine then preempts)
     register(...)  what a prefill step wrote: the prompt's finished blocks join the prefix
                    cache, and the checkpoint slot to save the KDA state into, if one is kept
-    release(slot)  the sequence's pages back (cached blocks stay with the prefix cache)
+    release(slot)  the sequence's pages back (cached blocks stay with the prefix cache);
+                   preempt(slot) the same when the pool ran out (counted)
 
 Pages are handed out as a sequence grows (its prompt's pages and the first generated
 position's at `acquire`, one more each time decoding crosses a page boundary), so the
@@ -103,9 +104,7 @@ class KVManager:
 
   def ever_fits(self, tokens: int) -> bool:
     """Could one sequence of `tokens` positions hold its pages in the empty pool?"""
-    n = math.ceil(tokens / PAGE)
-    cap = [self.pool.per_shard - (s == 0) for s in range(self.pool.shards)]
-    return all(k <= c for k, c in zip(self.pool._need(n, 0), cap))
+    return self.pool.ever_fits(math.ceil(tokens / PAGE))
 
   def _take(self, n: int, start: int) -> list[int] | None:
     """n fresh pages for columns start.., evicting unpinned prefix entries if needed."""
@@ -194,6 +193,11 @@ class KVManager:
   def release(self, slot: int) -> None:
     self.pool.decref(self.held[slot])
     self._seat(slot, [])
+
+  def preempt(self, slot: int) -> None:
+    """release, for a sequence taken off its slot because the pool ran out (counted)."""
+    self.release(slot)
+    self.preemptions += 1
 
   # ----- reading -------------------------------------------------------------------------
   def counts(self) -> dict:

@@ -65,6 +65,12 @@ class PagePool:
     """Pages per shard that columns start .. start + n - 1 take."""
     return np.bincount(np.arange(start, start + n) % self.shards, minlength=self.shards)
 
+  def ever_fits(self, n: int) -> bool:
+    """Could n pages for columns 0 .. n - 1 come from the empty pool (the null page, on
+    shard 0, is never handed out)?"""
+    cap = [self.per_shard - (s == 0) for s in range(self.shards)]
+    return all(k <= c for k, c in zip(self._need(n, 0), cap))
+
   def fits(self, n: int, start: int = 0) -> bool:
     """Could `alloc(n, start)` succeed now?"""
     return all(len(f) >= k for f, k in zip(self._free, self._need(n, start)))

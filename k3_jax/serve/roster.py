@@ -82,8 +82,7 @@ class Roster:
     first: it resumes exactly where it was (its tokens are prefilled again)."""
     with shared("the page pool bookkeeping"):
       self.running.remove(r)
-      self.kv.release(r.slot)
-      self.kv.preemptions += 1
+      self.kv.preempt(r.slot)
       self.free_slots.append(r.slot)
     log.info("request %s preempted at %d tokens (%d generated): the KV cache is full",
              r.id, r.pos, len(r.output_ids))

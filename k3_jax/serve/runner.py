@@ -144,9 +144,10 @@ class Runner:
       n = kv_manager.pool_size(budget, self.page_bytes, shards, cap)
     except ValueError as e:
       raise UserError(str(e)) from None
+    capped = ", capped at what max_batch x max_len needs" if n == cap else ""
     msg = (f"KV cache: {n - 1} pages of {PAGE} tokens = {(n - 1) * PAGE:,} tokens "
            f"({n * self.page_bytes / 2**20:,.1f} MiB over {shards} page shard(s); budget "
-           f"{budget / 2**20:,.1f} MiB from {how}{', capped at what max_batch x max_len needs' if n == cap else ''}); "
+           f"{budget / 2**20:,.1f} MiB from {how}{capped}); "
            f"max_len {max_len:,} tokens per sequence")
     log.info(msg)
     return n, msg
