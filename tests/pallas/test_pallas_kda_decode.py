@@ -122,6 +122,23 @@ def test_decode_head_blocks(monkeypatch):
   _close(s, s_ref, FP32_REL)
 
 
+def test_decode_keeps_idle_rows():
+  """active [B]: the idle rows' state comes back bit for bit (the kernel selects as it
+  writes, in the aliased buffer); the active rows' as without a mask; ops.kda.decode_step's
+  reference path the same."""
+  B, H, K, V = 3, 2, 16, 16
+  q, k, v, g, beta, s0 = _tokens(B, 1, H, K, V, seed=3)
+  args = (q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], s0)
+  active = jnp.asarray([True, False, True])
+  _, s = jax.jit(functools.partial(kd.kda_decode_step, interpret=True))(*args, active=active)
+  _, s_all = kda.kda_decode_step(*args)
+  np.testing.assert_array_equal(np.asarray(s[1]), np.asarray(s0[1]))
+  _close(s[::2], s_all[::2], FP32_REL)
+  _, s_ref = kda.decode_step(*args, active=active)
+  np.testing.assert_array_equal(np.asarray(s_ref[1]), np.asarray(s0[1]))
+  _close(s_ref[::2], s_all[::2], FP32_REL)
+
+
 def test_head_block_choice():
   assert kd.head_block(24, 128, 128) == 8       # 24 heads x 64 KiB > 1 MiB: blocks of 8
   assert kd.head_block(16, 128, 128) == 16      # exactly 1 MiB: one block
