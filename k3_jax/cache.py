@@ -7,6 +7,9 @@ One entry per decoder layer, by its mixer:
         conv_q/k/v        [B, W-1, H*K]   (the last W-1 inputs of each causal conv)
         active            None, or [B] bool during a serving decode step: rows whose
                           state the step may change (an idle slot's is kept, in the layer)
+        unit              None, or (a scanned unit's layer in a serving decode step) the
+                          index of its state in `state`, then the whole stacked [R, B, H,
+                          K, V] state, updated in place there (the windows are the layer's)
     MLACache        MLA layer, contiguous (prefill / decode): the latents of every position
         c_kv              [B, S, R]
         k_r               [B, S, Pr]     (R = kv_lora_rank, Pr = qk_rope_head_dim)
@@ -51,6 +54,7 @@ class KDAState:
   conv_k: jax.Array
   conv_v: jax.Array
   active: jax.Array | None = None   # [B] bool (serving decode), else None
+  unit: jax.Array | None = None     # (a scanned layer's decode) state is the [R, ...] stack
 
 
 @_pytree

@@ -1,8 +1,9 @@
 """Pallas TPU kernel: one KDA decode step (one token per sequence, a batch of sequences).
 
 Same signature and result as the reference `k3_jax.ops.kda.kda_decode_step`, plus
-`interpret` (run the kernel with the Pallas interpreter, e.g. on CPU) and `active` (rows
-whose state the step may change; an idle row's state is written back unchanged):
+`interpret` (run the kernel with the Pallas interpreter, e.g. on CPU), `active` (rows
+whose state the step may change; an idle row's state is written back unchanged) and `layer`
+(the state is a scanned stack [R, B, H, K, V], updated in place at that index):
 
     q, k, g [B, H, K]; v [B, H, V]; beta [B, H]; state [B, H, K, V] float32
     -> (o [B, H, V] in v.dtype, new_state [B, H, K, V] float32)
@@ -62,8 +63,9 @@ def _to_column(row: jax.Array, eye: jax.Array) -> jax.Array:
   return jnp.sum(jnp.where(eye, row, 0.0), axis=1, keepdims=True)
 
 
-def _decode_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, keep_ref, s_ref, o_ref, s_out_ref,
-                   *, scale: float, heads: int):
+def _decode_kernel(layer_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, keep_ref, s_ref, o_ref,
+                   s_out_ref, *, scale: float, heads: int):
+  del layer_ref                           # (read by the index maps)
   # Blocks: q/k/g [1, Hb, K]; v [1, Hb, V]; beta [1, Hb, 1]; keep [1, 1, 1] (1: active);
   # state [1, Hb, K, V]; o [1, Hb, V]; s_out aliases the state's buffer.
   k_dim = q_ref.shape[-1]
@@ -98,36 +100,46 @@ def decode_cost(q, k, v, g, beta, state) -> pl.CostEstimate:
                       + nbytes(v)))
 
 
-def kda_decode_step(q, k, v, g, beta, state, scale=None, interpret=False, active=None):
+def kda_decode_step(q, k, v, g, beta, state, scale=None, interpret=False, active=None,
+                    layer=None):
   """One decode step as a Pallas kernel; see the module docstring for shapes.
 
   The new state is written into the state's buffer (aliased): donate `state` under jit to
   avoid a copy. active: None, or [B] bool: the rows whose state changes (the others keep
   theirs, selected here rather than after the call, which would need the old state kept:
-  a copy of the whole state). Not differentiable (decode is inference only).
+  a copy of the whole state). layer: None, or the index into a stacked state [R, B, H, K,
+  V] (a scanned unit's carry): only that layer's blocks are read and written, in place,
+  and the whole stack is returned (sliced out for the call and written back, the state
+  took two more passes a layer). Not differentiable (decode is inference only).
   """
-  b, h, k_dim, v_dim = check_decode_shapes(q, k, v, g, beta, state)
+  one = state if layer is None else jax.ShapeDtypeStruct(state.shape[1:], state.dtype)
+  b, h, k_dim, v_dim = check_decode_shapes(q, k, v, g, beta, one)
   scale = float(default_scale(scale, k_dim))
   hb = head_block(h, k_dim, v_dim)
-  vec = lambda d: pl.BlockSpec((1, hb, d), lambda i, j: (i, j, 0))
-  state_spec = pl.BlockSpec((1, hb, k_dim, v_dim), lambda i, j: (i, j, 0, 0))
+  stack = state.astype(jnp.float32)
+  if layer is None:                       # one layer's state: a free reshape to a stack of 1
+    stack, layer = stack[None], 0
+  layer = jnp.asarray(layer, jnp.int32).reshape(1)
+  vec = lambda d: pl.BlockSpec((1, hb, d), lambda i, j, l: (i, j, 0))
+  state_spec = pl.BlockSpec((None, 1, hb, k_dim, v_dim), lambda i, j, l: (l[0], i, j, 0, 0))
   kernel = functools.partial(_decode_kernel, scale=scale, heads=hb)
   keep = (jnp.ones((b,), jnp.int32) if active is None else active.astype(jnp.int32))
-  o, new_state = pl.pallas_call(
+  o, new_stack = pl.pallas_call(
       kernel,
-      grid=(b, h // hb),
-      in_specs=[vec(k_dim), vec(k_dim), vec(v_dim), vec(k_dim), vec(1),
-                pl.BlockSpec((1, 1, 1), lambda i, j: (i, 0, 0)), state_spec],
-      out_specs=[vec(v_dim), state_spec],
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=1, grid=(b, h // hb),
+          in_specs=[vec(k_dim), vec(k_dim), vec(v_dim), vec(k_dim), vec(1),
+                    pl.BlockSpec((1, 1, 1), lambda i, j, l: (i, 0, 0)), state_spec],
+          out_specs=[vec(v_dim), state_spec]),
       out_shape=[jax.ShapeDtypeStruct((b, h, v_dim), v.dtype),
-                 jax.ShapeDtypeStruct((b, h, k_dim, v_dim), jnp.float32)],
-      input_output_aliases={6: 1},
+                 jax.ShapeDtypeStruct(stack.shape, jnp.float32)],
+      input_output_aliases={7: 1},
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
       interpret=interpret,
-      cost_estimate=decode_cost(q, k, v, g, beta, state),
+      cost_estimate=decode_cost(q, k, v, g, beta, one),
       name="kda_decode_step",
-  )(q, k, v, g, beta.reshape(b, h, 1), keep.reshape(b, 1, 1), state.astype(jnp.float32))
-  return o, new_state
+  )(layer, q, k, v, g, beta.reshape(b, h, 1), keep.reshape(b, 1, 1), stack)
+  return o, (new_stack[0] if state.ndim == 4 else new_stack)
 
 
 __all__ = ["kda_decode_step", "head_block", "decode_cost"]

@@ -146,6 +146,8 @@ class KDA(nnx.Module):
     one-step recurrence runs; otherwise the chunked form (from the cached state). par: the
     parallel setup (k3_jax/partitioning.py)."""
     b, t, _ = x.shape
+    if cache is not None and cache.unit is not None and t != 1:
+      raise ValueError("a stacked KDA state (KDAState.unit) is for one-token decode steps")
     get = (lambda n: getattr(cache, n)) if cache is not None else (lambda n: None)
     xq, xk, xv, zf, gate = self._inputs(x, par)
     q, cq = self._conv(xq, self.q_conv, segment_ids, get("conv_q"), par)
@@ -157,9 +159,10 @@ class KDA(nnx.Module):
     g = self._decay(zf)                                                # [B, T, H, K] f32
     if cache is not None and t == 1:
       # idle rows keep their state inside the step (the kernel selects as it writes)
+      # (a scanned layer's: the whole stacked state, updated in place at its unit)
       o, state = kda_ops.decode_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
                                      cache.state, backend=self.c.backend, par=par,
-                                     active=cache.active)
+                                     active=cache.active, layer=cache.unit)
       o = o[:, None]
     else:
       o, state = kda_ops.chunk_kda(q, k, v, g, beta, chunk_size=self.c.chunk_size,
@@ -177,7 +180,8 @@ class KDA(nnx.Module):
                                             (cv, cache.conv_v)))
       if t != 1:
         state = keep(state, cache.state)
-    return y, KDAState(state=state, conv_q=cq, conv_k=ck, conv_v=cv, active=cache.active)
+    return y, KDAState(state=state, conv_q=cq, conv_k=ck, conv_v=cv, active=cache.active,
+                       unit=cache.unit)
 
 
 __all__ = ["KDA"]
