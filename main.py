@@ -299,15 +299,15 @@ def _check_checkpoint_step() -> None:
 
 def _check_sampling() -> None:
   """generate: the sampling flags, before the checkpoint is read."""
-  import math
   from k3_jax.config import UserError
-  if not FLAGS.temperature >= 0:
-    raise UserError(f"--temperature={FLAGS.temperature}: must be >= 0 (0 = greedy)")
-  if not 0.0 < FLAGS.top_p <= 1.0:
-    raise UserError(f"--top_p={FLAGS.top_p}: must lie in (0, 1]")
-  for name in ("frequency_penalty", "presence_penalty"):
-    if not math.isfinite(getattr(FLAGS, name)):
-      raise UserError(f"--{name}={getattr(FLAGS, name)}: must be finite")
+  from k3_jax.serve.scheduler import RequestError, SamplingParams
+  names = ("temperature", "top_p", "frequency_penalty", "presence_penalty")
+  try:         # the engine's own check (serve/limits.py), without the OpenAI ranges
+    SamplingParams(**{n: getattr(FLAGS, n) for n in names}).validate(openai_ranges=False)
+  except RequestError as e:         # "name=value must ...", as the flag: "--name=value: ..."
+    name, rest = str(e).split("=", 1)
+    value, why = rest.split(" ", 1)
+    raise UserError(f"--{name}={value}: {why}") from None
   for path in FLAGS.image:
     if not os.path.isfile(path):
       raise UserError(f"--image={path}: no such file")

@@ -100,17 +100,18 @@ def decode_step_time(eng, pos, runs, slots=1):
   b = eng.max_batch
   for s in range(slots):
     assert eng.kv.grow(s, pos + 1), "the pool cannot hold the timed context"
-  bucket = eng._bucket(pos + 1)
+  from k3_jax.serve.runner import bucket as window
+  bucket, run = window(pos + 1, eng.pages_per_slot), eng.runner
   z, zf = np.zeros(b, np.int32), np.zeros(b, np.float32)
-  sampling = steps.Sampling(z, z, zf, np.ones(b, np.float32), zf, zf, eng._no_bias[b])
+  sampling = steps.Sampling(z, z, zf, np.ones(b, np.float32), zf, zf, run.zero_bias(b))
   batch = lambda: steps.DecodeBatch(z, np.full(b, pos, np.int32), eng.tables[:, :bucket].copy(),
                                     np.ones(b, bool), sampling, z, np.zeros(b, bool))
   times = []
   for i in range(runs + 1):                       # the first call compiles
     t0 = time.perf_counter()
-    out = eng._steps.decode(*eng.weights, eng.cache, eng.counts, batch())
+    out = run.steps.decode(*run.weights, run.cache, run.counts, batch())
     jax.block_until_ready(out)
-    eng.cache, eng.counts = out[1], out[2]
+    run.cache, run.counts = out[1], out[2]
     if i:
       times.append(time.perf_counter() - t0)
   return statistics.median(times)
@@ -196,13 +197,16 @@ def read_bandwidth(mb: int = 64, runs: int = 10) -> float:
   return a.nbytes * runs / (time.perf_counter() - t0)
 
 
+HF_DEVICE = "cpu"         # --hf_device: where transformers runs (cuda on a GPU machine)
+
+
 def kimi_pair(tmp):
   """The converted 15M-parameter Kimi-Linear of benchmarks/vs_transformers.py, saved as a
   Hugging Face directory `tmp` -> (transformers model, our config, our model, the 8 distinct
   512-token prompts)."""
   from benchmarks.vs_transformers import build_pair
   hf, cfg, ours = build_pair(tmp, [])
-  hf.eval()
+  hf.to(HF_DEVICE).eval()
   hf.generation_config.eos_token_id = None
   hf.generation_config.pad_token_id = 0
   rng = np.random.default_rng(5)
@@ -213,7 +217,8 @@ def kimi_pair(tmp):
 def hf_warm(hf, prompts):
   import torch
   with torch.no_grad():
-    hf.generate(torch.tensor(prompts[:1], dtype=torch.long), max_new_tokens=2, do_sample=False)
+    hf.generate(torch.tensor(prompts[:1], dtype=torch.long, device=hf.device),
+                max_new_tokens=2, do_sample=False)
 
 
 def hf_run(hf, prompts, new, batch):
@@ -222,9 +227,9 @@ def hf_run(hf, prompts, new, batch):
   outs = []
   with torch.no_grad():
     for i in range(0, len(prompts), batch):
-      ids = torch.tensor(np.stack(prompts[i:i + batch]), dtype=torch.long)
+      ids = torch.tensor(np.stack(prompts[i:i + batch]), dtype=torch.long, device=hf.device)
       out = hf.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
-      outs += [list(map(int, o[ids.shape[1]:])) for o in out]
+      outs += [list(map(int, o[ids.shape[1]:])) for o in out.cpu()]
   return outs
 
 
@@ -405,7 +410,11 @@ def main():
   ap.add_argument("--serve_flag", action="append", default=[],
                   help="a flag for the `serve` process of the http section (repeatable), "
                   "e.g. --serve_flag=--max_len=4096; default: none (serve's defaults)")
+  ap.add_argument("--hf_device", default="cpu",
+                  help="torch device of the transformers side (e.g. cuda beside JAX on a GPU)")
   a = ap.parse_args()
+  global HF_DEVICE
+  HF_DEVICE = a.hf_device
   only = a.only.split(",")
   out = {"config": a.config, "devices": str(jax.devices()[0].platform),
          "cpus": os.cpu_count()}

@@ -10,6 +10,10 @@ One entry per decoder layer, by its mixer:
         unit              None, or (a scanned unit's layer in a serving decode step) the
                           index of its state in `state`, then the whole stacked [R, B, H,
                           K, V] state, updated in place there (the windows are the layer's)
+        window            None, or a KDAWindow during a speculative verify step
+                          (k3_jax/layers/kda_window.py): the layer then runs T tokens a
+                          row, keeps the state and tails as they were, and records here
+                          what replaying the accepted tokens needs
     MLACache        MLA layer, contiguous (prefill / decode): the latents of every position
         c_kv              [B, S, R]
         k_r               [B, S, Pr]     (R = kv_lora_rank, Pr = qk_rope_head_dim)
@@ -55,6 +59,22 @@ class KDAState:
   conv_v: jax.Array
   active: jax.Array | None = None   # [B] bool (serving decode), else None
   unit: jax.Array | None = None     # (a scanned layer's decode) state is the [R, ...] stack
+  window: "KDAWindow | None" = None  # speculative verify step (layers/kda_window.py)
+
+
+@_pytree
+class KDAWindow:
+  """A verify step's record of one KDA layer's inputs for the T tokens of each row's window:
+  exactly what the recurrence and the short convolutions read, so the accepted prefix can be
+  replayed onto the kept state after acceptance (layers/kda_window.replay)."""
+  q: jax.Array              # [B, T, H, K] f32 (after conv, SiLU, L2 norm)
+  k: jax.Array              # [B, T, H, K] f32
+  v: jax.Array              # [B, T, H, V] f32
+  g: jax.Array              # [B, T, H, K] f32 log decay
+  beta: jax.Array           # [B, T, H] f32
+  xq: jax.Array             # [B, T, H*K] the convolutions' inputs (the tails are made of them)
+  xk: jax.Array
+  xv: jax.Array
 
 
 @_pytree
@@ -94,4 +114,4 @@ def replace(entry, **kw):
   return dataclasses.replace(entry, **kw)
 
 
-__all__ = ["KDAState", "MLACache", "PagedMLACache", "ModelCache", "replace"]
+__all__ = ["KDAState", "KDAWindow", "MLACache", "PagedMLACache", "ModelCache", "replace"]

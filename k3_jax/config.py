@@ -260,7 +260,7 @@ class TrainConfig:
                           "--init_from's; generate default: the run's)", step=False)
 
 
-SERVE_PAGE = 512        # tokens per KV page (k3_jax/serve/kv_pages.PAGE)
+SERVE_PAGE = 512        # tokens per KV page (its one definition; serve/kv_pages.PAGE)
 
 
 @dataclass(frozen=True)
@@ -279,14 +279,28 @@ class ServeConfig:
                                "1 GiB on a device that reports none (CPU)")
   prefix_cache_bytes: int = option(1 << 30, "prefix cache budget (cached MLA pages + KDA "
                                    "checkpoints); 0 disables it")
+  host_cache_bytes: int = option(0, "prefix cache host-memory tier: bytes of host memory "
+                                 "that entries evicted from the device cache are demoted into "
+                                 "(and promoted back from on a hit); 0: no host tier")
+  disk_cache_dir: str = option("", "prefix cache disk tier: a directory that demoted entries "
+                               "are also written to (one file per block), reloaded by a "
+                               "server restarted on the same model and tokenizer; empty: none")
+  disk_cache_bytes: int = option(16 << 30, "the disk tier's budget in bytes (least recently "
+                                 "used files are removed past it)")
+  cache_decoded: bool = option(True, "a finished request's prompt + generated tokens join the "
+                               "prefix cache (with a KDA checkpoint at the last grid boundary "
+                               "the decode passed), so the next turn hits through its answer")
   prefix_match_unit: int = option(SERVE_PAGE, "prefix-cache hit granularity in tokens (a "
                                   f"power of two dividing {SERVE_PAGE}): hash entries and "
                                   "KDA checkpoints lie on this grid, a hit ends on a multiple")
   batch_invariant: bool = option(True, "every prefill call takes one prompt (one shape per "
-                                 "piece size), so a request's logits are bitwise the same "
-                                 "whatever else runs; false: the same-size pieces of up to "
-                                 "max_batch prompts share a call (faster under load; on XLA:CPU "
-                                 "the logits then move in the last bits with the batch)")
+                                 "piece size) and every decode step runs all max_batch slots, "
+                                 "so a request's logits are bitwise the same whatever else "
+                                 "runs; false: the same-size pieces of up to max_batch prompts "
+                                 "share a call and a decode step runs only the decoding slots "
+                                 "(padded to a power of two): faster under load and at low "
+                                 "batch; on XLA:CPU the logits then move in the last bits "
+                                 "with the batch")
   overlap: bool = option(True, "dispatch each decode step before reading back the previous "
                          "one's tokens (one step ahead: the host's emit, detokenise and stop "
                          "checks run while the device computes); false: read each step first")
@@ -302,6 +316,12 @@ class ServeConfig:
   peer_timeout: float = option(30.0, "multi-host serving: seconds without a heartbeat after "
                                "which a process counts as lost; the others then exit with "
                                "status 3 (a supervisor restarts the group)")
+  speculative: str = option("off", "speculative decoding: 'ngram' drafts up to "
+                            "num_speculative_tokens tokens a step from the request's own "
+                            "tokens (prompt lookup) and one verify step keeps the ones the "
+                            "model agrees with (the output's distribution is the model's); "
+                            "'off': one token a step", choices=("off", "ngram"))
+  num_speculative_tokens: int = option(4, "drafts per sequence and step with --speculative")
 
   def __post_init__(self):
     _require(self.request_timeout >= 0, "request_timeout", self.request_timeout,
@@ -320,11 +340,19 @@ class ServeConfig:
              "must be a byte count >= 0 (0: sized from the device's free memory)")
     _require(self.prefix_cache_bytes >= 0, "prefix_cache_bytes", self.prefix_cache_bytes,
              "must be >= 0 (0 disables the prefix cache)")
+    _require(self.host_cache_bytes >= 0, "host_cache_bytes", self.host_cache_bytes,
+             "must be a byte count >= 0 (0: no host tier)")
+    _require(self.disk_cache_bytes >= 0, "disk_cache_bytes", self.disk_cache_bytes,
+             "must be a byte count >= 0")
     u = self.prefix_match_unit
     _require(isinstance(u, int) and 1 <= u <= SERVE_PAGE and SERVE_PAGE % u == 0 and
              u & (u - 1) == 0, "prefix_match_unit", u,
              f"must be a power of two dividing {SERVE_PAGE} (1, 2, ..., {SERVE_PAGE})")
     _require(self.max_queue >= 0, "max_queue", self.max_queue, "must be >= 0")
+    _require(self.speculative in ("off", "ngram"), "speculative", self.speculative,
+             "must be 'off' or 'ngram'")
+    _require(1 <= self.num_speculative_tokens <= 16, "num_speculative_tokens",
+             self.num_speculative_tokens, "must be in 1..16")
     _require(0 <= self.port < 65536, "port", self.port, "must lie in [0, 65535]")
 
 

@@ -222,7 +222,8 @@ def _write_latents(e: PagedMLACache, latents, pos) -> PagedMLACache:
 
 
 def _in_place(e, one_token: bool) -> bool:
-  return one_token and isinstance(e, KDAState) and e.active is not None
+  return (one_token and isinstance(e, KDAState) and e.active is not None
+          and e.window is None)
 
 
 def _unit_entry(e, i, one_token: bool):

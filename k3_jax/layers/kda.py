@@ -21,6 +21,7 @@ from flax import nnx
 from k3_jax.cache import KDAState
 from k3_jax.config import ModelConfig, jnp_dtype
 from k3_jax.layers.init import Init
+from k3_jax.layers.kda_window import window_call
 from k3_jax.layers.linear import SMALL_ROWS, Linear, apply_stacked
 from k3_jax.ops import conv as conv_ops
 from k3_jax.ops import kda as kda_ops
@@ -145,6 +146,8 @@ class KDA(nnx.Module):
     """x [B, T, D] -> (y [B, T, D], new cache or None). With a cache and T == 1 the
     one-step recurrence runs; otherwise the chunked form (from the cached state). par: the
     parallel setup (k3_jax/partitioning.py)."""
+    if cache is not None and cache.window is not None:   # speculation: a verify step's window
+      return window_call(self, x, cache, par)
     b, t, _ = x.shape
     if cache is not None and cache.unit is not None and t != 1:
       raise ValueError("a stacked KDA state (KDAState.unit) is for one-token decode steps")

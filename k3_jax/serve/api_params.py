@@ -11,14 +11,16 @@ chat template, and turns the template parser's Deltas into OpenAI fields with `T
 from __future__ import annotations
 
 from k3_jax.data.chat import ChatError, check_effort, check_tools, tool_choice_name
+from k3_jax.serve import limits
+from k3_jax.serve.scheduler import RequestError, SamplingParams
 
 
 class ParamError(ValueError):
   """A request parameter the server does not support (answered 400, naming it)."""
 
-  def __init__(self, message: str, param: str):
+  def __init__(self, message: str, param: str | None, code: str | None = None):
     super().__init__(message)
-    self.param = param
+    self.param, self.code = param, code
 
 
 def _set(v) -> bool:
@@ -75,9 +77,6 @@ def refuse_unsupported(body: dict, endpoint: str) -> None:
                      + ", ".join(k for k, _ in bad) + ")", bad[0][0])
 
 
-MAX_N = 32                   # choices per request (n, best_of)
-MAX_TOP_LOGPROBS = 5         # OpenAI allows 20 on chat; the engine's step returns the top 5
-MAX_BIAS_ENTRIES = 1024
 
 
 def _int(v) -> bool:
@@ -93,8 +92,8 @@ def logit_bias(body: dict, vocab_size: int) -> tuple[tuple[int, float], ...]:
   if not isinstance(lb, dict):
     raise ParamError("logit_bias must be an object mapping token ids (as strings) to biases "
                      "in [-100, 100]", "logit_bias")
-  if len(lb) > MAX_BIAS_ENTRIES:
-    raise ParamError(f"logit_bias has {len(lb)} entries; at most {MAX_BIAS_ENTRIES}",
+  if len(lb) > limits.MAX_BIAS_ENTRIES:
+    raise ParamError(f"logit_bias has {len(lb)} entries; at most {limits.MAX_BIAS_ENTRIES}",
                      "logit_bias")
   out = []
   for k, v in lb.items():
@@ -106,8 +105,9 @@ def logit_bias(body: dict, vocab_size: int) -> tuple[tuple[int, float], ...]:
     if tid >= vocab_size:
       raise ParamError(f"logit_bias token id {tid} is not in the model's vocabulary "
                        f"[0, {vocab_size})", "logit_bias")
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
-      raise ParamError(f"logit_bias[{key!r}]={v!r} must be a number in [-100, 100]",
+    lo, hi = limits.LOGIT_BIAS
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+      raise ParamError(f"logit_bias[{key!r}]={v!r} must be a number in [{lo:g}, {hi:g}]",
                        "logit_bias")
     out.append((tid, float(v)))
   return tuple(sorted(out))
@@ -117,25 +117,26 @@ def chat_n(body: dict) -> int:
   n = body.get("n")
   if n is None:
     return 1
-  if not _int(n) or not 1 <= n <= MAX_N:
-    raise ParamError(f"n must be an integer in [1, {MAX_N}], got {n!r}", "n")
+  if not _int(n) or not 1 <= n <= limits.MAX_N:
+    raise ParamError(f"n must be an integer in [1, {limits.MAX_N}], got {n!r}", "n")
   return n
 
 
 def chat_logprobs(body: dict) -> int | None:
-  """Chat `logprobs` (a boolean) and `top_logprobs` (0-20 in OpenAI's API; here 0-5) ->
+  """Chat `logprobs` (a boolean) and `top_logprobs` (0-20 in OpenAI's API; here up to
+  limits.TOP_LOGPROBS) ->
   None (no logprobs) or the number of alternatives per token."""
   lp, top = body.get("logprobs"), body.get("top_logprobs")
   if lp is not None and not isinstance(lp, bool):
     raise ParamError(f"logprobs must be a boolean on /v1/chat/completions, got {lp!r} "
                      "(top_logprobs sets the number of alternatives)", "logprobs")
   if top is not None:
-    if not _int(top) or not 0 <= top <= 20:
-      raise ParamError(f"top_logprobs must be an integer in [0, 20], got {top!r}",
-                       "top_logprobs")
-    if top > MAX_TOP_LOGPROBS:
+    if not _int(top) or not 0 <= top <= limits.OPENAI_CHAT_TOP_LOGPROBS:
+      raise ParamError(f"top_logprobs must be an integer in [0, "
+                       f"{limits.OPENAI_CHAT_TOP_LOGPROBS}], got {top!r}", "top_logprobs")
+    if top > limits.TOP_LOGPROBS:
       raise ParamError(f"top_logprobs={top}: this server returns at most "
-                       f"{MAX_TOP_LOGPROBS} alternatives per token", "top_logprobs")
+                       f"{limits.TOP_LOGPROBS} alternatives per token", "top_logprobs")
     if not lp:
       raise ParamError("top_logprobs needs logprobs=true", "top_logprobs")
   return (top or 0) if lp else None
@@ -147,13 +148,75 @@ def best_of(body: dict, n: int) -> int:
   b = body.get("best_of")
   if b is None:
     return n
-  if not _int(b) or not 1 <= b <= MAX_N:
-    raise ParamError(f"best_of must be an integer in [1, {MAX_N}], got {b!r}", "best_of")
+  if not _int(b) or not 1 <= b <= limits.MAX_N:
+    raise ParamError(f"best_of must be an integer in [1, {limits.MAX_N}], got {b!r}",
+                     "best_of")
   if b < n:
     raise ParamError(f"best_of={b} must be >= n={n}", "best_of")
   if b > n and body.get("stream"):
     raise ParamError("best_of greater than n cannot be streamed", "best_of")
   return b
+
+
+def _number(body, name, default, kind=float):
+  v = body.get(name, default)
+  if v is None:
+    return default
+  if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and v != int(v)):
+    raise ParamError(f"{name} must be a number, got {v!r}", name)
+  return kind(v)
+
+
+def sampling_from(body, engine, prompt_len: int, stop_extra=(), stop_ids=(),
+                  allow_n: bool = False):
+  """The request's SamplingParams (ParamError naming a bad field). allow_n: the caller runs
+  `n` choices itself (completions); otherwise n other than 1 is refused."""
+  max_tokens = _number(body, "max_completion_tokens", None, int)
+  if max_tokens is None:
+    max_tokens = _number(body, "max_tokens", limits.DEFAULT_MAX_TOKENS, int)
+  room = engine.max_len - prompt_len
+  if prompt_len > engine.max_len - 1:
+    raise ParamError(f"the prompt has {prompt_len} tokens; this model's context is "
+                     f"{engine.max_len} tokens", "prompt", code="context_length_exceeded")
+  if max_tokens < 1:
+    raise ParamError(f"max_tokens={max_tokens} must be >= 1", "max_tokens")
+  if max_tokens > room:
+    raise ParamError(f"max_tokens={max_tokens} exceeds the context: the prompt has "
+                     f"{prompt_len} tokens and the context is {engine.max_len} "
+                     f"(at most {room} new tokens)", "max_tokens", code="context_length_exceeded")
+  temperature = _number(body, "temperature", limits.DEFAULT_TEMPERATURE)
+  lo, hi = limits.TEMPERATURE
+  if temperature < lo or temperature > hi:
+    raise ParamError(f"temperature={temperature} must lie in [{lo:g}, {hi:g}]", "temperature")
+  top_p = _number(body, "top_p", 1.0)
+  lo, hi = limits.TOP_P
+  if not lo < top_p <= hi:
+    raise ParamError(f"top_p={top_p} must lie in ({lo:g}, {hi:g}]", "top_p")
+
+  stop = body.get("stop") or []
+  if isinstance(stop, str):
+    stop = [stop]
+  if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) \
+      or len(stop) > limits.MAX_STOP:
+    raise ParamError(f"stop must be a non-empty string or a list of at most "
+                     f"{limits.MAX_STOP} of them", "stop")
+  seed = body.get("seed")
+  if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+    raise ParamError(f"seed must be an integer, got {seed!r}", "seed")
+  n = body.get("n", 1)
+  if n not in (1, None) and not allow_n:
+    raise ParamError("only n=1 is supported here", "n")
+  try:
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+        presence_penalty=_number(body, "presence_penalty", 0.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0),
+        seed=None if seed is None else seed % limits.SEED_RANGE,
+        stop=tuple(stop) + tuple(stop_extra), stop_ids=tuple(stop_ids))
+    params.validate()
+  except RequestError as e:
+    raise ParamError(str(e), None) from None
+  return params
 
 
 def render_kwargs(body: dict, tokenize: bool = False) -> dict:
@@ -223,5 +286,5 @@ class ToolCalls:
     return "tool_calls" if self.calls and reason == "stop" else reason
 
 
-__all__ = ["ParamError", "refuse_unsupported", "render_kwargs", "ToolCalls", "logit_bias",
-           "chat_n", "chat_logprobs", "best_of", "MAX_N", "MAX_TOP_LOGPROBS"]
+__all__ = ["sampling_from", "ParamError", "refuse_unsupported", "render_kwargs", "ToolCalls",
+           "logit_bias", "chat_n", "chat_logprobs", "best_of"]

@@ -1,8 +1,8 @@
 """The request bodies of the OpenAI-compatible endpoints as pydantic models, for the OpenAPI
-schema (/openapi.json) only: the handlers keep parsing the raw JSON themselves (server.py
-sampling_from, chat.py), so a body outside this schema still gets the handlers' own 400
-naming the field, never FastAPI's 422. The schema states what the server accepts, so that
-an API fuzzer (tests/serve/test_fuzz.py) can generate real requests from it."""
+schema (/openapi.json) only, with the bounds of limits.py: the handlers keep parsing the
+raw JSON themselves (api_params.sampling_from, chat.py), so a body outside this schema
+still gets the handlers' own 400 naming the field, never FastAPI's 422. The schema states
+what the server accepts, so that an API fuzzer (tests/serve/test_fuzz.py) can generate real requests from it."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-Penalty = Field(None, ge=-2, le=2)
+from k3_jax.serve import limits
+
+Penalty = Field(None, ge=limits.PENALTY[0], le=limits.PENALTY[1])
 
 
 class StreamOptions(BaseModel):
@@ -23,16 +25,19 @@ class _Sampling(BaseModel):
   max_tokens: int | None = Field(None, ge=1, description="new tokens; prompt + max_tokens "
                                  "must fit the context")
   max_completion_tokens: int | None = Field(None, ge=1)
-  temperature: float | None = Field(None, ge=0, le=2)
-  top_p: float | None = Field(None, gt=0, le=1)
+  temperature: float | None = Field(None, ge=limits.TEMPERATURE[0],
+                                     le=limits.TEMPERATURE[1])
+  top_p: float | None = Field(None, gt=limits.TOP_P[0], le=limits.TOP_P[1])
   presence_penalty: float | None = Penalty
   frequency_penalty: float | None = Penalty
   seed: int | None = None
-  n: int | None = Field(None, ge=1, le=32, description="choices; a seeded request's samples "
+  n: int | None = Field(None, ge=1, le=limits.MAX_N, description="choices; a seeded request's samples "
                         "use seed, seed + 1, ...")
-  logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+  logit_bias: dict[str, Annotated[float, Field(ge=limits.LOGIT_BIAS[0],
+                                                le=limits.LOGIT_BIAS[1])]] | None = Field(
       None, description="token id (a string) -> bias added to its logit")
-  stop: Union[str, list[str], None] = Field(None, description="up to 4 non-empty strings")
+  stop: Union[str, list[str], None] = Field(
+      None, description=f"up to {limits.MAX_STOP} non-empty strings")
   stream: bool | None = None
   stream_options: StreamOptions | None = None
 
@@ -63,9 +68,9 @@ ResponseFormat = Union[ResponseFormatText, ResponseFormatJsonObject, ResponseFor
 class CompletionRequest(_Sampling):
   prompt: Union[str, list[int], list[str]] = Field(
       ..., description="a string, a one-string list, or token ids")
-  logprobs: int | None = Field(None, ge=0, le=5)
+  logprobs: int | None = Field(None, ge=0, le=limits.TOP_LOGPROBS)
   echo: bool | None = None
-  best_of: int | None = Field(None, ge=1, le=32, description=">= n; not streamed")
+  best_of: int | None = Field(None, ge=1, le=limits.MAX_N, description=">= n; not streamed")
   response_format: ResponseFormat | None = None
 
 
@@ -98,7 +103,8 @@ class ChatCompletionRequest(_Sampling):
   chat_template_kwargs: ChatTemplateKwargs | None = None
   reasoning_effort: Literal["low", "high", "max"] | None = None
   logprobs: bool | None = None
-  top_logprobs: int | None = Field(None, ge=0, le=5, description="needs logprobs=true")
+  top_logprobs: int | None = Field(None, ge=0, le=limits.TOP_LOGPROBS,
+                                   description="needs logprobs=true")
   response_format: ResponseFormat | None = None
 
 

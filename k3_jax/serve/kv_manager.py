@@ -94,6 +94,7 @@ class KVManager:
     self.tables = np.zeros((max_batch, pages_per_slot), np.int32)    # unused columns: null
     self.held: list[list[int]] = [[] for _ in range(max_batch)]       # each slot's pages
     self.preemptions = 0
+    self.tiers = None      # cache_tiers.CacheTiers: host / disk tiers behind the prefix cache
 
   # ----- capacity ----------------------------------------------------------------------
   @property
@@ -127,6 +128,9 @@ class KVManager:
     (prefix-cache hit first, leaving at least one token to run), seated at `slot`; None
     (every pin rolled back) when the pool cannot give them now."""
     hit_pages, copy_src, ckpt, hit_tokens = [], None, None, 0
+    promoted = {}
+    if self.tiers is not None and use_prefix:     # lower-tier blocks extending the hit
+      promoted = self.tiers.promote(hashes, (tokens - 1) // self.prefix.unit, step)
     if self.prefix is not None and use_prefix:
       hit = self.prefix.lookup(hashes, (tokens - 1) // self.prefix.unit, step)   # pins it
       hit_pages, copy_src, ckpt, hit_tokens = hit.pages, hit.copy_src, hit.ckpt, hit.tokens
@@ -138,6 +142,8 @@ class KVManager:
       return None
     if self.prefix is not None and use_prefix:
       self.prefix.count(tokens, hit_tokens)
+      if self.tiers is not None:
+        self.tiers.counted(hit_tokens // self.prefix.unit, promoted)
     self._seat(slot, hit_pages + fresh)
     return Acquired(hit_pages + fresh, hit_tokens, copy_src, ckpt)
 

@@ -21,12 +21,13 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from k3_jax.cache import KDAState, ModelCache, PagedMLACache, replace
+from k3_jax.config import SERVE_PAGE
 from k3_jax.ops.kda import STATE_AXES
 from k3_jax.stack import map_cache
 from sharding import aot, paged
 from sharding.rules import logical_to_spec
 
-PAGE = 512          # tokens per MLA page = one prefix-cache hash block (docs/architecture.md section 9)
+PAGE = SERVE_PAGE    # tokens per MLA page = one prefix-cache hash block (architecture.md 9)
 NULL_PAGE = 0
 
 

@@ -18,8 +18,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-MAX_LOGPROBS = 5          # OpenAI's bound on `logprobs` for completions
-
 
 def log_softmax(row) -> np.ndarray:
   x = np.asarray(row, np.float64)
@@ -94,7 +92,7 @@ class Scorer:
 
   def __init__(self, graphdef, params, rest, par, max_len: int, relayed=lambda n, f: f,
                fetch=lambda t: t):
-    """relayed / fetch: the engine's (Engine.relayed, Engine.fetch), so that a multi-host
+    """relayed / fetch: the runner's (Runner.relayed, Runner.fetch), so that a multi-host
     job runs the forward on every process and the leader can read its rows."""
     self.max_len = max_len
     self._lock = threading.Lock()
@@ -123,14 +121,9 @@ class Scorer:
 
 
 def scorer_for(engine) -> Scorer:
-  """The engine's Scorer, made on first use (its parameters and parallel setup)."""
-  s = getattr(engine, "_scorer", None)
-  if s is None:
-    s = Scorer(engine.graphdef, engine.params, engine.rest, engine.par, engine.max_len,
-               engine.relayed, engine.fetch)
-    engine._scorer = s
-  return s
+  """The engine's Scorer (made on first use by its runner, over its weights)."""
+  return engine.scorer()
 
 
-__all__ = ["MAX_LOGPROBS", "log_softmax", "entries", "assemble", "chat_content", "Scorer",
+__all__ = ["log_softmax", "entries", "assemble", "chat_content", "Scorer",
            "scorer_for"]

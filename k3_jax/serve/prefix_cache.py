@@ -99,6 +99,8 @@ class PrefixCache:
     self.queries = self.hits = 0            # in tokens, as vLLM counts them
     self.query_requests = self.hit_requests = 0
     self.evictions = 0
+    self.spill = None      # spill(hash, entry, last block of its page): called on eviction
+                           # (cache_tiers demotes the entry to the host / disk tiers)
 
   # ----- lookup ----------------------------------------------------------------
   def lookup(self, hashes: list[bytes], max_blocks: int, step: int) -> Hit:
@@ -196,6 +198,8 @@ class PrefixCache:
     if not cands:
       return False
     _, h = min(cands)
+    if self.spill is not None:
+      self.spill(h, self.entries[h], self.page_entries[self.entries[h].page] == 1)
     e = self.entries.pop(h)
     if e.parent is not None and e.parent in self.entries:
       self.entries[e.parent].children -= 1

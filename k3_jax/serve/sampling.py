@@ -20,20 +20,10 @@ def sample(key: jax.Array, logits: jax.Array, temperature: float | jax.Array = 0
   t = jnp.maximum(temperature, 1e-6)[:, None]
   scaled = logits / t
 
-  def nucleus(scaled):
-    """Keep the smallest set of tokens whose probability mass reaches top_p (rows with
-    top_p = 1 keep every token)."""
-    sorted_logits = jnp.sort(scaled, axis=-1)[:, ::-1]
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
-    cutoff = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
-    return jnp.where(scaled >= cutoff, scaled, -jnp.inf)
-
   # The sort over the vocabulary (163,840 ids for K3) runs only when some sampled row asks
   # for a nucleus: greedy and top_p = 1 batches skip it.
-  scaled = jax.lax.cond(jnp.any((temperature > 0) & (top_p < 1.0)), nucleus, lambda s: s,
-                        scaled)
+  scaled = jax.lax.cond(jnp.any((temperature > 0) & (top_p < 1.0)),
+                        lambda s: nucleus(s, top_p), lambda s: s, scaled)
 
   def draw(scaled):
     if jnp.ndim(key) == 0:              # one typed key for the whole batch
@@ -44,6 +34,17 @@ def sample(key: jax.Array, logits: jax.Array, temperature: float | jax.Array = 0
   # skips it.
   sampled = jax.lax.cond(jnp.any(temperature > 0), draw, lambda s: greedy, scaled)
   return jnp.where(temperature > 0, sampled, greedy)
+
+
+def nucleus(scaled: jax.Array, top_p: jax.Array) -> jax.Array:
+  """scaled [B, V] with -inf outside the smallest set of tokens whose probability mass
+  reaches top_p [B] (rows with top_p = 1 keep every token)."""
+  sorted_logits = jnp.sort(scaled, axis=-1)[:, ::-1]
+  probs = jax.nn.softmax(sorted_logits, axis=-1)
+  mass_before = jnp.cumsum(probs, axis=-1) - probs
+  keep = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
+  cutoff = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+  return jnp.where(scaled >= cutoff, scaled, -jnp.inf)
 
 
 def penalize(logits: jax.Array, counts: jax.Array, frequency_penalty: float | jax.Array = 0.0,

@@ -16,10 +16,8 @@ from typing import Callable
 import numpy as np
 
 from k3_jax.config import UserError
+from k3_jax.serve import limits
 from k3_jax.serve.kv_pages import PAGE
-
-TOP_LOGPROBS = 5    # the most alternatives a token's logprobs list (= steps.TOP_K)
-
 
 class RequestError(UserError):
   """A request the engine refuses (the server answers 400)."""
@@ -36,7 +34,7 @@ class EngineFatal(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-  max_tokens: int = 16
+  max_tokens: int = limits.DEFAULT_MAX_TOKENS
   temperature: float = 0.0            # 0: greedy
   top_p: float = 1.0
   presence_penalty: float = 0.0
@@ -45,7 +43,7 @@ class SamplingParams:
   stop: tuple[str, ...] = ()          # stop strings (not included in the text)
   stop_ids: tuple[int, ...] = ()      # stop token ids (counted, not included in the text)
   logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias added to its logit)
-  logprobs: int | None = None         # None, or 0-5: the sampled token's log-probability and
+  logprobs: int | None = None         # None, or 0-TOP_LOGPROBS: the sampled token's logprob and
                                       # that many most likely alternatives, per token
 
   def validate(self, openai_ranges: bool = True, vocab_size: int | None = None) -> None:
@@ -54,29 +52,32 @@ class SamplingParams:
     the model's, which logit_bias ids must lie below."""
     self._validate(openai_ranges)
     if self.logprobs is not None and not (isinstance(self.logprobs, int)
-                                          and 0 <= self.logprobs <= TOP_LOGPROBS):
+                                          and 0 <= self.logprobs <= limits.TOP_LOGPROBS):
       raise RequestError(f"logprobs={self.logprobs!r} must be an integer in "
-                         f"[0, {TOP_LOGPROBS}]")
+                         f"[0, {limits.TOP_LOGPROBS}]")
     for tid, v in self.logit_bias:
       if not isinstance(tid, (int, np.integer)) or tid < 0 or (
           vocab_size is not None and tid >= vocab_size):
         raise RequestError(f"logit_bias token id {tid!r} is not in the vocabulary "
                            f"[0, {vocab_size})")
-      if not (-100.0 <= v <= 100.0 if openai_ranges else math.isfinite(v)):
-        raise RequestError(f"logit_bias[{tid}]={v} must lie in [-100, 100]" if openai_ranges
-                           else f"logit_bias[{tid}]={v} must be finite")
+      lo, hi = limits.LOGIT_BIAS
+      if not (lo <= v <= hi if openai_ranges else math.isfinite(v)):
+        raise RequestError(f"logit_bias[{tid}]={v} must lie in [{lo:g}, {hi:g}]"
+                           if openai_ranges else f"logit_bias[{tid}]={v} must be finite")
 
   def _validate(self, openai_ranges: bool) -> None:
     if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
       raise RequestError(f"max_tokens={self.max_tokens!r} must be a positive integer")
     if not self.temperature >= 0:
       raise RequestError(f"temperature={self.temperature} must be >= 0")
-    if not 0.0 < self.top_p <= 1.0:
-      raise RequestError(f"top_p={self.top_p} must lie in (0, 1]")
+    lo, hi = limits.TOP_P
+    if not lo < self.top_p <= hi:
+      raise RequestError(f"top_p={self.top_p} must lie in ({lo:g}, {hi:g}]")
+    lo, hi = limits.PENALTY
     for name in ("presence_penalty", "frequency_penalty"):
       v = getattr(self, name)
-      if not (-2.0 <= v <= 2.0 if openai_ranges else math.isfinite(v)):
-        raise RequestError(f"{name}={v} must lie in [-2, 2]" if openai_ranges else
+      if not (lo <= v <= hi if openai_ranges else math.isfinite(v)):
+        raise RequestError(f"{name}={v} must lie in [{lo:g}, {hi:g}]" if openai_ranges else
                            f"{name}={v} must be finite")
     if any(not isinstance(s, str) or not s for s in self.stop):
       raise RequestError(f"stop strings must be non-empty strings, got {list(self.stop)!r}")

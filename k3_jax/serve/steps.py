@@ -38,10 +38,11 @@ from flax import nnx
 
 from k3_jax.cache import KDAState, ModelCache, PagedMLACache, replace
 from k3_jax.serve import kv_pages as kv
+from k3_jax.serve import limits
 from k3_jax.serve.sampling import sample_rows
 from k3_jax.stack import map_cache
 
-TOP_K = 5            # alternatives returned per token (the API's logprobs range is 0-5)
+TOP_K = limits.TOP_LOGPROBS   # alternatives returned per token
 
 
 def _pytree(cls):
@@ -71,6 +72,9 @@ class DecodeBatch:
   prev: jax.Array           # int32 [B]: the previous decode step's ids (kept on the device)
   from_prev: jax.Array      # bool [B]: the slot's token is prev's, not `tokens` (the host
                             # dispatched this step before reading that one: one step ahead)
+  slots: jax.Array | None = None   # int32 [R]: with R < the slot count, the step runs R rows
+                            # and row i is slot slots[i] (every other field then has R rows,
+                            # `prev` keeps one per slot); None: row i is slot i
 
 
 @_pytree
@@ -81,6 +85,8 @@ class Sampled:
   top_ids: jax.Array        # int32 [B, TOP_K], most likely first
   top_logprobs: jax.Array   # f32 [B, TOP_K]
   logits: jax.Array         # f32 [B, V]: the model's logits (before bias and penalties)
+  by_slot: jax.Array | None = None   # int32 [slots]: a decode step's ids at their slots (the
+                            # next step's `prev`; other slots keep the previous one)
 
 
 def sample_logits(logits: jax.Array, counts: jax.Array, s: Sampling) -> Sampled:
@@ -89,6 +95,12 @@ def sample_logits(logits: jax.Array, counts: jax.Array, s: Sampling) -> Sampled:
   raw = logits.astype(jnp.float32)
   ids = sample_rows(raw + s.bias, counts, s.seeds, s.steps, s.temperature, s.top_p,
                     s.presence, s.frequency)
+  return with_logprobs(raw, ids)
+
+
+def with_logprobs(raw: jax.Array, ids: jax.Array) -> Sampled:
+  """Sampled of tokens ids [B] drawn from rows of raw [B, V] f32: their log-probabilities
+  and the TOP_K most likely under the model's own log_softmax(raw)."""
   lp = jax.nn.log_softmax(raw, axis=-1)
   top_lp, top_ids = jax.lax.top_k(lp, min(TOP_K, lp.shape[-1]))
   chosen = jnp.take_along_axis(lp, ids[:, None], axis=-1)[:, 0]
@@ -135,7 +147,12 @@ def row_major_features(tokens, feats, placeholder_id: int):
 def decode_step(graphdef, par, params, rest, cache: ModelCache, counts, batch: DecodeBatch):
   """One token for every slot -> (Sampled [B], cache, counts). Idle slots keep their KDA
   state and write their MLA latents to the null page; `counts` [B, V] (each slot's
-  generated-token counts, for the penalties) gains the active slots' new tokens."""
+  generated-token counts, for the penalties) gains the active slots' new tokens.
+
+  With batch.slots, only those R slots run (rows_decode_step): a step's cost follows the
+  requests decoding, not the slot count."""
+  if batch.slots is not None:
+    return rows_decode_step(graphdef, par, params, rest, cache, counts, batch)
   model = nnx.merge(graphdef, params, rest)
   tokens = jnp.where(batch.from_prev, batch.prev, batch.tokens)
   # Each KDA layer keeps its idle rows' state as it writes the new one (KDAState.active):
@@ -151,7 +168,29 @@ def decode_step(graphdef, par, params, rest, cache: ModelCache, counts, batch: D
   out = out.replace(pos=cache.pos)
   got = sample_logits(logits[:, 0], counts, batch.sampling)
   counts = counts.at[jnp.arange(got.ids.shape[0]), got.ids].add(batch.active.astype(jnp.int32))
-  return got, out, counts
+  return dataclasses.replace(got, by_slot=got.ids), out, counts
+
+
+def rows_decode_step(graphdef, par, params, rest, cache: ModelCache, counts,
+                     batch: DecodeBatch):
+  """decode_step over R rows, row i being slot batch.slots[i]: the rows' KDA states and
+  counts are taken out, run like a batch of R, and put back (rows not active write nothing;
+  their latents go to the null page). Each row computes what it would in the full step: the
+  batch-invariance test holds the logits bitwise equal whatever R is."""
+  model = nnx.merge(graphdef, params, rest)
+  slots = batch.slots
+  tokens = jnp.where(batch.from_prev, batch.prev[slots], batch.tokens)
+  states = kv.kda_states(cache)
+  sub = kv.with_pages(kv.with_kda_states(cache, kv.take_rows(states, slots)), batch.pos,
+                      batch.tables)
+  logits, new, _ = model(tokens[:, None], cache=sub, par=par)
+  new = kv.without_pages(new)
+  keep = jnp.where(batch.active, slots, jnp.iinfo(jnp.int32).max)      # out of range: dropped
+  out = kv.with_kda_states(new, kv.put_rows(states, keep, kv.kda_states(new)))
+  got = sample_logits(logits[:, 0], counts[slots], batch.sampling)
+  counts = counts.at[slots, got.ids].add(batch.active.astype(jnp.int32))
+  by_slot = batch.prev.at[keep].set(got.ids, mode="drop")
+  return dataclasses.replace(got, by_slot=by_slot), out.replace(pos=cache.pos), counts
 
 
 def first_token(logits, row, counts, slot, sampling: Sampling):
@@ -213,7 +252,7 @@ def piece_features(d_model, feats, rows):
   return feats[rows]
 
 
-class Steps(NamedTuple):
+class ServeSteps(NamedTuple):
   """The jitted steps of one (model, parallel setup); the cache arguments are donated."""
   prefill: Callable
   decode: Callable
@@ -250,11 +289,11 @@ def flat_params(fn, treedefs):
   return f
 
 
-def jit_steps(graphdef, par, jit=jax.jit, treedefs=None) -> Steps:
+def jit_steps(graphdef, par, jit=jax.jit, treedefs=None) -> ServeSteps:
   """The serving steps of `graphdef` under `par`, jitted with the cache donated. `jit` may
   add shardings (compile passes one with in/out shardings). treedefs: (params', rest's):
   prefill, decode and encode then take the two trees' leaves (flat_params)."""
-  return Steps(
+  return ServeSteps(
       prefill=jit(flat_params(bind(prefill_step, graphdef, par), treedefs), donate_argnums=(2,)),
       decode=jit(flat_params(bind(decode_step, graphdef, par), treedefs),
                  donate_argnums=(2, 3)),
@@ -269,7 +308,7 @@ def jit_steps(graphdef, par, jit=jax.jit, treedefs=None) -> Steps:
       set_counts=jit(set_counts, donate_argnums=(0,)))
 
 
-__all__ = ["TOP_K", "Sampling", "DecodeBatch", "Sampled", "sample_logits", "prefill_step",
-           "decode_step", "row_major_features", "first_token", "load_slot", "copy_slot",
-           "zero_slot", "save_ckpt", "encode", "copy_page", "piece_features", "set_counts", "Steps",
-           "flat_params", "jit_steps"]
+__all__ = ["TOP_K", "Sampling", "DecodeBatch", "Sampled", "sample_logits", "with_logprobs",
+           "prefill_step", "decode_step", "rows_decode_step", "row_major_features",
+           "first_token", "load_slot", "copy_slot", "zero_slot", "save_ckpt", "encode",
+           "copy_page", "piece_features", "set_counts", "ServeSteps", "flat_params", "jit_steps"]

@@ -38,15 +38,8 @@ def tiny_serving_config():
 
 
 @pytest.fixture(scope="module")
-def setup():
-  cfg = tiny_serving_config()
-  model = create_model(cfg, seed=3)
-  g, p, r = train.split_model(model)
-  probe = Engine(cfg, g, p, r, SINGLE_STREAM, max_len=PAGE)      # sizes only (no step runs)
-  budget = 4 * (probe.page_bytes + probe.ckpt_bytes) + 100
-  eng = Engine(cfg, g, p, r, max_batch=2, prefix_cache_bytes=budget,
-               tokenizer=ByteTokenizer())
-  return cfg, model, eng
+def setup(prefix_setup):
+  return prefix_setup             # (conftest.py: test_cache_tiers.py shares its compiled steps)
 
 
 def prompt_of(seed, n):
@@ -261,7 +254,7 @@ def grid(setup):
   out = Engine(cfg, g, p, r, max_batch=2, prefix_cache_bytes=eng.serve.prefix_cache_bytes,
                prefix_match_unit=UNIT, tokenizer=ByteTokenizer())
   assert out.num_pages == eng.num_pages
-  out._steps = eng._steps                               # no second compile
+  out.runner.steps = eng.runner.steps                 # no second compile
   return out
 
 

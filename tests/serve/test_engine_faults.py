@@ -103,9 +103,9 @@ def test_device_fault_is_fatal(eng, monkeypatch):
   # last in the module: it stops the engine
   def broken(*a):
     raise RuntimeError("injected device fault")
-  import k3_jax.serve.engine as engine_mod
-  monkeypatch.setattr(eng, "_steps", eng._steps._replace(
-      decode=engine_mod._guard("decode", broken, set())))
+  import k3_jax.serve.runner as runner_mod
+  monkeypatch.setattr(eng.runner, "steps", eng.runner.steps._replace(
+      decode=runner_mod.guard("decode", broken, set())))
   reqs = [eng.submit(prompt_of(i, 16), SamplingParams(max_tokens=4)) for i in range(2)]
   with pytest.raises(EngineFatal, match="injected device fault"):
     eng.run_until_done(reqs)

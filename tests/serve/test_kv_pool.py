@@ -160,9 +160,10 @@ def test_the_decode_step_never_copies_a_pool(small):
   eng, b = small, small.max_batch
   z, zf = np.zeros(b, np.int32), np.zeros(b, np.float32)
   batch = steps.DecodeBatch(z, z, eng.tables.copy(), np.ones(b, bool), steps.Sampling(
-      z, z, zf, np.ones(b, np.float32), zf, zf, eng._no_bias[b]), z, np.zeros(b, bool))
-  text = eng.jitted.decode.lower(*eng.weights, eng.cache, eng.counts, batch).compile().as_text()
-  pools = {f"[{','.join(map(str, a.shape))}]" for e in cache_leaves(eng.cache)
+      z, z, zf, np.ones(b, np.float32), zf, zf, eng.runner.zero_bias(b)), z, np.zeros(b, bool))
+  text = eng.runner.jitted.decode.lower(*eng.runner.weights, eng.runner.cache,
+                                        eng.runner.counts, batch).compile().as_text()
+  pools = {f"[{','.join(map(str, a.shape))}]" for e in cache_leaves(eng.runner.cache)
            if isinstance(e, PagedMLACache) for a in (e.c_kv, e.k_r)}
   assert pools
   copies = [ln for ln in text.splitlines()

@@ -31,8 +31,8 @@ def _requests(eng, stop_id):
 def _run(eng, overlap, stop_id):
   eng.overlap = overlap
   ahead = []
-  steps = eng._steps
-  eng._steps = steps._replace(
+  steps = eng.runner.steps
+  eng.runner.steps = steps._replace(
       decode=lambda *a: ahead.append(bool(a[-1].from_prev.any())) or steps.decode(*a))
   try:
     first, later = _requests(eng, stop_id)
@@ -45,7 +45,7 @@ def _run(eng, overlap, stop_id):
     while eng.has_work():            # the rows dispatched ahead for requests now done
       eng.step()
   finally:
-    eng._steps, eng.overlap = steps, True
+    eng.runner.steps, eng.overlap = steps, True
   return reqs, ahead
 
 

@@ -10,6 +10,8 @@ size, so a request's logits are bitwise the same whatever else runs
 (test_batch_invariance.py).
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,15 +31,15 @@ LENGTHS = (20, 20, 20, 68)
 
 def _run(eng, prompts, n=4, shapes=None):
   """Runs `prompts` together; `shapes` (a list) gets each prefill call's tokens [R, T]."""
-  steps = eng._steps
+  steps = eng.runner.steps
   if shapes is not None:
-    eng._steps = steps._replace(
+    eng.runner.steps = steps._replace(
         prefill=lambda *a: shapes.append(a[4].shape) or steps.prefill(*a))
   try:
     reqs = [eng.submit(q, SamplingParams(max_tokens=n), record_logits=True) for q in prompts]
     eng.run_until_done(reqs)
   finally:
-    eng._steps = steps
+    eng.runner.steps = steps
   return reqs
 
 
@@ -81,3 +83,38 @@ def test_row_major_features_matches_per_row_scatter():
   for i in range(r):
     want = scatter_features(x[i:i + 1], tokens[i:i + 1], feats[i], ph)[0]
     assert np.array_equal(np.asarray(got[i]), np.asarray(want))
+
+
+def test_decode_over_the_decoding_rows_matches_all_slots(engine8):
+  """batch_invariant=False: a decode step runs only the decoding slots, padded to a power
+  of two (steps.rows_decode_step: their KDA states and counts taken out and put back, the
+  previous ids kept per slot for the step-ahead dispatch). Against the all-slots step: the
+  same greedy tokens (with penalties and a logit bias in play) and logits within TOL; the
+  other slots' state untouched (a second round in the same engine gives the same again)."""
+  prompts = [prompt_of(60 + i, n) for i, n in enumerate((9, 30, 17))]
+  params = [SamplingParams(max_tokens=6), SamplingParams(max_tokens=6, presence_penalty=1.5),
+            SamplingParams(max_tokens=3, logit_bias=((5, 3.0),))]
+
+  def run(qs, ps):
+    reqs = [engine8.submit(q, p, record_logits=True) for q, p in zip(qs, ps)]
+    engine8.run_until_done(reqs)
+    return reqs
+
+  full = run(prompts, params)
+  rows, decode = [], engine8.runner.steps.decode
+  engine8.runner.steps = engine8.runner.steps._replace(
+      decode=lambda *a: rows.append(a[-1].tokens.shape[0]) or decode(*a))
+  serve = engine8.serve
+  engine8.serve = dataclasses.replace(serve, batch_invariant=False)
+  try:
+    some = run(prompts, params) + run(prompts[:1], params[:1])
+    again = run(prompts, params)
+  finally:
+    engine8.serve, engine8.runner.steps = serve, engine8.runner.steps._replace(decode=decode)
+  assert set(rows) == {1, 2, 4}            # 3 requests -> 4 rows; 2 once one finishes; 1 alone
+  for got in (some[:3], again, some[3:]):
+    for a, b in zip(got, full):
+      assert a.output_ids == b.output_ids
+      for x, y in zip(a.logits, b.logits):
+        np.testing.assert_allclose(x, y, atol=TOL, rtol=0)
+  assert engine8.resource_counts()["free_slots"] == 8

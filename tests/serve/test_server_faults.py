@@ -2,7 +2,8 @@
 subprocess server over the tiny 5-layer k3_tiny variant with random weights and the byte
 tokenizer. The launch script injects faults keyed on the prompt's first bytes: "FAULT" raises
 in the request's admission (its own host work), "FATAL" raises EngineFatal (a shared-state
-fault), "TIMEOUT" gives the request a timeout of 0 s."""
+fault), "TIMEOUT" gives the request a timeout of 0 s, and "SLOW" makes every engine step take at
+least 10 ms while it runs (so that a drain has something to wait for however fast the machine)."""
 
 import concurrent.futures
 import json
@@ -16,9 +17,11 @@ from tests.serve.serverproc import metric_value, start_server
 
 MODEL = "k3-test"
 LAUNCH = """
+import time
 import k3_jax.serve.engine as E
+import k3_jax.serve.intake as I          # (admission's host work: intake.prepare)
 from k3_jax.serve.scheduler import EngineFatal
-real_hashes, real_submit = E.block_hashes, E.Engine.submit
+real_hashes, real_submit, real_step = I.block_hashes, E.Engine.submit, E.Engine.step
 
 def hashes(tokens, **kw):
   head = bytes(int(t) for t in tokens[:5])
@@ -33,7 +36,12 @@ def submit(self, ids, *a, **kw):
     kw["timeout"] = 0.0
   return real_submit(self, ids, *a, **kw)
 
-E.block_hashes, E.Engine.submit = hashes, submit
+def step(self):
+  if any(bytes(int(t) for t in r.prompt[:4]) == b"SLOW" for r in self.running):
+    time.sleep(0.01)
+  return real_step(self)
+
+I.block_hashes, E.Engine.submit, E.Engine.step = hashes, submit, step
 from k3_jax.serve.loader import ServeOptions, run_server
 from k3_jax.config import ServeConfig
 run_server(ServeOptions(config="k3_tiny", overrides=("max_seq_len=1024", "num_layers=5",
@@ -115,7 +123,7 @@ def test_body_over_the_limit_is_413(server):
 def test_sigterm_drains_then_exits_0(server):
   proc, base, log = server
   with httpx.stream("POST", f"{base}/v1/completions", timeout=120, json={
-      "model": MODEL, "prompt": "a long one", "max_tokens": 400, "temperature": 0,
+      "model": MODEL, "prompt": "SLOW and long", "max_tokens": 400, "temperature": 0,
       "stream": True}) as r:
     it = r.iter_lines()
     first = next(l for l in it if l)

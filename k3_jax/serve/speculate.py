@@ -1,0 +1,119 @@
+"""Speculative decoding in the engine: drafts per request, one verify step for the batch,
+several tokens emitted a step (ServeConfig.speculative / num_speculative_tokens).
+
+Per engine step `Speculator.decode` asks the drafter (drafters.py) for each decoding
+request's drafts and runs the verify step (verify.py) over every slot in place of the decode
+step: a slot without drafts is a plain decode row of it (mixed batches), an idle slot keeps
+its state. Each request then emits its kept drafts and the model's next token in order,
+through the engine's own _take (logprobs, stop ids and strings, max_tokens, streaming: a
+stream gets all of them in one step). With ServeConfig.batch_invariant (the default) every
+decode step is a verify step, drafts or not: the verify step's rows are B (k + 1) where the
+decode step's are B, and XLA moves a row's logits in the last bits with the row count (the
+plain decode step itself does, 8 against 32 slots: 4.8e-7), so a request's logits would
+otherwise depend on whether another request drafted. Without it the plain decode step runs
+when no request has drafts (cheaper).
+
+What it leaves as it was:
+- the prefix cache registers prompt blocks only (at prefill), never a decoded position, so no
+  checkpoint can hold a rejected draft; the KDA state after a verify step is the state of
+  the kept tokens (verify.py), so later prefill pieces or forks start from an exact one;
+- a request's output: greedy equals plain decoding's (to the verify step's float tolerance,
+  tests/serve/test_speculate.py); sampled output has the target's distribution
+  (acceptance.py), each token drawn with its token index's key;
+- batch invariance (see above): drafts depend on the request's own tokens only, and every
+  row of the verify step on its own slot.
+
+Not speculated (they decode plainly inside the step): requests with a grammar constraint
+(their bias row would need the grammar advanced through each draft). With overlap on, a
+step that verifies first reads the previous step's tokens (the drafts need them).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from k3_jax.serve import output
+from k3_jax.serve import verify as vf
+from k3_jax.serve.drafters import make_drafter
+from k3_jax.serve.runner import bucket, guard
+from k3_jax.serve.steps import bind, flat_params
+
+
+class Speculator:
+  def __init__(self, engine, kind: str, k: int):
+    self.k, self.drafter = k, make_drafter(kind)
+    run = engine.runner
+    (_, p_def), (_, r_def) = (jax.tree.flatten(t) for t in (run.params, run.rest))
+    fn = jax.jit(flat_params(bind(vf.verify_step, run.graphdef, run.par), (p_def, r_def)),
+                 donate_argnums=(2, 3))
+    self._verify = guard("verify", run.relayed("verify", fn), run._compiled)
+    self.steps = self.tokens = self.drafted = self.accepted = 0   # totals, for benchmarks
+
+  def drafts(self, r) -> list[int]:
+    """r's drafts this step: none for a constrained request or one at its last token."""
+    room = r.params.max_tokens - len(r.output_ids) - 1
+    if r.constraint is not None or room <= 0:
+      return []
+    context = np.concatenate([r.prompt, np.asarray(r.output_ids, np.int32)])
+    return self.drafter.propose(context, min(self.k, room))[:min(self.k, room)]
+
+  def decode(self, eng, dec: list) -> list | None:
+    """This step's decode for `dec`: a verify step when some request has drafts (-> None),
+    else the requests the engine's plain decode step should run (-> list)."""
+    if eng._pending is not None:          # the drafts need the unread tokens
+      pend, eng._pending = eng._pending, None
+      eng._read_decode(pend)
+      dec = [r for r in dec if r.state == "decode"]
+    drafts = {}
+    for r in dec:
+      eng._own(r, lambda: drafts.__setitem__(id(r), self.drafts(r)))
+    dec = [r for r in dec if r.state == "decode"]
+    if not dec or (not eng.serve.batch_invariant and not any(drafts.get(id(r)) for r in dec)):
+      return dec
+    now = eng._grow(dec, lambda r: r.pos + 1 + len(drafts[id(r)]))
+    biases = {}
+    now = [r for r in now if eng._own(
+        r, lambda: biases.update(output.biases([r], eng.cfg.vocab_size)))]
+    if now:
+      self._run(eng, now, drafts, biases)
+    return None
+
+  def _run(self, eng, now, drafts, biases) -> None:
+    run, b, k, t = eng.runner, eng.max_batch, self.k, self.k + 1
+    tokens, pos, ndraft = (np.zeros(b, np.int32) for _ in range(3))
+    window, active = np.zeros((b, k), np.int32), np.zeros(b, bool)
+    tables = np.zeros_like(eng.tables)
+    for r in now:
+      s, d = r.slot, drafts[id(r)]
+      tokens[s], pos[s], ndraft[s], active[s], tables[s] = r.last_token, r.pos, len(d), True, \
+          eng.tables[s]
+      window[s, :len(d)] = d
+    width = bucket(int(pos.max()) + t, eng.pages_per_slot)
+    batch = vf.VerifyBatch(tokens, window, ndraft, pos, tables[:, :width], active,
+                           run.sampling(now, b, biases))
+    got, emitted, run.cache, run.counts = self._verify(*run.weights, run.cache, run.counts,
+                                                       batch)
+    host = output.HostSampled(got, now, run.fetch)
+    emitted = np.asarray(run.fetch(emitted))
+    self.steps += 1
+    for r in now:
+      s = r.slot
+      self.drafted += int(ndraft[s])
+      self.accepted += int(emitted[s]) - 1
+      for i in range(int(emitted[s])):
+        if r.state != "decode" or r.slot != s:      # ended (stop, length, its own fault)
+          break
+        r.pos += 1
+        self.tokens += 1
+        eng._own(r, eng._take, r, host, s * t + i)
+
+
+def for_engine(engine):
+  """The engine's Speculator, or None when ServeConfig.speculative is 'off'."""
+  s = engine.serve
+  return None if s.speculative == "off" else Speculator(engine, s.speculative,
+                                                        s.num_speculative_tokens)
+
+
+__all__ = ["Speculator", "for_engine"]
