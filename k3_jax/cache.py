@@ -7,6 +7,9 @@ One entry per decoder layer, by its mixer:
         conv_q/k/v        [B, W-1, H*K]   (the last W-1 inputs of each causal conv)
         active            None, or [B] bool during a serving decode step: rows whose
                           state the step may change (an idle slot's is kept, in the layer)
+        unit              None, or (a scanned unit's layer in a serving decode step) the
+                          index of its state in `state`, then the whole stacked [R, B, H,
+                          K, V] state, updated in place there (the windows are the layer's)
         window            None, or a KDAWindow during a speculative verify step
                           (k3_jax/layers/kda_window.py): the layer then runs T tokens a
                           row, keeps the state and tails as they were, and records here
@@ -55,6 +58,7 @@ class KDAState:
   conv_k: jax.Array
   conv_v: jax.Array
   active: jax.Array | None = None   # [B] bool (serving decode), else None
+  unit: jax.Array | None = None     # (a scanned layer's decode) state is the [R, ...] stack
   window: "KDAWindow | None" = None  # speculative verify step (layers/kda_window.py)
 
 

@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from k3_jax import stack
-from k3_jax.cache import KDAState, MLACache, ModelCache, PagedMLACache
+from k3_jax.cache import KDAState, MLACache, ModelCache, PagedMLACache, replace
 from k3_jax.config import ConfigError, ModelConfig, UserError, jnp_dtype
 from k3_jax.layers import attn_res
 from k3_jax.layers.embed import Embed, LMHead
@@ -221,6 +221,30 @@ def _write_latents(e: PagedMLACache, latents, pos) -> PagedMLACache:
                        page_table=e.page_table)
 
 
+def _in_place(e, one_token: bool) -> bool:
+  return (one_token and isinstance(e, KDAState) and e.active is not None
+          and e.window is None)
+
+
+def _unit_entry(e, i, one_token: bool):
+  """A scanned layer's cache entry at unit i. A KDA layer's in a serving decode step (one
+  token, active rows marked) keeps its whole stacked state, which the decode kernel updates
+  in place at `unit` (sliced out and written back, the state took two more passes a layer:
+  k3 v5p-128, 1,024 x 32K ~27 GB a chip a step); the windows are sliced."""
+  if _in_place(e, one_token):
+    return replace(jax.tree.map(lambda a: a[i], replace(e, state=None)), state=e.state, unit=i)
+  return jax.tree.map(lambda a: a[i], e)
+
+
+def _put_unit(e, u, i, one_token: bool):
+  """The stacked entry e with unit i's new entry u written back (see _unit_entry)."""
+  put = lambda a, b: jax.lax.dynamic_update_index_in_dim(a, b.astype(a.dtype), i, 0)
+  if _in_place(e, one_token):
+    return replace(jax.tree.map(put, replace(e, state=None), replace(u, state=None, unit=None)),
+                   state=u.state)
+  return jax.tree.map(put, e, u)
+
+
 class K3Model(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, init: Init):
     self.cfg = cfg
@@ -288,6 +312,7 @@ class K3Model(nnx.Module):
     if pool_write not in POOL_WRITES:
       raise ValueError(f"pool_write={pool_write!r}: expected one of {', '.join(POOL_WRITES)}")
     after = pool_write == "after_scan"
+    one_token = (x["partial"] if isinstance(x, dict) else x).shape[-2] == 1   # (attn_res)
     paged = tuple(isinstance(e, PagedMLACache) for e in caches or ())
     carried = None if caches is None else tuple(
         (None if after else (e.c_kv, e.k_r)) if p else e for e, p in zip(caches, paged))
@@ -299,7 +324,7 @@ class K3Model(nnx.Module):
       if caches is not None:
         c = tuple((PagedMLACache(e.c_kv, e.k_r, e.page_table[i], unit=i, deferred=True)
                    if after else PagedMLACache(a_c[0], a_c[1], e.page_table[i], unit=i))
-                  if p else jax.tree.map(lambda a: a[i], a_c)
+                  if p else _unit_entry(a_c, i, one_token)
                   for e, a_c, p in zip(caches, all_c, paged))
       layer = jax.tree.map(lambda w: mx_gmm.StackedLayer(w, i), stacks,
                            is_leaf=lambda w: isinstance(w, mx_gmm.MXArray))
@@ -308,9 +333,9 @@ class K3Model(nnx.Module):
                                           par=par)
       latents = None
       if caches is not None:
-        all_c = tuple((None if after else (u_c.c_kv, u_c.k_r)) if p else jax.tree.map(
-            lambda a, u: jax.lax.dynamic_update_index_in_dim(a, u.astype(a.dtype), i, 0),
-            a_c, u_c) for a_c, u_c, p in zip(all_c, c, paged))
+        all_c = tuple((None if after else (u_c.c_kv, u_c.k_r)) if p
+                      else _put_unit(a_c, u_c, i, one_token)
+                      for a_c, u_c, p in zip(all_c, c, paged))
         if after:
           latents = tuple((u.c_kv, u.k_r) if p else None for u, p in zip(c, paged))
       return (x, all_c), (aux, latents)

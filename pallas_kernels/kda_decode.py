@@ -1,7 +1,9 @@
 """Pallas TPU kernel: one KDA decode step (one token per sequence, a batch of sequences).
 
 Same signature and result as the reference `k3_jax.ops.kda.kda_decode_step`, plus
-`interpret` (run the kernel with the Pallas interpreter, e.g. on CPU):
+`interpret` (run the kernel with the Pallas interpreter, e.g. on CPU), `active` (rows
+whose state the step may change; an idle row's state is written back unchanged) and `layer`
+(the state is a scanned stack [R, B, H, K, V], updated in place at that index):
 
     q, k, g [B, H, K]; v [B, H, V]; beta [B, H]; state [B, H, K, V] float32
     -> (o [B, H, V] in v.dtype, new_state [B, H, K, V] float32)
@@ -61,24 +63,27 @@ def _to_column(row: jax.Array, eye: jax.Array) -> jax.Array:
   return jnp.sum(jnp.where(eye, row, 0.0), axis=1, keepdims=True)
 
 
-def _decode_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, s_out_ref, *,
-                   scale: float, heads: int):
-  # Blocks: q/k/g [1, Hb, K]; v [1, Hb, V]; beta [1, Hb, 1]; state [1, Hb, K, V];
-  # o [1, Hb, V]; s_out aliases the state's buffer.
+def _decode_kernel(layer_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, keep_ref, s_ref, o_ref,
+                   s_out_ref, *, scale: float, heads: int):
+  del layer_ref                           # (read by the index maps)
+  # Blocks: q/k/g [1, Hb, K]; v [1, Hb, V]; beta [1, Hb, 1]; keep [1, 1, 1] (1: active);
+  # state [1, Hb, K, V]; o [1, Hb, V]; s_out aliases the state's buffer.
   k_dim = q_ref.shape[-1]
   eye = (jax.lax.broadcasted_iota(jnp.int32, (k_dim, k_dim), 0)
          == jax.lax.broadcasted_iota(jnp.int32, (k_dim, k_dim), 1))   # [K, K]
   f32 = lambda x: x.astype(jnp.float32)
+  active = keep_ref[0] > 0                                            # [1, 1]
   for h in range(heads):                  # static: a few heads per block, 2-D work each
     row = lambda ref: f32(ref[0, pl.ds(h, 1), :])                     # [1, K] / [1, V]
     decay = _to_column(jnp.exp(row(g_ref)), eye)                      # [K, 1]
     k_col = _to_column(row(k_ref), eye)                               # [K, 1]
     q_col = _to_column(row(q_ref), eye) * scale                       # [K, 1]
-    s = decay * s_ref[0, h]                                           # [K, V] decayed rows
+    old = s_ref[0, h]
+    s = decay * old                                                   # [K, V] decayed rows
     pred = jnp.sum(k_col * s, axis=0, keepdims=True)                  # [1, V] k^T S
     beta = f32(beta_ref[0, pl.ds(h, 1), :])                           # [1, 1]
     s = s + k_col * (beta * (row(v_ref) - pred))                      # += k delta^T
-    s_out_ref[0, h] = s
+    s_out_ref[0, h] = jnp.where(active, s, old)
     o_ref[0, pl.ds(h, 1), :] = jnp.sum(q_col * s, axis=0, keepdims=True).astype(o_ref.dtype)
 
 
@@ -95,32 +100,46 @@ def decode_cost(q, k, v, g, beta, state) -> pl.CostEstimate:
                       + nbytes(v)))
 
 
-def kda_decode_step(q, k, v, g, beta, state, scale=None, interpret=False):
+def kda_decode_step(q, k, v, g, beta, state, scale=None, interpret=False, active=None,
+                    layer=None):
   """One decode step as a Pallas kernel; see the module docstring for shapes.
 
   The new state is written into the state's buffer (aliased): donate `state` under jit to
-  avoid a copy. Not differentiable (decode is inference only).
+  avoid a copy. active: None, or [B] bool: the rows whose state changes (the others keep
+  theirs, selected here rather than after the call, which would need the old state kept:
+  a copy of the whole state). layer: None, or the index into a stacked state [R, B, H, K,
+  V] (a scanned unit's carry): only that layer's blocks are read and written, in place,
+  and the whole stack is returned (sliced out for the call and written back, the state
+  took two more passes a layer). Not differentiable (decode is inference only).
   """
-  b, h, k_dim, v_dim = check_decode_shapes(q, k, v, g, beta, state)
+  one = state if layer is None else jax.ShapeDtypeStruct(state.shape[1:], state.dtype)
+  b, h, k_dim, v_dim = check_decode_shapes(q, k, v, g, beta, one)
   scale = float(default_scale(scale, k_dim))
   hb = head_block(h, k_dim, v_dim)
-  vec = lambda d: pl.BlockSpec((1, hb, d), lambda i, j: (i, j, 0))
-  state_spec = pl.BlockSpec((1, hb, k_dim, v_dim), lambda i, j: (i, j, 0, 0))
+  stack = state.astype(jnp.float32)
+  if layer is None:                       # one layer's state: a free reshape to a stack of 1
+    stack, layer = stack[None], 0
+  layer = jnp.asarray(layer, jnp.int32).reshape(1)
+  vec = lambda d: pl.BlockSpec((1, hb, d), lambda i, j, l: (i, j, 0))
+  state_spec = pl.BlockSpec((None, 1, hb, k_dim, v_dim), lambda i, j, l: (l[0], i, j, 0, 0))
   kernel = functools.partial(_decode_kernel, scale=scale, heads=hb)
-  o, new_state = pl.pallas_call(
+  keep = (jnp.ones((b,), jnp.int32) if active is None else active.astype(jnp.int32))
+  o, new_stack = pl.pallas_call(
       kernel,
-      grid=(b, h // hb),
-      in_specs=[vec(k_dim), vec(k_dim), vec(v_dim), vec(k_dim), vec(1), state_spec],
-      out_specs=[vec(v_dim), state_spec],
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=1, grid=(b, h // hb),
+          in_specs=[vec(k_dim), vec(k_dim), vec(v_dim), vec(k_dim), vec(1),
+                    pl.BlockSpec((1, 1, 1), lambda i, j, l: (i, 0, 0)), state_spec],
+          out_specs=[vec(v_dim), state_spec]),
       out_shape=[jax.ShapeDtypeStruct((b, h, v_dim), v.dtype),
-                 jax.ShapeDtypeStruct((b, h, k_dim, v_dim), jnp.float32)],
-      input_output_aliases={5: 1},
+                 jax.ShapeDtypeStruct(stack.shape, jnp.float32)],
+      input_output_aliases={7: 1},
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
       interpret=interpret,
-      cost_estimate=decode_cost(q, k, v, g, beta, state),
+      cost_estimate=decode_cost(q, k, v, g, beta, one),
       name="kda_decode_step",
-  )(q, k, v, g, beta.reshape(b, h, 1), state.astype(jnp.float32))
-  return o, new_state
+  )(layer, q, k, v, g, beta.reshape(b, h, 1), keep.reshape(b, 1, 1), stack)
+  return o, (new_stack[0] if state.ndim == 4 else new_stack)
 
 
 __all__ = ["kda_decode_step", "head_block", "decode_cost"]

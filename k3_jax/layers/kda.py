@@ -149,6 +149,8 @@ class KDA(nnx.Module):
     if cache is not None and cache.window is not None:   # speculation: a verify step's window
       return window_call(self, x, cache, par)
     b, t, _ = x.shape
+    if cache is not None and cache.unit is not None and t != 1:
+      raise ValueError("a stacked KDA state (KDAState.unit) is for one-token decode steps")
     get = (lambda n: getattr(cache, n)) if cache is not None else (lambda n: None)
     xq, xk, xv, zf, gate = self._inputs(x, par)
     q, cq = self._conv(xq, self.q_conv, segment_ids, get("conv_q"), par)
@@ -159,8 +161,11 @@ class KDA(nnx.Module):
     beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))          # [B, T, H]
     g = self._decay(zf)                                                # [B, T, H, K] f32
     if cache is not None and t == 1:
+      # idle rows keep their state inside the step (the kernel selects as it writes)
+      # (a scanned layer's: the whole stacked state, updated in place at its unit)
       o, state = kda_ops.decode_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
-                                     cache.state, backend=self.c.backend, par=par)
+                                     cache.state, backend=self.c.backend, par=par,
+                                     active=cache.active, layer=cache.unit)
       o = o[:, None]
     else:
       o, state = kda_ops.chunk_kda(q, k, v, g, beta, chunk_size=self.c.chunk_size,
@@ -174,9 +179,12 @@ class KDA(nnx.Module):
     if cache.active is not None:   # idle rows keep their state (selected here, per layer,
       keep = lambda new, old: jnp.where(                   # as the new state is written)
           cache.active.reshape((-1,) + (1,) * (new.ndim - 1)), new, old.astype(new.dtype))
-      state, cq, ck, cv = (keep(n, o) for n, o in ((state, cache.state), (cq, cache.conv_q),
-                                                   (ck, cache.conv_k), (cv, cache.conv_v)))
-    return y, KDAState(state=state, conv_q=cq, conv_k=ck, conv_v=cv, active=cache.active)
+      cq, ck, cv = (keep(n, o) for n, o in ((cq, cache.conv_q), (ck, cache.conv_k),
+                                            (cv, cache.conv_v)))
+      if t != 1:
+        state = keep(state, cache.state)
+    return y, KDAState(state=state, conv_q=cq, conv_k=ck, conv_v=cv, active=cache.active,
+                       unit=cache.unit)
 
 
 __all__ = ["KDA"]

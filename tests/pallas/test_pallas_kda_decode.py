@@ -122,6 +122,29 @@ def test_decode_head_blocks(monkeypatch):
   _close(s, s_ref, FP32_REL)
 
 
+def test_decode_keeps_idle_rows_and_updates_a_stack_in_place():
+  """active [B]: the idle rows' state comes back bit for bit (the kernel selects as it
+  writes, in the aliased buffer), the active rows' as without a mask. layer: a stacked
+  state [R, B, H, K, V] comes back whole, that layer updated as alone, the others bit for
+  bit. ops.kda.decode_step's reference path the same."""
+  B, H, K, V = 3, 2, 16, 16
+  q, k, v, g, beta, s0 = _tokens(B, 1, H, K, V, seed=3)
+  args = (q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
+  active = jnp.asarray([True, False, True])
+  stack = jnp.stack([s0 * 2.0, s0, s0 - 1.0])                        # [3, B, H, K, V]
+  _, s_all = kda.kda_decode_step(*args, s0)
+  step = jax.jit(functools.partial(kd.kda_decode_step, interpret=True))
+  for got in (step(*args, s0, active=active)[1],
+              step(*args, stack, active=active, layer=jnp.int32(1))[1],
+              kda.decode_step(*args, s0, active=active)[1],
+              kda.decode_step(*args, stack, active=active, layer=jnp.int32(1))[1]):
+    if got.ndim == 5:
+      np.testing.assert_array_equal(np.asarray(got[::2]), np.asarray(stack[::2]))
+      got = got[1]
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(s0[1]))
+    _close(got[::2], s_all[::2], FP32_REL)
+
+
 def test_head_block_choice():
   assert kd.head_block(24, 128, 128) == 8       # 24 heads x 64 KiB > 1 MiB: blocks of 8
   assert kd.head_block(16, 128, 128) == 16      # exactly 1 MiB: one block

@@ -39,6 +39,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from k3_jax.ops.kda.chunk import chunk_kda as chunk_kda_reference
 from k3_jax.ops.kda.common import (BACKENDS, G_CLAMP, SUB_TILE, TILE, check_chunk_shapes,
@@ -142,22 +143,38 @@ STATE_AXES = ("batch", "heads", "cache_seq", None)
 
 @jax.named_scope("recurrent_step")
 def decode_step(q, k, v, g, beta, state, scale=None, backend: str = "reference",
-                par: Parallel = SINGLE):
+                par: Parallel = SINGLE, active=None, layer=None):
   """One token by `backend` on the mesh of `par`: q, k, g [B, H, K]; v [B, H, V]; beta
   [B, H]; state [B, H, K, V] f32. Returns (o [B, H, V] in v.dtype, new state [B, H, K, V]
-  f32)."""
-  check_decode_shapes(q, k, v, g, beta, state)
-  if resolve_backend(backend, par) == "reference" or _k_split(state, par):
+  f32). active: None, or [B] bool: rows whose state changes (the others keep theirs; the
+  kernel selects as it writes, in place). layer: None, or the index of this layer's state
+  in a stacked `state` [R, B, H, K, V] (a scanned unit's carry), which comes back whole with
+  that layer updated (the kernel in place)."""
+  one = state if layer is None else jax.ShapeDtypeStruct(state.shape[1:], state.dtype)
+  check_decode_shapes(q, k, v, g, beta, one)
+  if resolve_backend(backend, par) == "reference" or _k_split(one, par):
     # A state split on K (a serving batch too small for the mesh: kv_pages.
     # paged_cache_shardings) runs the plain-JAX step, partitioned as it lies: each chip
     # updates its rows of K and the sums over K become all-reduces of [B, H, V]. The
     # kernel needs whole K, so it would gather every state onto every chip instead.
-    return kda_decode_step(q, k, v, g, beta, state, scale)
+    old = state if layer is None else state[layer]
+    o, new = kda_decode_step(q, k, v, g, beta, old, scale)
+    if active is not None:
+      new = jnp.where(active[:, None, None, None], new, old.astype(new.dtype))
+    if layer is not None:
+      new = jax.lax.dynamic_update_index_in_dim(state, new.astype(state.dtype), layer, 0)
+    return o, new
   from pallas_kernels import kda_decode          # lazy: only the Pallas backend needs it
   vec = ("batch", "heads", None)
-  step = lambda *a: kda_decode.kda_decode_step(*a, scale=scale, interpret=_interpret(par))
-  return par.shard_kernel(step, [vec, vec, vec, vec, ("batch", "heads"), _STATE], (vec, _STATE))(
-      q, k, v, g, beta, state)
+  active = jnp.ones(q.shape[:1], bool) if active is None else active
+  state_axes = _STATE if layer is None else (None,) + _STATE
+  step = lambda q, k, v, g, beta, state, active, *layer: kda_decode.kda_decode_step(
+      q, k, v, g, beta, state, scale=scale, interpret=_interpret(par), active=active,
+      layer=layer[0] if layer else None)
+  lead = () if layer is None else (jnp.asarray(layer, jnp.int32),)
+  return par.shard_kernel(
+      step, [vec, vec, vec, vec, ("batch", "heads"), state_axes, ("batch",)] + [()] * len(lead),
+      (vec, state_axes))(q, k, v, g, beta, state, active, *lead)
 
 
 __all__ = ["chunk_kda", "decode_step", "resolve_backend", "resolve_chunk_size",
