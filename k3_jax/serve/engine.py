@@ -84,14 +84,16 @@ class Engine:
     self.turns = turn_cache.attach(self)       # cache tiers: decoded tokens join the cache
 
     self.roster = Roster(self.max_batch, serve.max_queue, self.kv)
-    r = self.roster        # (the same objects: the server and tests read them here)
-    self.lock, self.waiting, self.running, self.free_slots = (r.lock, r.waiting, r.running,
-                                                              r.free_slots)
     if self.turns is not None:                 # cache tiers: the conversation so far
-      r.on_done = self.turns.on_finish
+      self.roster.on_done = self.turns.on_finish
     self.step_no = 0
     self.generated_tokens = 0
 
+  # the roster's own objects (never copies: a test that reorders the free slots reorders its)
+  lock, waiting, running = (property(lambda self, k=k: getattr(self.roster, k))
+                            for k in ("lock", "waiting", "running"))
+  free_slots = property(lambda self: self.roster.free_slots,
+                        lambda self, v: setattr(self.roster, "free_slots", v))
   fatal = property(lambda self: self.roster.fatal)   # set when a fault stopped the engine
   finished_requests = property(lambda self: self.roster.finished_requests)
   failed_requests = property(lambda self: self.roster.failed_requests)
