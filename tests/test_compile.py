@@ -36,6 +36,8 @@ def _check_report(rep):
   assert rep["fits"] == (rep["per_chip_total_bytes"] <= rep["chip_hbm_bytes"])
 
 
+@pytest.mark.slow   # ~20 s AOT compile (suite budget); compile of the prefill and train steps
+# for a TPU topology stays in the default suite
 def test_compile_decode_k3_tiny_v5p():
   # No layout flags: k3_tiny's PodLayout for v5p-8 decode gives mesh, batch and length.
   rep = _compile("--config=k3_tiny", "--topology=v5p-8", "--step=decode")

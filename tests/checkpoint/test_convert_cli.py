@@ -38,6 +38,8 @@ def test_convert_dry_run_json_from_preset():
   assert len(vision) and out["num_tensors"] == text["num_tensors"] + len(vision)
 
 
+@pytest.mark.slow   # ~40 s of CLI subprocesses (suite budget); generation from a converted
+# directory stays in the default suite through the server tests (serve --hf_dir)
 def test_generate_from_hf_dir_with_prompt_ids_json(tmp_path):
   """generate --hf_dir --prompt_ids --json gives exactly the tokens of an in-process greedy
   decode of the same weights """

@@ -21,6 +21,8 @@ from faultcli import (MODEL, RUN, Held, checksums, copy_run, losses, main, metri
                       resume_matches, signal_at_step_3)
 
 
+@pytest.mark.slow   # ~20 s of subprocess training (suite budget); resumes that match the
+# reference stay in the default suite: the truncated-file fallback here, test_train's resume
 def test_sigterm_mid_run_saves_then_resume_matches_uninterrupted(env, reference, tmp_path):
   wd = str(tmp_path / "run")
   signal_at_step_3(env, wd, signal.SIGTERM, "SIGTERM")
