@@ -14,6 +14,7 @@ whole sequences and whole heads).
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -84,6 +85,8 @@ def _run(backend: str, mesh):
   return nnx.jit(f)(layer, x, seg, layer.init_cache(b))
 
 
+@pytest.mark.slow   # ~10 s (suite budget); the kernel vs the reference stays in the default
+# suite (test_pallas_kda.py, test_pallas_kda_decode.py)
 def test_pallas_layer_on_mesh_matches_reference():
   ref = jax.tree.leaves(_run("reference", None))
   got = jax.tree.leaves(_run("pallas", _cpu_mesh()))

@@ -101,7 +101,8 @@ def test_sequence_sharded_mla_layer_equals_single_device(x, p, with_seg):
   _check_layer(MLA, x, p, with_seg, ("all_gather",))
 
 
-@pytest.mark.parametrize("layer_cls", [KDA, MLA])
+@pytest.mark.parametrize("layer_cls", [      # KDA's split: test_kcp_kda_layer_equals_single_device
+    pytest.param(KDA, marks=pytest.mark.slow), MLA])
 def test_batch_of_one_splits_its_sequence_over_the_axes_the_batch_left(x, layer_cls):
   """One sequence on a data x expert x sequence mesh: the batch cannot split, so "seq"
   takes sequence, then expert, then data (8 shards of 4 tokens, numbered sequence-major):

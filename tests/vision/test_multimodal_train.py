@@ -120,6 +120,8 @@ def test_train_step_on_images_and_text():
   assert float(n1) == float(n2) and float(l1) != float(l2)
 
 
+@pytest.mark.slow   # ~6 s (suite budget); images in a served request against a full forward
+# stay in the default suite (test_server.py::test_chat_with_image_matches_a_full_forward)
 def test_generate_with_images_matches_a_full_forward(tmp_path):
   """`generate --image` (restore.prompt_ids + the batched engine) == argmax of one forward
   pass over the prompt + generated tokens with the same images."""
