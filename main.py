@@ -300,7 +300,7 @@ def _check_checkpoint_step() -> None:
 def _check_sampling() -> None:
   """generate: the sampling flags, before the checkpoint is read."""
   from k3_jax.config import UserError
-  from k3_jax.serve.scheduler import RequestError, SamplingParams
+  from k3_jax.serve.requests import RequestError, SamplingParams
   names = ("temperature", "top_p", "frequency_penalty", "presence_penalty")
   try:         # the engine's own check (serve/limits.py), without the OpenAI ranges
     SamplingParams(**{n: getattr(FLAGS, n) for n in names}).validate(openai_ranges=False)
