@@ -345,7 +345,7 @@ def _train_job(stop) -> None:
   from k3_jax.checkpoint.resume import check_resume
   from k3_jax.data.datasets import train_data
   from k3_jax.profiling import parse_steps
-  from sharding.distributed import maybe_initialize
+  from pod.distributed import maybe_initialize
   from sharding.mesh import make_mesh, parse_mesh, validate_mesh
 
   _check_workdir(FLAGS.workdir)
@@ -495,8 +495,8 @@ def cmd_compile() -> None:
   import configs
   from k3_jax.compile import LAYOUT_FLAGS, apply_pod_layout, compile_step, pod_layout
   from k3_jax.config import ConfigError
-  from sharding import aot
-  from sharding.topology import resolve_target
+  from pod import aot
+  from pod.topology import resolve_target
   if not FLAGS.topology:
     raise ConfigError("compile needs --topology, e.g. --topology=v5p-128 or v5p:4x4x4")
   for name in ("global_batch", "cache_len"):
@@ -609,7 +609,7 @@ def cmd_serve() -> None:
   if FLAGS.mesh:
     from sharding.mesh import parse_mesh
     parse_mesh(FLAGS.mesh)                       # its syntax; the devices when it is built
-  from sharding.distributed import maybe_initialize
+  from pod.distributed import maybe_initialize
   _check_multihost_flags()
   maybe_initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
   import jax

@@ -32,7 +32,7 @@ from k3_jax.optim.owned import Owner
 from k3_jax.optim.qk_clip import qk_clip
 from k3_jax.partitioning import SINGLE, Parallel
 from k3_jax.stack import plan_of
-from sharding.aot import tree_bytes
+from sharding.arrays import tree_bytes
 from sharding.install import parallel_for
 from sharding.rules import logical_to_spec, tree_shardings
 

@@ -14,7 +14,7 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 # Project code the order covers (tests/ and benchmarks/ may import anything).
-SOURCES = ("main.py", "k3_jax", "sharding", "configs", "pallas_kernels")
+SOURCES = ("main.py", "k3_jax", "sharding", "pod", "configs", "pallas_kernels")
 
 # Groups of modules, by path prefix (first match wins, so specific prefixes come first).
 GROUPS = (
@@ -24,6 +24,7 @@ GROUPS = (
               "k3_jax/info.py", "k3_jax/faults.py", "k3_jax/goodput.py",
               "k3_jax/profiling.py", "k3_jax/summaries.py")),
     ("sharding", ("sharding/",)),
+    ("pod", ("pod/",)),
     ("model", ("k3_jax/model.py",)),
     ("data", ("k3_jax/data/",)),
     ("optim", ("k3_jax/optim/",)),
@@ -37,11 +38,14 @@ GROUPS = (
 #   main.py -> jobs (train, serve/, checkpoint/, compile) -> sharding/ -> model -> layers
 #   (and vision/) -> ops + pallas_kernels -> config, partitioning, configs/;
 #   data/ and optim/ sit beside the model and import only config/ops/partitioning;
-#   sharding/ builds partitioning.Parallel values and imports only ops/partitioning/config.
+#   sharding/ builds partitioning.Parallel values and imports only ops/partitioning/config;
+#   pod/ (topologies, multi-host start-up, AOT compile reports, the roofline) sits beside
+#   sharding/, knows devices and compiled programs only, and imports only config.
 BELOW = {
-    "cli": {"jobs", "sharding", "model", "data", "optim", "layers", "ops", "base"},
-    "jobs": {"sharding", "model", "data", "optim", "layers", "ops", "base"},
+    "cli": {"jobs", "sharding", "pod", "model", "data", "optim", "layers", "ops", "base"},
+    "jobs": {"sharding", "pod", "model", "data", "optim", "layers", "ops", "base"},
     "sharding": {"ops", "base"},
+    "pod": {"base"},
     "model": {"layers", "ops", "base"},
     "data": {"ops", "base"},
     "optim": {"ops", "base"},
