@@ -342,7 +342,7 @@ def _train_job(stop) -> None:
   import jax
   from k3_jax import train
   from k3_jax.checkpoint.manager import CheckpointManager
-  from k3_jax.checkpoint.resume import check_resume
+  from k3_jax.checkpoint.resume import check_resume, save_train_config
   from k3_jax.data.datasets import train_data
   from k3_jax.profiling import parse_steps
   from pod.distributed import maybe_initialize
@@ -366,7 +366,7 @@ def _train_job(stop) -> None:
                                  warn=lambda m: print(m, file=sys.stderr))
   # the workdir is written only now, after every check and the data have passed
   ckpt = CheckpointManager(FLAGS.workdir, cfg, keep=tc.keep_checkpoints)
-  train.save_train_config(FLAGS.workdir, tc)
+  save_train_config(FLAGS.workdir, tc)
   init_state = None
   if FLAGS.init_from:                 # released weights, each read straight into its shard
     from k3_jax.checkpoint.sharded_load import train_state_from_hf
