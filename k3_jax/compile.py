@@ -1,9 +1,10 @@
 """Ahead-of-time compilation of the real steps for a TPU target, from any machine.
 
 A job-level module: it composes the train step (k3_jax/train.py) or the serving steps
-(k3_jax/model.py prefill / decode) with sharding's AOT helpers (devices of a TPU topology,
-mesh, `aot.compile_report`). Sharding never imports train or serve; this module does the
-composing, so the command line only parses flags and prints the report.
+(k3_jax/model.py prefill / decode) with the mesh (sharding/) and pod/'s AOT helpers
+(devices of a TPU topology, `aot.compile_report`). Neither sharding/ nor pod/ imports train
+or serve; this module does the composing, so the command line only parses flags and prints
+the report.
 """
 
 from __future__ import annotations
