@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from k3_jax.data.chat import ChatError, check_effort, check_tools, tool_choice_name
 from k3_jax.serve import limits
-from k3_jax.serve.scheduler import RequestError, SamplingParams
+from k3_jax.serve.requests import RequestError, SamplingParams
 
 
 class ParamError(ValueError):

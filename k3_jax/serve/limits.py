@@ -1,7 +1,7 @@
 """Every limit and default of a serving request, defined here once.
 
 The HTTP handlers (api_params.py, completions.py, chat_completions.py), the engine's own
-check (scheduler.SamplingParams.validate), the schema /openapi.json serves (api_schema.py),
+check (requests.SamplingParams.validate), the schema /openapi.json serves (api_schema.py),
 the serving step (steps.TOP_K alternatives per token) and `generate`'s flags (main.py) all
 read them from here; tests/serve/test_limits.py checks each reader against them.
 
