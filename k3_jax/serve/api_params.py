@@ -10,7 +10,6 @@ chat template, and turns the template parser's Deltas into OpenAI fields with `T
 
 from __future__ import annotations
 
-from k3_jax.data.chat import ChatError, check_effort, check_tools, tool_choice_name
 from k3_jax.serve import limits
 from k3_jax.serve.scheduler import RequestError, SamplingParams
 
@@ -127,41 +126,18 @@ def sampling_from(req, engine, prompt_len: int, stop_extra=(), stop_ids=()):
 
 
 def render_kwargs(body: dict, tokenize: bool = False) -> dict:
-  """The chat template's keyword arguments from a chat request (checked: ParamError naming
-  the parameter): tools, tool_choice, response_format (its note), reasoning_effort (low /
-  high / max) and chat_template_kwargs.thinking (false: instant, no think channels);
-  with `tokenize` (POST /tokenize) also add_generation_prompt (default true)."""
-  kwargs = body.get("chat_template_kwargs")
-  if kwargs is None:
-    kwargs = {}
-  if not isinstance(kwargs, dict):
-    raise ParamError("chat_template_kwargs must be an object", "chat_template_kwargs")
-  thinking = kwargs.get("thinking", True)
-  if not isinstance(thinking, bool):
-    raise ParamError(f"chat_template_kwargs.thinking must be true or false, got {thinking!r}",
-                     "chat_template_kwargs")
-  try:
-    tools = check_tools(body.get("tools"))
-    tool_choice_name(body.get("tool_choice"), tools)
-    check_effort(body.get("reasoning_effort"))
-  except ChatError as e:
-    raise ParamError(str(e), e.param) from None
-  ptc = body.get("parallel_tool_calls")
-  if ptc is not None and not isinstance(ptc, bool):
-    raise ParamError(f"parallel_tool_calls must be a boolean, got {ptc!r}",
-                     "parallel_tool_calls")
-  out = {"tools": tools or None, "tool_choice": body.get("tool_choice"),
-         "response_format": body.get("response_format"), "thinking": thinking,
+  """The chat template's keyword arguments from a validated chat request (api_schema's
+  ChatTemplate): tools, tool_choice, response_format (its note), reasoning_effort and
+  chat_template_kwargs.thinking (default true; false: instant, no think channels); with
+  `tokenize` (POST /tokenize) also add_generation_prompt (default true)."""
+  thinking = (body.get("chat_template_kwargs") or {}).get("thinking")
+  out = {"tools": body.get("tools") or None, "tool_choice": body.get("tool_choice"),
+         "response_format": body.get("response_format"),
+         "thinking": True if thinking is None else thinking,
          "effort": body.get("reasoning_effort")}
   if tokenize:
-    agp = body.get("add_generation_prompt", True)
-    if not isinstance(agp, bool):
-      raise ParamError(f"add_generation_prompt must be a boolean, got {agp!r}",
-                       "add_generation_prompt")
-    if body.get("continue_final_message"):
-      raise ParamError("continue_final_message is not supported by the K3 chat format",
-                       "continue_final_message")
-    out["add_generation_prompt"] = agp
+    agp = body.get("add_generation_prompt")
+    out["add_generation_prompt"] = True if agp is None else agp
   return out
 
 

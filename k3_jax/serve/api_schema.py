@@ -20,7 +20,7 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationE
                       model_validator)
 from pydantic_core import PydanticCustomError
 
-from k3_jax.data.chat import EFFORTS, ROLES
+from k3_jax.data.chat import EFFORTS, ROLES, ChatError, tool_choice_name
 from k3_jax.serve import limits
 from k3_jax.serve.api_params import ParamError
 
@@ -194,6 +194,16 @@ class ChatTemplate(Strict):
   parallel_tool_calls: bool | None = None
   response_format: ResponseFormat | None = None
 
+  @model_validator(mode="after")
+  def _tool_choice_in_tools(self):
+    choice = self.tool_choice
+    try:
+      tool_choice_name(choice if choice is None or isinstance(choice, str)
+                       else choice.model_dump(), [t.model_dump() for t in self.tools or ()])
+    except ChatError as e:
+      raise refuse(e.param, str(e)) from None
+    return self
+
 
 class ChatCompletionRequest(Sampling, ChatTemplate):
   messages: list[Message] = Field(..., min_length=1)
@@ -222,6 +232,9 @@ class TokenizeRequest(ChatTemplate):
 
   @model_validator(mode="after")
   def _one_kind(self):
+    if self.continue_final_message:
+      raise refuse("continue_final_message", "continue_final_message is not supported by "
+                   "the K3 chat format")
     if self.messages is not None and self.prompt is not None:
       raise refuse("prompt", "give either messages (a chat request) or prompt, not both")
     if self.messages is None and self.prompt is None:
