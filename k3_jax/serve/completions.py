@@ -21,9 +21,10 @@ from k3_jax.serve.api_params import ParamError
 from k3_jax.serve.client import Api, Run, constraints, finish_reason
 
 
-def prompt_list(prompt, tokenizer) -> list[list[int]]:
+def prompt_list(prompt, tokenizer, vocab_size: int | None = None) -> list[list[int]]:
   """A validated `prompt` (api_schema's forms) as token-id lists (ParamError naming `prompt`
-  for a text prompt without a tokenizer, or one that encodes to nothing)."""
+  for a text prompt without a tokenizer, one that encodes to nothing, or an id past
+  `vocab_size`: a scored prompt never reaches the engine's own check)."""
   def ids_of(p) -> list[int]:
     if isinstance(p, str):
       if tokenizer is None:
@@ -38,6 +39,9 @@ def prompt_list(prompt, tokenizer) -> list[list[int]]:
   for i, ids in enumerate(out):
     if not ids:
       raise ParamError(f"prompt {i} is empty", "prompt")
+    if vocab_size is not None and max(ids) >= vocab_size:
+      raise ParamError(f"prompt {i} holds token ids outside the model's vocabulary "
+                       f"[0, {vocab_size}): {[t for t in ids if t >= vocab_size][:5]}", "prompt")
   return out
 
 
@@ -82,7 +86,7 @@ class Completion:
     self.opts = options(req)
     self.draws = req.best_of or self.opts.n    # samples per prompt; n best returned
     self.bias = api_params.logit_bias(req.logit_bias, api.engine.cfg.vocab_size)
-    self.prompts = prompt_list(req.prompt, tok)
+    self.prompts = prompt_list(req.prompt, tok, api.engine.cfg.vocab_size)
     self.k = self.opts.logprobs
     self.head = api.head("cmpl", "text_completion")
     self.prompt_tokens = sum(len(ids) for ids in self.prompts)

@@ -137,6 +137,8 @@ def error_of(resp):
     ({"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "does not exist"),
     ({"prompt": 42}, 400, "prompt"),
+    ({"prompt": [2 ** 40], "max_tokens": 0, "echo": True, "logprobs": 1}, 400, "vocabulary"),
+    ({"prompt": [65, 10 ** 6], "max_tokens": 0, "echo": True}, 400, "vocabulary"),
 ])
 def test_bad_input(server, payload, status, needle):
   body = {"model": MODEL, "max_tokens": 2, **payload}
