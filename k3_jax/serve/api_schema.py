@@ -18,8 +18,6 @@ from typing import Annotated, Literal, Union
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError,
                       model_validator)
-from pydantic_core import PydanticCustomError
-
 from k3_jax.data.chat import EFFORTS, ROLES, ChatError, tool_choice_name
 from k3_jax.serve import limits
 from k3_jax.serve.api_params import ParamError
@@ -40,9 +38,10 @@ def Num(bounds: tuple[float, float], low_excluded: bool = False):
   return Annotated[float, Field(le=bounds[1], **lo)]
 
 
-def refuse(param: str, message: str):
-  """The error a model validator raises for a rule between fields (its param named)."""
-  return PydanticCustomError("request", "{message}", {"param": param, "message": message})
+def refuse(param: str, message: str) -> ParamError:
+  """The error a model validator raises for a rule between fields (its param named; pydantic
+  keeps it as the error's ctx["error"])."""
+  return ParamError(message, param)
 
 
 TokenId = Int(ge=0)
@@ -288,8 +287,8 @@ def _mismatch(e: dict) -> bool:
 def error(model: type[BaseModel], errors: list[dict], body: dict) -> ParamError:
   """The ParamError of a body `model` refused: its first field's most telling error."""
   first = errors[0]
-  if first["type"] == "request":                          # a model validator's
-    return ParamError(first["ctx"]["message"], first["ctx"]["param"])
+  if isinstance(first.get("ctx", {}).get("error"), ParamError):   # a model validator's
+    return first["ctx"]["error"]
   param = first["loc"][0]
   mine = [e for e in errors if e["loc"][:1] == (param,)]
   telling = [e for e in mine if not _mismatch(e)]
