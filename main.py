@@ -300,7 +300,7 @@ def _check_checkpoint_step() -> None:
 def _check_sampling() -> None:
   """generate: the sampling flags, before the checkpoint is read."""
   from k3_jax.config import UserError
-  from k3_jax.serve.scheduler import RequestError, SamplingParams
+  from k3_jax.serve.requests import RequestError, SamplingParams
   names = ("temperature", "top_p", "frequency_penalty", "presence_penalty")
   try:         # the engine's own check (serve/limits.py), without the OpenAI ranges
     SamplingParams(**{n: getattr(FLAGS, n) for n in names}).validate(openai_ranges=False)
@@ -342,10 +342,10 @@ def _train_job(stop) -> None:
   import jax
   from k3_jax import train
   from k3_jax.checkpoint.manager import CheckpointManager
-  from k3_jax.checkpoint.resume import check_resume
+  from k3_jax.checkpoint.resume import check_resume, save_train_config
   from k3_jax.data.datasets import train_data
   from k3_jax.profiling import parse_steps
-  from sharding.distributed import maybe_initialize
+  from pod.distributed import maybe_initialize
   from sharding.mesh import make_mesh, parse_mesh, validate_mesh
 
   _check_workdir(FLAGS.workdir)
@@ -366,7 +366,7 @@ def _train_job(stop) -> None:
                                  warn=lambda m: print(m, file=sys.stderr))
   # the workdir is written only now, after every check and the data have passed
   ckpt = CheckpointManager(FLAGS.workdir, cfg, keep=tc.keep_checkpoints)
-  train.save_train_config(FLAGS.workdir, tc)
+  save_train_config(FLAGS.workdir, tc)
   init_state = None
   if FLAGS.init_from:                 # released weights, each read straight into its shard
     from k3_jax.checkpoint.sharded_load import train_state_from_hf
@@ -495,8 +495,8 @@ def cmd_compile() -> None:
   import configs
   from k3_jax.compile import LAYOUT_FLAGS, apply_pod_layout, compile_step, pod_layout
   from k3_jax.config import ConfigError
-  from sharding import aot
-  from sharding.topology import resolve_target
+  from pod import aot
+  from pod.topology import resolve_target
   if not FLAGS.topology:
     raise ConfigError("compile needs --topology, e.g. --topology=v5p-128 or v5p:4x4x4")
   for name in ("global_batch", "cache_len"):
@@ -609,7 +609,7 @@ def cmd_serve() -> None:
   if FLAGS.mesh:
     from sharding.mesh import parse_mesh
     parse_mesh(FLAGS.mesh)                       # its syntax; the devices when it is built
-  from sharding.distributed import maybe_initialize
+  from pod.distributed import maybe_initialize
   _check_multihost_flags()
   maybe_initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
   import jax

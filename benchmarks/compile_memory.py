@@ -58,9 +58,9 @@ def one(units: int, seq_split: int, remat: str, batch: int | None, seq_len: int,
   import configs
   from k3_jax import stack, train
   from k3_jax.compile import train_program
-  from sharding import aot
+  from pod import aot
   from sharding.mesh import make_mesh, parse_mesh
-  from sharding.topology import resolve_target, target_devices
+  from pod.topology import resolve_target, target_devices
   aot.limit_malloc_arenas()        # as `main.py compile` does
   cfg = configs.get("k3")
   if units:

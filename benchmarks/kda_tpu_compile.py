@@ -2,7 +2,7 @@
 
   python -m benchmarks.kda_tpu_compile [--quick] [--gens v5e,v5p,v6e] [--json out.json]
 
-Nothing runs: libtpu's compile-only devices (sharding.topology) let XLA and Mosaic compile
+Nothing runs: libtpu's compile-only devices (pod.topology) let XLA and Mosaic compile
 for a 4-chip slice of each generation (v5e:2x2, v5p:2x2x1, v6e:2x2). Each kernel runs per
 chip inside shard_map (sharding.kernels, the path the KDA layer takes on a mesh), heads
 split over the 4 chips, so the shapes below are per chip. K = V = 128, chunk 64; q, k, v in
@@ -49,7 +49,7 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from sharding.kernels import shard_map_kernel  # noqa: E402
 from sharding.mesh import make_mesh, parse_mesh  # noqa: E402
-from sharding.topology import topology_devices  # noqa: E402
+from pod.topology import topology_devices  # noqa: E402
 
 GENS = {  # generation -> (topology of 4 chips, chip version, TensorCores per device)
     "v5e": ("v5e:2x2", pltpu.ChipVersion.TPU_V5E, 1),

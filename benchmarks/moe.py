@@ -1,6 +1,12 @@
 """Routed-expert compute: dropless grouped-matmul dispatch vs the dense baseline.
 
   python -m benchmarks.moe [--quick] [--json out.json] [--runs N] [--tokens N]
+  python -m benchmarks.moe --tiles 16,32,64,128,256
+
+--tiles: the tile size of the tiled layout (`_moe_tiled`, what a prefill on XLA:CPU runs)
+on the served 15M Kimi-Linear's experts (E=16, k=4, Din=256, F=128) at 512 and 4,096
+tokens (one prompt; eight in one call), each tile timed in turns with the others (the best
+of 5 rounds of 3 calls), beside the size `_tile_rows` picks.
 
 For E in {16, 64, 256} experts and k in {2, 8, 16} experts per token (--quick:
 E=16, k=2 only), N=2048 tokens, expert input width Din=256, intermediate F=512,
@@ -87,8 +93,37 @@ METHODS = {
 }
 
 
+def bench_tiles(tiles):
+  """ms of `_moe_tiled` at each tile size, 512 and 4,096 tokens (module docstring)."""
+  import time
+  from k3_jax.ops import moe
+  e, k, din, f = 16, 4, 256, 128
+  rng = np.random.default_rng(0)
+  w = [jnp.asarray(rng.normal(size=shape) * 0.05, jnp.float32)
+       for shape in ((e, din, f), (e, din, f), (e, f, din))]
+  for n in (512, 4096):
+    x = jnp.asarray(rng.normal(size=(n, din)), jnp.float32)
+    ids = jnp.asarray(np.stack([rng.choice(e, k, replace=False) for _ in range(n)]), jnp.int32)
+    p = jnp.asarray(rng.random((n, k)), jnp.float32)
+    fns = {t: jax.jit(lambda *a, t=t: moe._moe_tiled(*a, "situ", 4.0, 25.0, tile=t))
+           for t in tiles}
+    best = dict.fromkeys(tiles, float("inf"))
+    for fn in fns.values():
+      fn(x, p, ids, *w).block_until_ready()
+    for _ in range(5):
+      for t, fn in fns.items():
+        t0 = time.perf_counter()
+        for _ in range(3):
+          fn(x, p, ids, *w).block_until_ready()
+        best[t] = min(best[t], (time.perf_counter() - t0) / 3)
+    print(f"N={n} (m={n * k} pairs; _tile_rows picks {moe._tile_rows(n * k, e)}): "
+          + ", ".join(f"tile {t}: {v * 1e3:.1f} ms" for t, v in best.items()), flush=True)
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--tiles", help="comma-separated tile sizes: time the tiled layout "
+                      "at each (module docstring) instead of the methods")
   parser.add_argument("--quick", action="store_true", help="E=16, k=2 only")
   parser.add_argument("--json", help="write the rows to this file")
   parser.add_argument("--runs", type=int, default=3)
@@ -98,6 +133,8 @@ def main():
   parser.add_argument("--max-temp-gib", type=float, default=4.0,
                       help="only report FLOPs (no timing) above this compiled temp memory")
   args = parser.parse_args()
+  if args.tiles:
+    return bench_tiles([int(t) for t in args.tiles.split(",")])
 
   n = args.tokens
   cases = [(16, 2)] if args.quick else [(e, k) for e in EXPERTS for k in TOP_K if k <= e // 2]

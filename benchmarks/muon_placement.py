@@ -5,7 +5,7 @@ owned.py) vs left to the partitioner, side by side on 8 CPU devices.
                                         [--batch_size=8] [--seq_len=256]
 
 For each placement: the compiled optimizer update alone (its matmul FLOPs per device, which
-are Newton-Schulz's, and its collectives, from sharding/roofline.py), and the whole train
+are Newton-Schulz's, and its collectives, from pod/roofline.py), and the whole train
 step timed alternately A, B, A, B, ... (medians, after a warm-up step), so machine load
 hits both alike. Prints one JSON object.
 """
@@ -28,7 +28,7 @@ import jax  # noqa: E402
 import configs  # noqa: E402
 from k3_jax import train  # noqa: E402
 from k3_jax.data import pipeline, sources, tokenizers  # noqa: E402
-from sharding import roofline  # noqa: E402
+from pod import roofline  # noqa: E402
 from sharding.mesh import make_mesh, parse_mesh  # noqa: E402
 
 PLACEMENTS = ("sharded", "owned")

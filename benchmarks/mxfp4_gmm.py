@@ -42,7 +42,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 from k3_jax.ops.mx import MXArray  # noqa: E402
 from pallas_kernels.mxfp4_gmm import (default_tiling, group_metadata, mxfp4_gmm,  # noqa: E402
                                       rhs_fetches)
-from sharding.topology import topology_devices  # noqa: E402
+from pod.topology import topology_devices  # noqa: E402
 
 L, F, E = 3584, 3072, 14
 TOPOLOGIES = {"v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}

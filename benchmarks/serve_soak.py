@@ -72,7 +72,7 @@ def pct(xs, q):
 
 def soak(requests: int = 2000, clients: int = 32, slots: int = 8, distinct: int = 48,
          max_tokens: int = 8, cancel_frac: float = 0.1, seed: int = 0) -> dict:
-  from k3_jax.serve.scheduler import SamplingParams
+  from k3_jax.serve.requests import SamplingParams
   from k3_jax.serve.server import EngineLoop
   eng, cold = build(slots, budget_blocks=4)
   pool = prompts(distinct, seed)

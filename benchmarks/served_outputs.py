@@ -27,7 +27,7 @@ from k3_jax import train
 from k3_jax.data.tokenizers import ByteTokenizer
 from k3_jax.model import create_model
 from k3_jax.serve.engine import Engine
-from k3_jax.serve.scheduler import SamplingParams
+from k3_jax.serve.requests import SamplingParams
 
 
 def _cfg():

@@ -1,9 +1,10 @@
 """Ahead-of-time compilation of the real steps for a TPU target, from any machine.
 
 A job-level module: it composes the train step (k3_jax/train.py) or the serving steps
-(k3_jax/model.py prefill / decode) with sharding's AOT helpers (devices of a TPU topology,
-mesh, `aot.compile_report`). Sharding never imports train or serve; this module does the
-composing, so the command line only parses flags and prints the report.
+(k3_jax/model.py prefill / decode) with the mesh (sharding/) and pod/'s AOT helpers
+(devices of a TPU topology, `aot.compile_report`). Neither sharding/ nor pod/ imports train
+or serve; this module does the composing, so the command line only parses flags and prints
+the report.
 """
 
 from __future__ import annotations
@@ -25,11 +26,12 @@ from k3_jax.ops.mx_gmm import EXPERT_WEIGHTS
 from k3_jax.serve import kv_pages as kv
 from k3_jax.serve.pack import pack_routed_experts
 from k3_jax.stack import map_cache
-from sharding import aot
+from pod import aot
+from pod.topology import Target, resolve_target, target_devices
+from sharding import arrays
 from sharding.install import parallel_for
 from sharding.mesh import make_mesh, parse_mesh, validate_mesh
 from sharding.rules import RULES, tree_shardings
-from sharding.topology import Target, resolve_target, target_devices
 
 STEPS = ("train", "prefill", "decode", "init")
 
@@ -94,7 +96,7 @@ def compile_step(cfg: ModelConfig, tc: TrainConfig, target: Target, step: str,
                  seq_len: int | None = None, cache_len: int | None = None,
                  expert_format: str = "dense", page_split: str = "auto") -> dict:
   """Lower and compile the real `step` of `cfg` for `target` with abstract inputs (nothing
-  is allocated); returns sharding.aot.compile_report's per-chip memory report plus what was
+  is allocated); returns pod.aot.compile_report's per-chip memory report plus what was
   compiled. global_batch / seq_len default to tc's; cache_len (prefill / decode) to seq_len.
   The grouped-matmul kind and the expert-parallel capacity are cfg's execution-only fields
   (moe.gmm, moe.ep_capacity). page_split (decode): how the paged cache's pages lie over the
@@ -328,7 +330,7 @@ def decode_min_bytes(cfg: ModelConfig, weights: WeightBytes, batch: int, length:
   total, routed, table = weights
   touched = min(1.0, batch * cfg.moe.top_k / cfg.moe.num_experts)
   cache = jax.eval_shape(lambda: create_model(cfg, mode="abstract").init_cache(batch, length))
-  cache_bytes = aot.tree_bytes(cache)
+  cache_bytes = arrays.tree_bytes(cache)
   rows = table / cfg.vocab_size * batch
   return total - routed - table + rows + routed * touched + cache_bytes
 
@@ -357,14 +359,14 @@ def init_report(cfg: ModelConfig, tc: TrainConfig, target: Target, mesh) -> dict
   model's other variables, optimizer state, and their sum), beside the compiler's numbers
   (its outputs are the state)."""
   steps = train.build_steps(cfg, tc, mesh)
-  per_chip = lambda part: aot.shard_bytes(steps.abstract_state[part],
+  per_chip = lambda part: arrays.shard_bytes(steps.abstract_state[part],
                                           steps.state_shardings[part])
   params = per_chip("params") + per_chip("rest") + per_chip("step")
   opt = per_chip("opt_state")
   report = {"config": cfg.name, "step": "init", "topology": target.topology,
             "target": target.name, "num_slices": target.num_slices, "chips": target.chips,
             "mesh": {k: int(v) for k, v in mesh.shape.items()}, "optimizer": tc.optimizer,
-            "state_bytes": aot.tree_bytes(steps.abstract_state),
+            "state_bytes": arrays.tree_bytes(steps.abstract_state),
             "expected_params_bytes_per_chip": params,
             "expected_opt_state_bytes_per_chip": opt,
             "expected_state_bytes_per_chip": params + opt}
@@ -434,7 +436,7 @@ def train_program(cfg: ModelConfig, tc: TrainConfig, mesh):
   """(jitted train step, abstract sharded args) of `cfg` on `mesh` at tc's batch x seq_len:
   the state and a batch as ShapeDtypeStructs carrying their shardings (nothing allocated)."""
   steps = train.build_steps(cfg, tc, mesh)
-  state = aot.with_shardings(steps.abstract_state, steps.state_shardings)
+  state = arrays.with_shardings(steps.abstract_state, steps.state_shardings)
   shape = (tc.batch_size, tc.seq_len)
   tokens = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=steps.batch_sharding)
   mask = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=steps.batch_sharding)
@@ -452,9 +454,9 @@ def _serving_program(cfg: ModelConfig, mesh, step: str, batch: int, seq: int, le
     p_sh = weights_by_output(params, mesh)
   cache = jax.eval_shape(lambda: create_model(cfg, mode="abstract").init_cache(batch, length))
   c_sh = cache_shardings(cache, mesh)
-  logits_sh = aot.batch_shardings(
+  logits_sh = arrays.batch_shardings(
       jax.ShapeDtypeStruct((batch, cfg.vocab_size), jnp.float32), mesh, 0)
-  p_args = (aot.with_shardings(params, p_sh), aot.with_shardings(rest, r_sh))
+  p_args = (arrays.with_shardings(params, p_sh), arrays.with_shardings(rest, r_sh))
   par = parallel_for(mesh)     # built per call, for this mesh: no compile is shared across meshes
   if step == "decode":
     return _paged_decode_program(cfg, mesh, graphdef, parallel_for(mesh, page_split), p_args,
@@ -465,7 +467,7 @@ def _serving_program(cfg: ModelConfig, mesh, step: str, batch: int, seq: int, le
                             last_only=True, par=par)
     return logits[:, -1], cache          # the next-token logits and the filled cache
   toks = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
-  t_sh = aot.batch_shardings(toks, mesh, 0)
+  t_sh = arrays.batch_shardings(toks, mesh, 0)
   fn = jax.jit(run, in_shardings=(p_sh, r_sh, t_sh), out_shardings=(logits_sh, c_sh))
   return fn, (*p_args, jax.ShapeDtypeStruct(toks.shape, toks.dtype, sharding=t_sh))
 
@@ -496,25 +498,25 @@ def _paged_decode_program(cfg: ModelConfig, mesh, graphdef, par, p_args, p_shard
                              b((batch,), jnp.bool_), sampling, b((batch,), i32),
                              b((batch,), jnp.bool_))
   counts = b((batch, cfg.vocab_size), i32)
-  d_sh, n_sh = aot.batch_shardings(dbatch, mesh, 0), aot.batch_shardings(counts, mesh, 0)
-  out_sh = aot.batch_shardings(jax.eval_shape(
+  d_sh, n_sh = arrays.batch_shardings(dbatch, mesh, 0), arrays.batch_shardings(counts, mesh, 0)
+  out_sh = arrays.batch_shardings(jax.eval_shape(
       lambda: steps.Sampled(*(jnp.zeros(s, d) for s, d in (
           ((batch,), i32), ((batch,), f32), ((batch, steps.TOP_K), i32),
           ((batch, steps.TOP_K), f32), ((batch, cfg.vocab_size), f32))))), mesh, 0)
   fn = jax.jit(steps.bind(steps.decode_step, graphdef, par),
                in_shardings=(*p_shardings, c_sh, n_sh, d_sh), out_shardings=(out_sh, c_sh, n_sh),
                donate_argnums=(2, 3))
-  return fn, (*p_args, aot.with_shardings(cache, c_sh), aot.with_shardings(counts, n_sh),
-              aot.with_shardings(dbatch, d_sh))
+  return fn, (*p_args, arrays.with_shardings(cache, c_sh), arrays.with_shardings(counts, n_sh),
+              arrays.with_shardings(dbatch, d_sh))
 
 
 def cache_shardings(cache: ModelCache, mesh) -> ModelCache:
   """Shardings of a contiguous ModelCache: each entry on its batch axis (stack.py), MLA
   latents [(R,) B, S, X] with S over the axes the batch leaves unused; pos replicated."""
   return map_cache(
-      lambda e, axis: aot.batch_shardings(
+      lambda e, axis: arrays.batch_shardings(
           e, mesh, axis, axis + MLACache.SEQ_AXIS if isinstance(e, MLACache) else None),
-      cache, pos=aot.batch_shardings(cache.pos, mesh, None))
+      cache, pos=arrays.batch_shardings(cache.pos, mesh, None))
 
 
 def serving_params(cfg: ModelConfig, expert_format: str = "dense"):

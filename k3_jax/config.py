@@ -293,14 +293,15 @@ class ServeConfig:
   prefix_match_unit: int = option(SERVE_PAGE, "prefix-cache hit granularity in tokens (a "
                                   f"power of two dividing {SERVE_PAGE}): hash entries and "
                                   "KDA checkpoints lie on this grid, a hit ends on a multiple")
-  batch_invariant: bool = option(True, "every prefill call takes one prompt (one shape per "
+  batch_invariant: bool = option(False, "every prefill call takes one prompt (one shape per "
                                  "piece size) and every decode step runs all max_batch slots, "
                                  "so a request's logits are bitwise the same whatever else "
-                                 "runs; false: the same-size pieces of up to max_batch prompts "
-                                 "share a call and a decode step runs only the decoding slots "
-                                 "(padded to a power of two): faster under load and at low "
-                                 "batch; on XLA:CPU the logits then move in the last bits "
-                                 "with the batch")
+                                 "runs (reproducible serving; a batch-1 step then costs a "
+                                 "full batch's); false (default): the same-size pieces of up "
+                                 "to max_batch prompts share a call and a decode step runs "
+                                 "only the decoding slots (padded to a power of two), so a "
+                                 "step's cost follows the load; on XLA:CPU the logits then "
+                                 "move in the last bits with the batch (greedy tokens rarely)")
   overlap: bool = option(True, "dispatch each decode step before reading back the previous "
                          "one's tokens (one step ahead: the host's emit, detokenise and stop "
                          "checks run while the device computes); false: read each step first")

@@ -22,7 +22,7 @@ import time
 import jax
 
 from k3_jax.config import ConfigError
-from sharding import aot
+from sharding import arrays
 
 _SUFFIX = {"": 1, "K": 1024, "M": 1024 ** 2}
 SWEEP_AXES = ("batch", "cache_len")
@@ -75,7 +75,7 @@ def least_bytes_per_chip(cfg, step: str, batch: int, length: int, chips: int,
   from k3_jax.model import create_model
   weights = comp.served_weight_bytes(cfg, expert_format).total
   cache = jax.eval_shape(lambda: create_model(cfg, mode="abstract").init_cache(batch, length))
-  return (weights + aot.tree_bytes(cache)) / chips
+  return (weights + arrays.tree_bytes(cache)) / chips
 
 
 def point_summary(rep: dict) -> dict:

@@ -11,7 +11,7 @@ a phase:
   remat runs again inside the backward: `rematted_computation`); `update` (optimizer).
 - part: the innermost known scope (SCOPES, first match from the inside out).
 
-`sharding.roofline.program_costs(text, scope_of=scope_of)` then adds up every FLOP, HBM
+`pod.roofline.program_costs(text, scope_of=scope_of)` then adds up every FLOP, HBM
 byte and wire byte by (part, phase); `analytic_flops` gives the useful count per part.
 """
 

@@ -3,7 +3,9 @@
 The state is a plain pytree {'step', 'params', 'rest', 'opt_state'}: `params` are the nnx
 Params (what the optimizer updates), `rest` every other variable (e.g. the MoE balancing
 bias), both as nnx States that carry their logical axes. The steps are pure functions of
-(state, batch), jit-compiled once with explicit shardings and a donated state.
+(state, batch), jit-compiled once with explicit shardings and a donated state. The optimizer
+and how a fresh or abstract state is made are in train_state.py (checkpoint/ builds states
+too and never imports this module).
 """
 
 from __future__ import annotations
@@ -25,49 +27,18 @@ from jax.sharding import Mesh, NamedSharding
 
 from k3_jax import faults, goodput, profiling
 from k3_jax.config import ModelConfig, TrainConfig, validate, validate_train
-from k3_jax.model import K3Model, create_model
+from k3_jax.model import create_model
 from k3_jax.ops.balance import load_stats
-from k3_jax.optim.muon import decay_mask, per_head_muon
-from k3_jax.optim.owned import Owner
 from k3_jax.optim.qk_clip import qk_clip
 from k3_jax.partitioning import SINGLE, Parallel
 from k3_jax.stack import plan_of
-from sharding.aot import tree_bytes
+from k3_jax.train_state import (abstract_state, init_state, lr_schedule, make_optimizer,
+                                split_model)
+from sharding.arrays import tree_bytes
 from sharding.install import parallel_for
 from sharding.rules import logical_to_spec, tree_shardings
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "loss_mask")
-
-
-# ----- optimizer ------------------------------------------------------------------
-
-def lr_schedule(tc: TrainConfig, peak: float | None = None) -> optax.Schedule:
-  """Cosine decay with linear warmup over `warmup_frac` of the steps (1% by default), to
-  `peak` (default tc.learning_rate, the AdamW rate; the Muon group uses tc.muon_lr)."""
-  peak = tc.learning_rate if peak is None else peak
-  warmup = max(1, int(round(tc.warmup_frac * tc.steps)))
-  return optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=peak, warmup_steps=warmup,
-      decay_steps=max(tc.steps, warmup + 1), end_value=peak * tc.min_lr_ratio)
-
-
-def make_optimizer(tc: TrainConfig, mesh: Mesh | None = None) -> optax.GradientTransformation:
-  """Global-norm clipping, then either Per-Head Muon on matrices + AdamW on the rest
-  (optimizer="muon", k3_jax/optim/muon.py) or AdamW everywhere. Weight decay on matrices
-  only (not norms, biases, decay parameters), read from the parameters' metadata.
-  mesh: where the state lies (sharded by the rules table); with tc.muon_placement="owned"
-  each Newton-Schulz block is then computed once, whole on one chip (k3_jax/optim/owned.py);
-  "sharded" leaves it to the partitioner."""
-  if tc.optimizer == "muon":
-    owner = None
-    if mesh is not None and mesh.size > 1 and tc.muon_placement == "owned":
-      owner = Owner(mesh, lambda shape, axes: logical_to_spec(shape, axes, mesh))
-    inner = per_head_muon(lr_schedule(tc, tc.muon_lr), lr_schedule(tc), b1=tc.b1, b2=tc.b2,
-                          weight_decay=tc.weight_decay, owner=owner)
-  else:
-    inner = optax.adamw(lr_schedule(tc), b1=tc.b1, b2=tc.b2, weight_decay=tc.weight_decay,
-                        mask=decay_mask)
-  return optax.chain(optax.clip_by_global_norm(tc.grad_clip), inner)
 
 
 # ----- state ----------------------------------------------------------------------
@@ -79,35 +50,6 @@ def lr_metrics(tc: TrainConfig, step) -> dict:
   if tc.optimizer == "muon":
     out["lr_muon"] = lr_schedule(tc, tc.muon_lr)(step)
   return out
-
-
-def split_model(model: K3Model):
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  return graphdef, params, rest
-
-
-def init_state(cfg: ModelConfig, tc: TrainConfig, optimizer, mode: str = "host",
-               seed=None) -> tuple[Any, dict]:
-  """(graphdef, state) for a freshly initialised model (see layers/init.py for `mode`);
-  seed: tc.seed by default (a traced int under the sharded init)."""
-  seed = tc.seed if seed is None else seed
-  graphdef, params, rest = split_model(create_model(cfg, seed=seed, mode=mode))
-  state = {"step": jnp.zeros((), jnp.int32), "params": params, "rest": rest,
-           "opt_state": optimizer.init(params)}
-  return graphdef, state
-
-
-def abstract_state(cfg: ModelConfig, tc: TrainConfig, optimizer):
-  """(graphdef, state of ShapeDtypeStructs) without allocating anything."""
-  out = {}
-
-  def f():
-    g, s = init_state(cfg, tc, optimizer, mode="abstract")
-    out["graphdef"] = g
-    return s
-
-  shapes = jax.eval_shape(f)
-  return out["graphdef"], shapes
 
 
 def sharded_init(cfg: ModelConfig, tc: TrainConfig, optimizer, state_shardings):
@@ -594,18 +536,6 @@ def run(cfg: ModelConfig, tc: TrainConfig, workdir: str, mesh: Mesh,
   return last
 
 
-def save_train_config(workdir: str, tc: TrainConfig) -> None:
-  """<workdir>/train_config.json: the run's TrainConfig (generate reads its optimizer, which
-  shapes the saved state, and its tokenizer). Process 0 writes it, atomically."""
-  if jax.process_index() != 0:
-    return
-  os.makedirs(workdir, exist_ok=True)
-  path = os.path.join(workdir, "train_config.json")
-  with open(path + ".tmp", "w") as f:
-    json.dump(dataclasses.asdict(tc), f, indent=1)
-  os.replace(path + ".tmp", path)
-
-
 def summary_line(result: dict, workdir: str) -> str:
   """The last line `train` prints."""
   if result.get("interrupted"):
@@ -633,6 +563,5 @@ def _progress_line(r: dict, total: int, elapsed: float) -> str:
   return " | ".join(parts)
 
 
-__all__ = ["make_optimizer", "lr_schedule", "init_state", "abstract_state", "sharded_init",
-           "init_mode", "fresh_state", "train_step",
-           "eval_step", "build_steps", "run", "save_train_config", "summary_line", "Steps"]
+__all__ = ["sharded_init", "init_mode", "fresh_state", "train_step", "eval_step", "build_steps",
+           "run", "summary_line", "Steps"]

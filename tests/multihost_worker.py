@@ -2,7 +2,7 @@
 
   PYTHONPATH=. python tests/multihost_worker.py MODE NUM_PROCESSES PROCESS_ID PORT DEVICES_PER_PROCESS
 
-Joins the job through sharding.distributed.maybe_initialize (skipped for 1 process), builds
+Joins the job through pod.distributed.maybe_initialize (skipped for 1 process), builds
 the same global mesh in every process, feeds THIS process's rows of fixed global batches
 through train.put_batch, and prints one JSON line of results (process 0 only):
   MODE=sum    a tiny jitted sharded program: per-row sums of (batch @ w), w sharded
@@ -25,7 +25,7 @@ import dataclasses  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from sharding.distributed import maybe_initialize  # noqa: E402
+from pod.distributed import maybe_initialize  # noqa: E402
 
 if NPROC > 1:
   maybe_initialize(f"localhost:{PORT}", NPROC, PID)

@@ -47,7 +47,7 @@ def test_compile_decode_k3_tiny_v5p():
   assert rep["global_batch"] == 8 and rep["cache_len"] == 64
   assert rep["fits"] and rep["step"] == "decode"
   assert rep["flops_per_chip"] > 0
-  r = rep["roofline"]                  # sharding/roofline.py, tested on its own there
+  r = rep["roofline"]                  # pod/roofline.py, tested on its own there
   assert r["bound"] in ("compute", "hbm", "ici", "dcn") and r["step_time_s"] > 0
   assert r["tokens_per_step"] == 8 and r["tokens_per_s"] == 8 / r["step_time_s"]
   assert 0 < r["mfu"] < 1 and r["hbm_bytes_per_chip"] > 0
@@ -80,7 +80,7 @@ def test_k3_pod_layout_fills_what_is_not_given():
   unset flag; explicit values win; a target without a layout changes nothing."""
   import configs
   from k3_jax.compile import LAYOUT_FLAGS, apply_pod_layout, pod_layout
-  from sharding.topology import resolve_target
+  from pod.topology import resolve_target
   layouts = configs.get_pod_layouts("k3")
   lay = pod_layout(layouts, resolve_target("v5p:8x16x16"), "train")
   assert lay is pod_layout(layouts, resolve_target("v5p-4096"), "train") is not None
@@ -103,7 +103,7 @@ def test_k3_pod_layout_fills_what_is_not_given():
 def test_malloc_arena_cap_yields_to_the_environment(monkeypatch):
   """`compile` caps glibc's malloc arenas (less host memory for the TPU compiler's
   threads); an explicit MALLOC_ARENA_MAX wins."""
-  from sharding import aot
+  from pod import aot
   monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
   assert aot.limit_malloc_arenas() is False
   monkeypatch.delenv("MALLOC_ARENA_MAX")

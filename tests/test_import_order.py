@@ -14,16 +14,17 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 # Project code the order covers (tests/ and benchmarks/ may import anything).
-SOURCES = ("main.py", "k3_jax", "sharding", "configs", "pallas_kernels")
+SOURCES = ("main.py", "k3_jax", "sharding", "pod", "configs", "pallas_kernels")
 
 # Groups of modules, by path prefix (first match wins, so specific prefixes come first).
 GROUPS = (
     ("cli", ("main.py",)),
-    ("jobs", ("k3_jax/train.py", "k3_jax/captions.py", "k3_jax/serve/", "k3_jax/checkpoint/",
-              "k3_jax/compile.py", "k3_jax/frontier.py", "k3_jax/step_costs.py",
+    ("jobs", ("k3_jax/train.py", "k3_jax/train_state.py", "k3_jax/captions.py", "k3_jax/serve/",
+              "k3_jax/checkpoint/", "k3_jax/compile.py", "k3_jax/frontier.py", "k3_jax/step_costs.py",
               "k3_jax/info.py", "k3_jax/faults.py", "k3_jax/goodput.py",
               "k3_jax/profiling.py", "k3_jax/summaries.py")),
     ("sharding", ("sharding/",)),
+    ("pod", ("pod/",)),
     ("model", ("k3_jax/model.py",)),
     ("data", ("k3_jax/data/",)),
     ("optim", ("k3_jax/optim/",)),
@@ -37,11 +38,14 @@ GROUPS = (
 #   main.py -> jobs (train, serve/, checkpoint/, compile) -> sharding/ -> model -> layers
 #   (and vision/) -> ops + pallas_kernels -> config, partitioning, configs/;
 #   data/ and optim/ sit beside the model and import only config/ops/partitioning;
-#   sharding/ builds partitioning.Parallel values and imports only ops/partitioning/config.
+#   sharding/ builds partitioning.Parallel values and imports only ops/partitioning/config;
+#   pod/ (topologies, multi-host start-up, AOT compile reports, the roofline) sits beside
+#   sharding/, knows devices and compiled programs only, and imports only config.
 BELOW = {
-    "cli": {"jobs", "sharding", "model", "data", "optim", "layers", "ops", "base"},
-    "jobs": {"sharding", "model", "data", "optim", "layers", "ops", "base"},
+    "cli": {"jobs", "sharding", "pod", "model", "data", "optim", "layers", "ops", "base"},
+    "jobs": {"sharding", "pod", "model", "data", "optim", "layers", "ops", "base"},
     "sharding": {"ops", "base"},
+    "pod": {"base"},
     "model": {"layers", "ops", "base"},
     "data": {"ops", "base"},
     "optim": {"ops", "base"},
@@ -177,6 +181,20 @@ def private_imports(path: str) -> list[str]:
   return [f"{path}: from {n.module} import {a.name}" for n in ast.walk(tree)
           if isinstance(n, ast.ImportFrom) and n.module and n.module.split(".")[0] in roots
           for a in n.names if a.name.startswith("_")]
+
+
+def test_checkpoint_never_imports_training():
+  """checkpoint/ builds train states (import, sharded loading) from train_state.py and
+  writes the run's train config itself; it never imports train.py (the steps and the loop),
+  directly or through another module."""
+  graph = import_graph()
+  seen, todo = set(), [f for f in graph if f.startswith("k3_jax/checkpoint/")]
+  while todo:
+    f = todo.pop()
+    if f not in seen:
+      seen.add(f)
+      todo += graph.get(f, ())
+  assert "k3_jax/train.py" not in seen, "checkpoint/ reaches k3_jax/train.py"
 
 
 def test_no_private_names_cross_modules():

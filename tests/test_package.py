@@ -72,7 +72,7 @@ def test_every_import_is_pinned_where_its_code_is_installed():
            | {p.name for p in ROOT.iterdir() if p.is_dir()} | {"__future__"})
   owners = metadata.packages_distributions()
   runtime, tests = _file_pins("requirements.txt"), _file_pins("requirements-test.txt")
-  package = _imports([ROOT / d for d in ("k3_jax", "configs", "sharding", "pallas_kernels")]
+  package = _imports([ROOT / d for d in ("k3_jax", "configs", "sharding", "pod", "pallas_kernels")]
                      + [ROOT / "main.py"])
   rest = _imports([ROOT / "tests", ROOT / "benchmarks"])
   missing = []
@@ -89,7 +89,7 @@ def test_every_import_is_pinned_where_its_code_is_installed():
 
 def test_every_top_level_package_is_shipped():
   packages = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"benchmarks"}
-  assert packages == {"k3_jax", "configs", "sharding", "pallas_kernels"}
+  assert packages == {"k3_jax", "configs", "sharding", "pod", "pallas_kernels"}
   include = PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]
   assert packages <= set(include) and "k3_jax.*" in include
   assert PYPROJECT["project"]["scripts"]["k3"] == "main:run"
@@ -110,14 +110,14 @@ def test_pip_install_target_imports_and_runs_k3(tmp_path):
   src.mkdir()
   for name in ("pyproject.toml", "README.md", "main.py"):
     shutil.copy(ROOT / name, src / name)
-  for name in ("k3_jax", "configs", "sharding", "pallas_kernels"):
+  for name in ("k3_jax", "configs", "sharding", "pod", "pallas_kernels"):
     shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
   r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
                       "--no-build-isolation", "--target", str(target), str(src)],
                      capture_output=True, text=True, timeout=300, cwd=tmp_path)
   assert r.returncode == 0, r.stderr[-2000:]
   env = dict(os.environ, PYTHONPATH=str(target), JAX_PLATFORMS="cpu")
-  code = ("import k3_jax, configs, sharding, pallas_kernels, main; "
+  code = ("import k3_jax, configs, sharding, pod, pallas_kernels, main; "
           "print(main.__file__, configs.__file__)")
   r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                      cwd=tmp_path, timeout=120)

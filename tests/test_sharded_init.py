@@ -5,7 +5,7 @@ What is compared:
   program returns has exactly the target sharding, shape and dtype of the abstract state;
   the program takes nothing but the seed (4 bytes of arguments) and holds no array
   constant (nothing built on the host is baked in); each device's outputs are exactly its
-  shards (the compiler's per-device output bytes == aot.shard_bytes of the abstract state).
+  shards (the compiler's per-device output bytes == arrays.shard_bytes of the abstract state).
 - values: the same seed gives bitwise the same state, another seed another one; and bitwise
   the state of the host init (Steps.init: the eager draws of layers/init.py placed into
   the shardings), on 8 devices and on 1 (one counter-based draw per parameter element).
@@ -28,9 +28,9 @@ import configs
 from k3_jax import train
 from k3_jax.compile import compile_step
 from k3_jax.config import apply_overrides
-from sharding import aot
+from pod.topology import resolve_target
+from sharding import arrays
 from sharding.mesh import make_mesh, parse_mesh
-from sharding.topology import resolve_target
 
 CFG = apply_overrides(configs.get("k3_tiny"), ["num_layers=2", "mla_layers=(2,)",
                                                "scan_period=1"])
@@ -86,7 +86,7 @@ def test_sharded_init_creates_each_leaf_in_its_sharding(built):
   assert max((len(b) // 2 for b in blobs), default=0) <= 64, "a large constant"
   # Each device outputs exactly its shards of the state (XLA:CPU pads nothing), plus the
   # output tuple itself: one 8-byte pointer per leaf.
-  expected = aot.shard_bytes(steps.abstract_state, steps.state_shardings)
+  expected = arrays.shard_bytes(steps.abstract_state, steps.state_shardings)
   assert mem.output_size_in_bytes == expected + 8 * len(got)
 
 

@@ -7,7 +7,7 @@ import pytest
 
 import configs
 from k3_jax import step_costs
-from sharding import roofline
+from pod import roofline
 
 # Shapes of the k3 program's forms, small: G=4 groups, M=64 rows, K=8, N=16.
 G, M, K, N = 4, 64, 8, 16

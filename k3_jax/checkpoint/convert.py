@@ -394,15 +394,15 @@ def export_workdir(workdir: str, out_dir: str, step: int | None = None, log=None
 
 def streamed_train_state(src: HFVariables, tc) -> dict:
   """The step-0 train state of `src`'s model ({"step", "params", "rest", "opt_state"}, the
-  structure train.abstract_state gives) with every leaf a streaming.LazyArray: parameters
+  structure train_state.abstract_state gives) with every leaf a streaming.LazyArray: parameters
   and balancing biases read row by row from the safetensors files when written, the fresh
   optimizer state as its init gives it (streaming.constant_leaves: the moments as constant
   fills). Nothing is read or allocated here."""
   import jax
-  from k3_jax import train
+  from k3_jax import train_state
   from k3_jax.checkpoint import streaming
-  optimizer = train.make_optimizer(tc)
-  _, abstract = train.abstract_state(src.cfg, tc, optimizer)
+  optimizer = train_state.make_optimizer(tc)
+  _, abstract = train_state.abstract_state(src.cfg, tc, optimizer)
 
   def lazy_variables(part):
     pairs = []
@@ -427,8 +427,8 @@ def import_to_workdir(hf_dir: str, workdir: str, force: bool = False,
   constant fills, so host memory holds about one row (plus the mapped pages of at most two
   shards), never the model. batch_bytes: rows per tensorstore commit (default
   streaming.BATCH_BYTES)."""
-  from k3_jax import train
   from k3_jax.checkpoint.manager import CheckpointManager
+  from k3_jax.checkpoint.resume import save_train_config
   from k3_jax.config import TrainConfig
   ck = os.path.join(workdir, "checkpoints")
   if os.path.exists(ck) and os.listdir(ck) and not force:
@@ -446,7 +446,7 @@ def import_to_workdir(hf_dir: str, workdir: str, force: bool = False,
     mgr.save_streamed(0, state, {}, batch_bytes=batch_bytes)
     mgr.wait()
     mgr.close()
-    train.save_train_config(workdir, tc)
+    save_train_config(workdir, tc)
   finally:
     src.close()
   return {"workdir": workdir, "config": src.cfg.name, "seconds": time.time() - t0}

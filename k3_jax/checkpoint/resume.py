@@ -15,6 +15,8 @@ import dataclasses
 import json
 import os
 
+import jax
+
 from k3_jax.checkpoint.manager import (CheckpointMismatch, checkpoint_dir, config_diff,
                                        step_dirs)
 from k3_jax.config import (ModelConfig, TrainConfig, UserError, to_dict,
@@ -26,6 +28,18 @@ RESUME_FIXED = ("optimizer", "tokenizer")
 
 class NothingToTrain(UserError):
   """The workdir is already past the requested number of steps."""
+
+
+def save_train_config(workdir: str, tc: TrainConfig) -> None:
+  """<workdir>/train_config.json: the run's TrainConfig (generate reads its optimizer, which
+  shapes the saved state, and its tokenizer). Process 0 writes it, atomically."""
+  if jax.process_index() != 0:
+    return
+  os.makedirs(workdir, exist_ok=True)
+  path = os.path.join(workdir, "train_config.json")
+  with open(path + ".tmp", "w") as f:
+    json.dump(dataclasses.asdict(tc), f, indent=1)
+  os.replace(path + ".tmp", path)
 
 
 def saved_train_config(workdir: str) -> dict | None:

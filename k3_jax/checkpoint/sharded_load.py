@@ -74,12 +74,12 @@ def train_state_from_hf(hf_dir: str, steps, tc) -> dict:
   read straight into its shard of steps.mesh (`train --init_from`)."""
   import jax
   import jax.numpy as jnp
-  from k3_jax import train
+  from k3_jax.train_state import make_optimizer, split_model
   cfg, model = load_model_sharded(hf_dir, steps.mesh)
-  _, params, rest = train.split_model(model)
+  _, params, rest = split_model(model)
   sh = steps.state_shardings
   params = jax.device_put(params, sh["params"])
   rest = jax.device_put(rest, sh["rest"])
-  opt_state = jax.jit(train.make_optimizer(tc).init, out_shardings=sh["opt_state"])(params)
+  opt_state = jax.jit(make_optimizer(tc).init, out_shardings=sh["opt_state"])(params)
   return {"step": jax.device_put(jnp.zeros((), jnp.int32), sh["step"]), "params": params,
           "rest": rest, "opt_state": opt_state}

@@ -108,23 +108,27 @@ def blockwise_absorbed_attention(q_latent: jax.Array, q_rope: jax.Array, c_kv: j
       a, [(0, n - a.shape[axis]) if i == axis else (0, 0) for i in range(a.ndim)],
       constant_values=value)
   # Padding: extra queries at position -1 (see nothing), extra keys past every query.
-  ql = pad(q_latent.astype(jnp.float32), nq * bq, 1).reshape(b, nq, bq, h, r)
-  qr = pad(q_rope.astype(jnp.float32), nq * bq, 1).reshape(b, nq, bq, h, -1)
+  # Queries are laid out [B, H, bq, X] inside the loop, so every matmul's result is in the
+  # order its consumers read (XLA:CPU otherwise transposes each [B, H, bq, bk] logit tile
+  # inside the masking and exponential fusions, and recomputes the transpose in both).
+  heads_first = lambda a: jnp.swapaxes(a, 2, 3)        # [B, nq, bq, H, X] -> [B, nq, H, bq, X]
+  ql = heads_first(pad(q_latent.astype(jnp.float32), nq * bq, 1).reshape(b, nq, bq, h, r))
+  qr = heads_first(pad(q_rope.astype(jnp.float32), nq * bq, 1).reshape(b, nq, bq, h, -1))
   qp = pad(q_pos.astype(jnp.int32), nq * bq, 1, -1).reshape(b, nq, bq)
   ck = pad(c_kv, nk * bk, 1).reshape(b, nk, bk, r)
   kr = pad(k_rope, nk * bk, 1).reshape(b, nk, bk, -1)
 
   def query_block(args):
-    ql, qr, qp = args                                  # [B, bq, H, R], [B, bq, H, P], [B, bq]
+    ql, qr, qp = args                                  # [B, H, bq, R], [B, H, bq, P], [B, bq]
     # Key blocks this query block can see: those starting at or before its last position.
     n_vis = jnp.clip(jnp.max(qp) // bk + 1, 0, nk)
 
     def key_block(j, carry):
-      m, l, acc = carry                                # [B, H, bq], [B, H, bq], [B, bq, H, R]
+      m, l, acc = carry                                # [B, H, bq], [B, H, bq], [B, H, bq, R]
       c = jax.lax.dynamic_index_in_dim(ck, j, 1, keepdims=False).astype(jnp.float32)
       kp = jax.lax.dynamic_index_in_dim(kr, j, 1, keepdims=False).astype(jnp.float32)
-      logits = (jnp.einsum("bthr,bsr->bhts", ql, c, preferred_element_type=jnp.float32)
-                + jnp.einsum("bthp,bsp->bhts", qr, kp,
+      logits = (jnp.einsum("bhtr,bsr->bhts", ql, c, preferred_element_type=jnp.float32)
+                + jnp.einsum("bhtp,bsp->bhts", qr, kp,
                              preferred_element_type=jnp.float32)) * scale
       visible = (j * bk + jnp.arange(bk))[None, None, :] <= qp[:, :, None]   # [B, bq, bk]
       logits = jnp.where(visible[:, None], logits, -jnp.inf)
@@ -133,15 +137,15 @@ def blockwise_absorbed_attention(q_latent: jax.Array, q_rope: jax.Array, c_kv: j
       p = jnp.exp(logits - base[..., None])            # masked: exp(-inf) = 0
       corr = jnp.exp(m - base)                         # m = -inf (nothing seen yet): 0
       l = l * corr + p.sum(-1)
-      acc = (acc * jnp.swapaxes(corr, 1, 2)[..., None]
-             + jnp.einsum("bhts,bsr->bthr", p, c, preferred_element_type=jnp.float32))
+      acc = acc * corr[..., None] + jnp.einsum("bhts,bsr->bhtr", p, c,
+                                               preferred_element_type=jnp.float32)
       return m_new, l, acc
 
     init = (jnp.full((b, h, bq), -jnp.inf, jnp.float32), jnp.zeros((b, h, bq), jnp.float32),
-            jnp.zeros((b, bq, h, r), jnp.float32))
+            jnp.zeros((b, h, bq, r), jnp.float32))
     m, l, acc = jax.lax.fori_loop(0, n_vis, key_block, init)
-    o = acc / jnp.swapaxes(jnp.where(l > 0, l, 1.0), 1, 2)[..., None]
-    return o, m.max(axis=(0, 2))                       # [B, bq, H, R], [H]
+    o = acc / jnp.where(l > 0, l, 1.0)[..., None]
+    return jnp.swapaxes(o, 1, 2), m.max(axis=(0, 2))   # [B, bq, H, R], [H]
 
   blocks = (jnp.moveaxis(ql, 1, 0), jnp.moveaxis(qr, 1, 0), jnp.moveaxis(qp, 1, 0))
   o, max_logit = jax.lax.map(query_block, blocks)      # [nq, B, bq, H, R], [nq, H]

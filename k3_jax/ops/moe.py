@@ -84,10 +84,14 @@ def ragged_dot_tpu_gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
 
 
 def _tile_rows(m: int, g: int) -> int:
-  """Rows per tile for `tiled_gmm`: about m / (4 g), a power of two in [8, 128], so the
-  padding (at most g * (tile - 1) rows) stays near a quarter of m at training sizes."""
+  """Rows per tile for `tiled_gmm`: about the mean group size m / g, a power of two in
+  [8, 256]. Padding is at most g * (tile - 1) rows, but XLA:CPU's per-tile matmuls and
+  per-tile weight picks cost less with fewer, larger tiles: at 16 experts x 4 (the served
+  15M Kimi-Linear) and m = 16,384 pairs (eight 512-token prompts), 256 rows took 69 ms
+  where 128 took 80 and 32 147; at m = 2,048 (one prompt) 32 to 128 rows cost about the
+  same, 256 more (benchmarks/moe.py --tiles)."""
   t = 8
-  while t < 128 and 2 * t * 4 * g <= m:
+  while t < 256 and 2 * t * g <= m:
     t *= 2
   return t
 

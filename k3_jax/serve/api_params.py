@@ -11,7 +11,7 @@ chat template, and turns the template parser's Deltas into OpenAI fields with `T
 from __future__ import annotations
 
 from k3_jax.serve import limits
-from k3_jax.serve.scheduler import RequestError, SamplingParams
+from k3_jax.serve.requests import RequestError, SamplingParams
 
 
 class ParamError(ValueError):

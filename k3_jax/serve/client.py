@@ -23,7 +23,7 @@ from fastapi import Request as HttpRequest   # at module level: FastAPI resolves
 
 from k3_jax.serve import api_schema
 from k3_jax.serve.api_errors import ApiError, request_error
-from k3_jax.serve.scheduler import EngineFatal, QueueFull, Request, RequestError, SamplingParams
+from k3_jax.serve.requests import EngineFatal, QueueFull, Request, RequestError, SamplingParams
 
 log = logging.getLogger("k3_jax.serve")
 

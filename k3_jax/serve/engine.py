@@ -39,8 +39,8 @@ from k3_jax.serve import speculate
 from k3_jax.serve import cache_tiers, turn_cache      # cache tiers
 from k3_jax.serve.roster import Roster
 from k3_jax.serve.runner import Runner, shared
-from k3_jax.serve.scheduler import (EngineFatal, QueueFull, Request, RequestError,
-                                    SamplingParams, checkpoint_boundaries)
+from k3_jax.serve.prefill_chunks import checkpoint_boundaries
+from k3_jax.serve.requests import EngineFatal, QueueFull, Request, RequestError, SamplingParams
 
 log = logging.getLogger("k3_jax.serve")
 

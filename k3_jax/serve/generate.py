@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Iterator
 
 from k3_jax.config import UserError
-from k3_jax.serve.scheduler import RequestError, SamplingParams
+from k3_jax.serve.requests import RequestError, SamplingParams
 
 
 def generate(engine, prompt_ids, max_new_tokens: int, temperature: float = 0.0,

@@ -15,7 +15,7 @@ from k3_jax.data import images as im
 from k3_jax.model import check_tokens
 from k3_jax.serve.kv_pages import PAGE
 from k3_jax.serve.prefix_cache import block_hashes, image_salts
-from k3_jax.serve.scheduler import RequestError, SamplingParams
+from k3_jax.serve.requests import RequestError, SamplingParams
 
 
 def check_images(cfg: ModelConfig, prompt: np.ndarray, images: dict | None) -> None:

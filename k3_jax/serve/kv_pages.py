@@ -24,7 +24,7 @@ from k3_jax.cache import KDAState, ModelCache, PagedMLACache, replace
 from k3_jax.config import SERVE_PAGE
 from k3_jax.ops.kda import STATE_AXES
 from k3_jax.stack import map_cache
-from sharding import aot, paged
+from sharding import arrays, paged
 from sharding.rules import logical_to_spec
 
 PAGE = SERVE_PAGE    # tokens per MLA page = one prefix-cache hash block (architecture.md 9)
@@ -175,20 +175,20 @@ def paged_cache_shardings(cache: ModelCache, mesh) -> ModelCache:
   def one(e, axis):
     if isinstance(e, KDAState):       # the state's K over the axes batch and heads leave
       names = (None,) * axis + STATE_AXES
-      windows = aot.batch_shardings(e, mesh, axis)
+      windows = arrays.batch_shardings(e, mesh, axis)
       return replace(windows, state=NamedSharding(
           mesh, logical_to_spec(e.state.shape, names, mesh)))
     if not isinstance(e, PagedMLACache):
-      return aot.batch_shardings(e, mesh, axis)
+      return arrays.batch_shardings(e, mesh, axis)
     spec = lambda a: NamedSharding(mesh, PartitionSpec(*(axes if i == axis else None
                                                           for i in range(a.ndim))))
     return PagedMLACache(c_kv=spec(e.c_kv), k_r=spec(e.k_r), page_table=None)
-  return map_cache(one, cache, pos=aot.batch_shardings(cache.pos, mesh, 0))
+  return map_cache(one, cache, pos=arrays.batch_shardings(cache.pos, mesh, 0))
 
 
 def tree_bytes(tree, rows: int = 1, batch: int | None = None) -> int:
   """Bytes of `tree`, or of `rows` of its batch rows when it has `batch` of them."""
-  total = aot.tree_bytes(tree)
+  total = arrays.tree_bytes(tree)
   return total if batch is None else total * rows // batch
 
 

@@ -2,7 +2,7 @@
 
 The request models (api_schema.py: they validate every HTTP body and are the schema
 /openapi.json serves), the handlers' defaults (api_params.sampling_from), the engine's own
-check (scheduler.SamplingParams.validate), the serving step (steps.TOP_K alternatives per
+check (requests.SamplingParams.validate), the serving step (steps.TOP_K alternatives per
 token) and `generate`'s flags (main.py) all read them from here; tests/serve/test_limits.py
 checks each reader against them.
 

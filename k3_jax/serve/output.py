@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from k3_jax.serve import steps
-from k3_jax.serve.scheduler import Request
+from k3_jax.serve.requests import Request
 
 
 class HostSampled:

@@ -21,7 +21,8 @@ from __future__ import annotations
 import numpy as np
 
 from k3_jax.serve.kv_pages import PAGE
-from k3_jax.serve.scheduler import Request, prefill_plan
+from k3_jax.serve.prefill_chunks import prefill_plan
+from k3_jax.serve.requests import Request
 
 
 def expired(running: list[Request], waiting, now: float) -> list[Request]:

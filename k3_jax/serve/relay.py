@@ -1,6 +1,6 @@
 """Multi-controller serving: one engine over every host's devices (docs/serving.md, Multi-host).
 
-Process 0, the leader, runs the HTTP server, the scheduler and all of the engine's host state
+Process 0, the leader, runs the HTTP server, the planner and all of the engine's host state
 (slots, page tables, the prefix cache's bookkeeping). Every process holds the engine's device
 state (parameters, the paged cache, the KDA checkpoints, the penalty counts) as global arrays
 over one mesh, and every process must dispatch the same jitted programs in the same order.

@@ -23,7 +23,7 @@ import numpy as np
 
 from k3_jax.serve import output, planner
 from k3_jax.serve.runner import shared
-from k3_jax.serve.scheduler import EngineFatal, QueueFull, Request
+from k3_jax.serve.requests import EngineFatal, QueueFull, Request
 
 log = logging.getLogger("k3_jax.serve")
 

@@ -33,7 +33,7 @@ from k3_jax.serve import kv_manager
 from k3_jax.serve import kv_pages as kv
 from k3_jax.serve import steps
 from k3_jax.serve.kv_pages import PAGE
-from k3_jax.serve.scheduler import EngineFatal
+from k3_jax.serve.requests import EngineFatal
 from k3_jax.stack import cache_leaves
 
 log = logging.getLogger("k3_jax.serve")

@@ -3,7 +3,7 @@ generated tokens) joins the prefix cache, so an agent's next turn, which sends t
 answer back, hits through it rather than only through the previous prompt.
 
 The prefill registers a prompt's blocks and keeps KDA checkpoints at its last grid
-boundaries (scheduler.checkpoint_boundaries); decoded tokens pass grid boundaries one token at
+boundaries (prefill_chunks.checkpoint_boundaries); decoded tokens pass grid boundaries one token at
 a time, and the KDA state after exactly `unit * n` tokens exists only right after the decode
 step that fed token unit * n - 1. So, after each decode step is dispatched, the slots that
 just reached a boundary copy their KDA state into a per-slot row of `tail` (dispatched in

@@ -3,7 +3,7 @@ tests/data/test_prepared_multihost.py (not a test itself).
 
   PYTHONPATH=. python tests/data/prepared_worker.py DATA_DIR NUM_PROCESSES PROCESS_ID PORT DEVICES
 
-Joins the job (sharding.distributed), reads this process's rows of 4 global batches with
+Joins the job (pod.distributed), reads this process's rows of 4 global batches with
 datasets.train_data (as `train --dataset=DIR` does: its own shards only, the state gathered
 over the processes), puts them on the global mesh with train.put_batch, gathers the global
 arrays back and prints them (process 0) with the data state saved after batch 2 and the two
@@ -23,7 +23,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from sharding.distributed import maybe_initialize  # noqa: E402
+from pod.distributed import maybe_initialize  # noqa: E402
 
 if NPROC > 1:
   maybe_initialize(f"localhost:{PORT}", NPROC, PID)

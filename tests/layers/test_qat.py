@@ -134,7 +134,7 @@ def test_packed_moe_on_tpu_expert_mesh_lowers_to_the_mxfp4_kernel():
   Lowering only (no TPU compile) keeps this cheap; compiling is `main.py compile --quant`."""
   from sharding.mesh import make_mesh, parse_mesh
   from sharding.install import parallel_for
-  from sharding.topology import topology_devices
+  from pod.topology import topology_devices
   wide = ["moe.latent_dim=256", "moe.expert_intermediate=256", "dtype=bfloat16"]
   cfg = validate(apply_overrides(configs.get("k3_tiny"), wide))
   layer = MoE(cfg, init=Init(0, "host"))

@@ -18,7 +18,7 @@ import configs
 from k3_jax import train
 from k3_jax.optim.muon import ADAMW, orthogonalize, param_group
 from k3_jax.optim.owned import orthogonalize_owned, plan, stacked_flops
-from sharding import roofline
+from pod import roofline
 from sharding.mesh import make_mesh, parse_mesh
 from sharding.rules import logical_to_spec, tree_shardings
 from tests.optim.test_muon import _rand_like, _sample_params

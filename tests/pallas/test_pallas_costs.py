@@ -1,6 +1,6 @@
 """The analytic costs our Pallas kernels attach to their pallas_calls (pl.CostEstimate),
 which the roofline of a compiled TPU step adds for the custom calls XLA cannot see into
-(sharding/roofline.py). Checked against the kernels themselves: the FLOPs are the
+(pod/roofline.py). Checked against the kernels themselves: the FLOPs are the
 matmuls of the traced kernel body (jaxpr, no compile) times the grid steps, exactly."""
 
 import math

@@ -211,7 +211,7 @@ def _tpu_compile(topology, dtype, T=256, segments=True):
   # Another process (a parallel test or benchmark) may hold libtpu's lock;
   # compile-only use is safe to share.
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-  from sharding.topology import topology_devices
+  from pod.topology import topology_devices
   devs = np.array(topology_devices(topology))
   mesh = Mesh(devs.reshape(len(devs) // 2, 2), ("b", "h"))
   B, H, K, V = len(devs) // 2, 4, 128, 128

@@ -27,7 +27,7 @@ from k3_jax.ops.kda import resolve_backend
 from sharding.kernels import kernel_specs
 from sharding.mesh import make_mesh, parse_mesh
 from sharding.install import parallel_for
-from sharding.topology import topology_devices
+from pod.topology import topology_devices
 
 CFG = configs.get("k3_tiny")
 REL = 1e-4

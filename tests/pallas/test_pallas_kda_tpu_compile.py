@@ -22,7 +22,7 @@ from k3_jax.layers.init import Init
 from k3_jax.layers.kda import KDA
 from sharding.mesh import make_mesh, parse_mesh
 from sharding.install import parallel_for
-from sharding.topology import topology_devices
+from pod.topology import topology_devices
 
 TOPOLOGY = "v5p:2x2x1"        # 4 chips: batch over data, heads over tensor
 MESH = "data:2,tensor:2"

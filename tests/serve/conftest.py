@@ -10,10 +10,12 @@ from tests.serve.test_engine import tiny_serving_config
 
 @pytest.fixture(scope="session")
 def engine8():
-  """An 8-slot engine on the tiny serving config, no prefix cache, 512-token context."""
+  """An 8-slot batch-invariant engine on the tiny serving config, no prefix cache,
+  512-token context (its tests compare a request's logits across batches bitwise)."""
   cfg = tiny_serving_config()
   g, p, r = train.split_model(create_model(cfg, seed=3))
-  return Engine(cfg, g, p, r, max_batch=8, prefix_cache_bytes=0, max_len=512)
+  return Engine(cfg, g, p, r, max_batch=8, prefix_cache_bytes=0, max_len=512,
+                batch_invariant=True)
 
 
 @pytest.fixture(scope="session")

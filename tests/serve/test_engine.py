@@ -26,7 +26,7 @@ from k3_jax.config import SINGLE_STREAM
 from k3_jax.serve.engine import Engine, QueueFull, RequestError, SamplingParams
 from k3_jax.serve.kv_pages import PAGE
 from k3_jax.serve.prefix_cache import block_hashes
-from k3_jax.serve.scheduler import checkpoint_boundaries, prefill_plan
+from k3_jax.serve.prefill_chunks import checkpoint_boundaries, prefill_plan
 
 HIT_TOL = 1e-5
 REF_TOL = 1e-4

@@ -12,7 +12,7 @@ from k3_jax.config import apply_overrides, validate
 from k3_jax.data.tokenizers import ByteTokenizer
 from k3_jax.serve.engine import Engine, SamplingParams
 from k3_jax.serve.kv_pages import PAGE
-from k3_jax.serve.scheduler import EngineFatal
+from k3_jax.serve.requests import EngineFatal
 from k3_jax import train
 from k3_jax.model import create_model
 

@@ -17,7 +17,7 @@ from k3_jax.serve.engine import Engine, SamplingParams
 from k3_jax.serve.kv_manager import KVManager
 from k3_jax.serve.kv_pages import PAGE
 from k3_jax.serve.prefix_cache import block_hashes
-from k3_jax.serve.scheduler import RequestError
+from k3_jax.serve.requests import RequestError
 from tests.serve.test_engine import tiny_serving_config
 
 

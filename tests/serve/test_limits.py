@@ -11,7 +11,7 @@ import pytest
 
 from k3_jax.serve import api_params, api_schema, limits, steps
 from k3_jax.serve.api_params import ParamError
-from k3_jax.serve.scheduler import RequestError, SamplingParams
+from k3_jax.serve.requests import RequestError, SamplingParams
 
 ENGINE = types.SimpleNamespace(max_len=4096)     # what sampling_from reads of the engine
 

@@ -5,7 +5,7 @@ import numpy as np
 
 from k3_jax.data.tokenizers import ByteTokenizer
 from k3_jax.serve import output
-from k3_jax.serve.scheduler import Request, SamplingParams
+from k3_jax.serve.requests import Request, SamplingParams
 
 TOK = ByteTokenizer()
 

@@ -4,7 +4,7 @@ without a model or a device (exact: integers and sets)."""
 import numpy as np
 
 from k3_jax.serve import planner
-from k3_jax.serve.scheduler import Request, SamplingParams
+from k3_jax.serve.requests import Request, SamplingParams
 
 
 def req(n=10, pos=0, out=(), max_tokens=16, **kw):

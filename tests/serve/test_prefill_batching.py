@@ -23,7 +23,7 @@ from k3_jax.serve.steps import row_major_features
 from tests.serve.test_engine import prompt_of
 
 TOL = 1e-5
-# pieces (scheduler.prefill_plan): 20 = 16 + 4, 68 = 64 + 4: round 0 runs three 16-token
+# pieces (prefill_chunks.prefill_plan): 20 = 16 + 4, 68 = 64 + 4: round 0 runs three 16-token
 # pieces in one call (4 rows, one of them padding) and one 64-token piece; round 1 four
 # 4-token pieces in one call
 LENGTHS = (20, 20, 20, 68)

@@ -20,7 +20,7 @@ LAUNCH = """
 import time
 import k3_jax.serve.engine as E
 import k3_jax.serve.intake as I          # (admission's host work: intake.prepare)
-from k3_jax.serve.scheduler import EngineFatal
+from k3_jax.serve.requests import EngineFatal
 real_hashes, real_submit, real_step = I.block_hashes, E.Engine.submit, E.Engine.step
 
 def hashes(tokens, **kw):

@@ -19,7 +19,7 @@ import pydantic
 import pytest
 
 from k3_jax.data.chat import template_for
-from k3_jax.serve.scheduler import SamplingParams
+from k3_jax.serve.requests import SamplingParams
 
 MODEL = "k3-structured-test"
 SCHEMA = {

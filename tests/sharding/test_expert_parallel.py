@@ -106,7 +106,7 @@ def test_moe_layer_on_expert_mesh_equals_single_device():
 def test_ep_compiles_for_tpu_with_ragged_all_to_all():
   """The TPU path (ragged_all_to_all both ways, ragged_dot locally), forward and backward,
   compiles for a 4-chip v5p slice ahead of time (XLA:CPU lacks ragged_all_to_all)."""
-  from sharding.topology import topology_devices
+  from pod.topology import topology_devices
   mesh = make_mesh(parse_mesh("expert:4"), devices=topology_devices("v5p:2x2x1"))
   assert expert.mesh_platform(mesh) == "tpu"
   s = lambda *shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt)
@@ -327,7 +327,7 @@ def test_ep_replicated_tokens_on_tpu_use_the_mxfp4_kernel():
   Pallas kernel for its three grouped matmuls, and exchanges nothing (no all-to-all of
   either kind)."""
   from k3_jax.ops import mx_gmm
-  from sharding.topology import topology_devices
+  from pod.topology import topology_devices
   mesh = make_mesh(parse_mesh("expert:4"), devices=topology_devices("v5p:2x2x1"))
   s = lambda *shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt)
   packed = lambda *shape: jax.eval_shape(mx_gmm.pack_weight, s(*shape))

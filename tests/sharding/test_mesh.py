@@ -8,7 +8,7 @@ import configs
 from k3_jax.config import ConfigError
 from sharding.mesh import make_mesh, mesh_shape, num_slices, parse_mesh, validate_mesh
 from sharding.rules import logical_to_spec
-from sharding.topology import resolve_target, topology_devices
+from pod.topology import resolve_target, topology_devices
 
 K3 = configs.get("k3")
 
@@ -88,13 +88,13 @@ def test_tpu_multi_slice_data_axis_spans_slices():
 
 
 def test_cache_length_takes_the_axes_a_small_batch_leaves():
-  """Serving caches (sharding.aot.batch_shardings with seq_dim): a batch of 2 on
+  """Serving caches (sharding.arrays.batch_shardings with seq_dim): a batch of 2 on
   fsdp:2,expert:4 takes fsdp; the cache length takes expert (4-way), so a long cache of a
   few sequences is split over the mesh instead of repeated on every expert group. A batch
   that fills the batch axes leaves the length whole, as before."""
   import jax.numpy as jnp
   from jax.sharding import PartitionSpec as P
-  from sharding.aot import batch_shardings
+  from sharding.arrays import batch_shardings
   mesh = make_mesh(parse_mesh("fsdp:2,expert:4"), jax.devices()[:8])
   cache = {"pos": jax.ShapeDtypeStruct((), jnp.int32),
            "units": [{"c_kv": jax.ShapeDtypeStruct((3, 2, 1024, 8), jnp.bfloat16),

@@ -43,7 +43,7 @@ def test_slice_count_errors_name_the_problem():
 
 def test_tpu_devices_must_carry_the_slices_asked_for():
   from sharding.mesh import num_slices
-  from sharding.topology import topology_devices
+  from pod.topology import topology_devices
   two = topology_devices("v5e:2x2", 2)
   mesh = make_mesh(parse_mesh("data:2,fsdp:-1"), two, slices=2)
   assert num_slices(mesh.devices[0].ravel()) == num_slices(mesh.devices[1].ravel()) == 1
@@ -56,7 +56,7 @@ def test_tpu_devices_must_carry_the_slices_asked_for():
 def test_multi_slice_pod_layout_is_the_one_slice_layout_per_slice():
   import configs
   from k3_jax.compile import pod_layout
-  from sharding.topology import resolve_target
+  from pod.topology import resolve_target
   layouts = configs.get_pod_layouts("k3")
   one = pod_layout(layouts, resolve_target("v5p-4096"), "train")
   # k3 has its own 2- and 4-slice layouts (1024 tokens per chip); 8 slices derive from the

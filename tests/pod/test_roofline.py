@@ -1,4 +1,4 @@
-"""The HLO roofline (sharding/roofline.py) against exact counts of small programs compiled for
+"""The HLO roofline (pod/roofline.py) against exact counts of small programs compiled for
 TPU topologies (compile-only devices): FLOPs of a scanned program are the analytic count
 (XLA's own cost analysis counts a loop body once), an unrolled program agrees with XLA's cost
 analysis, and the cross-slice part of a multi-slice program is found as DCN traffic."""
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from sharding import roofline as rl
-from sharding.topology import topology_devices
+from pod import roofline as rl
+from pod.topology import topology_devices
 
 D, ROWS = 512, 64
 
@@ -111,7 +111,7 @@ def test_batched_matmuls_written_as_convolutions_count_real_taps_only(one_slice)
 def test_a_slice_of_relaid_stacked_weights_reads_the_slice():
   """A loop fusion that relays out a stacked operand (a nested copy fusion) and slices one
   layer of it reads that layer: a scanned unit's per-layer weights, not the whole stack."""
-  from sharding.roofline import program_costs
+  from pod.roofline import program_costs
   hlo = """HloModule m, entry_computation_layout={(u8[22,4,8]{2,1,0}, s32[])->u8[4,8]{1,0}}
 
 %copy_fusion (p: u8[22,4,8]) -> u8[22,4,8] {
@@ -142,7 +142,7 @@ def test_pallas_calls_add_their_cost_estimates():
   """A Pallas custom call counts the FLOPs and HBM bytes of the cost estimate in its
   backend config (by kernel name), in place of its boundary bytes, times its loop's trip
   count; one without an estimate stays under not_counted with its boundary bytes."""
-  from sharding.roofline import program_costs, roofline
+  from pod.roofline import program_costs, roofline
   est = ('backend_config={"custom_call_config":{"body":"AAAA","cost_estimate":{"flops":'
          '"1000","transcendentals":"0","bytes_accessed":"500","remote_bytes_transferred":"0"}}}')
   hlo = f"""HloModule m, entry_computation_layout={{(f32[64]{{0}})->f32[64]{{0}}}}
@@ -188,7 +188,7 @@ ENTRY %main (a: f32[64]) -> f32[64] {{
 def test_an_in_place_scatter_touches_only_its_rows():
   """A pool written by a scatter (a fusion whose root scatters into its operand 0, which
   nothing else reads) touches the rows it writes, not the pool: here 2 rows of 8 x 4 f32."""
-  from sharding.roofline import program_costs
+  from pod.roofline import program_costs
   hlo = """HloModule m, entry_computation_layout={(f32[1000,8,4]{2,1,0}, s32[2,1]{1,0}, f32[2,8,4]{2,1,0})->f32[1000,8,4]{2,1,0}}
 
 %add (a: f32[], b: f32[]) -> f32[] {
@@ -217,7 +217,7 @@ ENTRY %main (pool: f32[1000,8,4], idx: s32[2,1], new: f32[2,8,4]) -> f32[1000,8,
 def test_a_nested_fusion_slicing_the_stack_with_its_index_reads_the_slice():
   """A matmul fusion whose operand is a nested loop fusion of (stacked weights, layer
   index) that slices the layer reads that layer, not the stack."""
-  from sharding.roofline import program_costs
+  from pod.roofline import program_costs
   hlo = """HloModule m, entry_computation_layout={(bf16[22,16,8]{2,1,0}, s32[], bf16[2,16]{1,0})->f32[2,8]{1,0}}
 
 %slice_fusion (p0: bf16[22,16,8], p1: s32[]) -> bf16[16,8] {
@@ -251,7 +251,7 @@ def test_on_chip_buffers_are_not_hbm_traffic():
   """A buffer the compiler placed in VMEM (S(1) in its layout) costs no HBM bytes: a
   prefetch (copy-start) reads HBM once, and the fusion reading the prefetched copy reads
   only its other, HBM, operand."""
-  from sharding.roofline import program_costs
+  from pod.roofline import program_costs
   hlo = """HloModule m, entry_computation_layout={(f32[256]{0}, f32[256]{0})->f32[256]{0}}
 
 %fused (p0: f32[256], p1: f32[256]) -> f32[256] {

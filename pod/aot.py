@@ -1,27 +1,24 @@
 """Ahead-of-time compilation for TPU targets: lower a jitted step with abstract inputs,
 compile it for compile-only devices, and report per-chip memory and FLOPs.
 
-Nothing is allocated: inputs are ShapeDtypeStructs carrying their shardings, so a 2.8T
-parameter train step compiles for 2048 chips from a CPU machine. This module knows
-meshes and compiled programs only; the `compile` command in main.py builds the step
-(from train or the model's prefill/decode) and hands it here.
+Nothing is allocated: inputs are ShapeDtypeStructs carrying their shardings
+(sharding/arrays.py with_shardings), so a 2.8T parameter train step compiles for 2048
+chips from a CPU machine. This module knows meshes and compiled programs only; the
+`compile` command in main.py builds the step (from train or the model's prefill/decode)
+and hands it here.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import time
 from typing import Any
 
 import jax
-import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from sharding import roofline
-from sharding.rules import logical_to_spec
-from sharding.topology import GiB
+from pod import roofline
+from pod.topology import GiB
 
 
 # glibc's M_ARENA_MAX (mallopt parameter number).
@@ -46,50 +43,6 @@ def limit_malloc_arenas(n: int = 2) -> bool:
     return bool(libc.mallopt(_M_ARENA_MAX, int(n)))
   except (OSError, AttributeError):
     return False
-
-
-def with_shardings(shapes, shardings):
-  """ShapeDtypeStructs of `shapes` carrying `shardings` (a prefix tree of `shapes`)."""
-  def attach(sh, sub):
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), sub)
-  return jax.tree.map(attach, shardings, shapes,
-                      is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
-
-
-def tree_bytes(tree) -> int:
-  """Bytes of a pytree of arrays or ShapeDtypeStructs, whole (not per device)."""
-  return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
-
-
-def shard_bytes(shapes, shardings) -> int:
-  """Bytes one device holds of `shapes` (arrays or ShapeDtypeStructs) laid out by
-  `shardings` (a prefix tree of it): per leaf, its shard's shape times the item size."""
-  def one(sh, sub):
-    return sum(math.prod(sh.shard_shape(a.shape)) * np.dtype(a.dtype).itemsize
-               for a in jax.tree.leaves(sub))
-  per_prefix = jax.tree.map(one, shardings, shapes,
-                            is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
-  return int(sum(jax.tree.leaves(per_prefix)))
-
-
-def batch_shardings(tree, mesh: Mesh, batch_dim=0, seq_dim=None):
-  """Shardings for a pytree of arrays whose dimension `batch_dim` (an int, or a function of
-  the leaf's key path returning one, or None for replicated) is the batch: that dimension
-  goes over the batch's mesh axes (per the rules table), the rest stay whole. Used for
-  decode caches, which carry no logical axes. seq_dim (same forms; None: none) names a
-  cache's length dimension: it takes the mesh axes the batch could not use ("cache_seq"
-  in the rules), so a long cache of a small batch is split instead of repeated."""
-  def one(path, a):
-    dim = batch_dim(path) if callable(batch_dim) else batch_dim
-    if dim is None or a.ndim <= dim:
-      return NamedSharding(mesh, PartitionSpec())
-    axes = [None] * a.ndim
-    axes[dim] = "batch"
-    sdim = seq_dim(path) if callable(seq_dim) else seq_dim
-    if sdim is not None and sdim < a.ndim:
-      axes[sdim] = "cache_seq"
-    return NamedSharding(mesh, logical_to_spec(a.shape, tuple(axes), mesh))
-  return jax.tree_util.tree_map_with_path(one, tree)
 
 
 def memory_numbers(compiled) -> dict:
@@ -124,7 +77,7 @@ def compile_report(jitted, args: tuple, chip_hbm_bytes: int, generation: str | N
   """Lower `jitted` with abstract `args` (ShapeDtypeStructs with shardings), compile, and
   measure. -> (compiled, report dict with the memory numbers, flops, chip_hbm_bytes, fits,
   headroom_bytes, lower_seconds, compile_seconds, and with `generation` (v5e | v5p | v6e) a
-  `roofline` (sharding/roofline.py; model_flops: the useful FLOPs per chip, for the MFU)).
+  `roofline` (pod/roofline.py; model_flops: the useful FLOPs per chip, for the MFU)).
   flops_per_chip counts every loop iteration (roofline.program_costs); xla_flops_per_chip is
   XLA's cost analysis, which counts a loop body once. scope_of(op_name, opcode) -> scope:
   the roofline also gets `scopes`, the costs per scope (roofline.program_costs)."""
@@ -217,5 +170,5 @@ def format_report(rep: dict) -> str:
   return "\n".join(lines)
 
 
-__all__ = ["with_shardings", "shard_bytes", "batch_shardings", "memory_numbers", "flops",
-           "compile_report", "verdict", "format_report"]
+__all__ = ["limit_malloc_arenas", "memory_numbers", "flops", "compile_report", "verdict",
+           "format_report"]
