@@ -2,7 +2,9 @@
 models, which validate the request bodies): requests generated from the schema, loopback only,
 bounded in count and time. No response may be a 5xx, none may hang (a per-request timeout),
 and the server is healthy and idle afterwards. The server: the tiny 5-layer k3_tiny variant
-with random weights, a 64-token context (so generated requests stay cheap), 4 slots.
+with random weights, a 64-token context (so generated requests stay cheap), 4 slots, batch
+invariant (one prompt a prefill call, every decode over all slots: the few step shapes the
+warm-up request compiles, so no fuzzed request waits past request_timeout on a compile).
 Then bodies generated outside the schema (schemathesis' negative mode) to each POST
 endpoint: every one must be a 4xx, as the schema served is the one that validates.
 Short run: 25 examples per operation and 10 outside the schema per POST endpoint (about 90
@@ -25,7 +27,8 @@ from k3_jax.config import ServeConfig
 run_server(ServeOptions(config="k3_tiny", overrides=("max_seq_len=1024", "num_layers=5",
            "mla_layers=(4,5)"), seed=3, model_name="k3-test",
            serve=ServeConfig(max_batch=4, max_queue=64, prefix_cache_bytes=1 << 22, max_len=64,
-                             request_timeout=30, host="127.0.0.1", port={port})))
+                             request_timeout=30, batch_invariant=True,
+                             host="127.0.0.1", port={port})))
 """
 
 
