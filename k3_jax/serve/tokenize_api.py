@@ -33,18 +33,19 @@ def chat_ids(template, body: dict) -> list[int]:
     raise ParamError(str(e), e.param) from None
 
 
-def completion_ids(tokenizer, prompt) -> list[int]:
+def completion_ids(tokenizer, prompt, vocab_size: int | None = None) -> list[int]:
   """The prompt ids of a validated completion `prompt` (one prompt, as /v1/completions
-  encodes it)."""
-  return cmpl.prompt_list(prompt, tokenizer)[0]
+  encodes and checks it)."""
+  return cmpl.prompt_list(prompt, tokenizer, vocab_size)[0]
 
 
-def tokenize(template, tokenizer, body: dict, max_len: int) -> dict:
+def tokenize(template, tokenizer, body: dict, max_len: int,
+             vocab_size: int | None = None) -> dict:
   req = api_schema.parse(api_schema.TokenizeRequest, body)
   if req.messages is not None:
     ids = chat_ids(template, body)
   else:                     # (add_special_tokens: the completions endpoint adds none)
-    ids = completion_ids(tokenizer, req.prompt)
+    ids = completion_ids(tokenizer, req.prompt, vocab_size)
   strs = [tokenizer.decode([i]) for i in ids] if req.return_token_strs else None
   return {"tokens": ids, "count": len(ids), "max_model_len": max_len, "token_strs": strs}
 
@@ -63,7 +64,8 @@ def register(app, template, tokenizer, engine, read_body) -> None:
   @app.post("/tokenize", openapi_extra=api_schema.request_body(api_schema.TokenizeRequest))
   async def _tokenize(http: Request):
     body = await read_body(http)
-    return await asyncio.to_thread(tokenize, template, tokenizer, body, engine.max_len)
+    return await asyncio.to_thread(tokenize, template, tokenizer, body, engine.max_len,
+                                   engine.cfg.vocab_size)
 
   @app.post("/detokenize",
             openapi_extra=api_schema.request_body(api_schema.DetokenizeRequest))
