@@ -49,12 +49,13 @@ class ChatRun(Run):
 class Chat:
   """One /v1/chat/completions request."""
 
-  def __init__(self, api: Api, body: dict, http):
-    self.api, self.body, self.http = api, body, http
+  def __init__(self, api: Api, body: dict, req: api_schema.ChatCompletionRequest, http):
+    self.api, self.body, self.req, self.http = api, body, req, http
     api_params.refuse_unsupported(body, "chat")
-    self.n = api_params.chat_n(body)
-    self.k = api_params.chat_logprobs(body)
-    self.bias = api_params.logit_bias(body, api.engine.cfg.vocab_size)
+    self.n = 1 if req.n is None else req.n
+    # logprobs (a boolean) and top_logprobs -> None (no logprobs) or alternatives per token
+    self.k = (req.top_logprobs or 0) if req.logprobs else None
+    self.bias = api_params.logit_bias(req.logit_bias, api.engine.cfg.vocab_size)
     self.runs: list[ChatRun] = []
 
   def constraint(self):
@@ -71,8 +72,8 @@ class Chat:
                                                   **api_params.render_kwargs(body))
     except ChatError as e:
       raise ApiError(400, str(e), e.param) from None
-    params = api_params.sampling_from(body, api.engine, len(r.ids), stop_extra=r.stop,
-                                      stop_ids=tuple(r.stop_ids) + api.eos, allow_n=True)
+    params = api_params.sampling_from(self.req, api.engine, len(r.ids), stop_extra=r.stop,
+                                      stop_ids=tuple(r.stop_ids) + api.eos)
     params = dataclasses.replace(params, logit_bias=self.bias, logprobs=self.k)
     first = await asyncio.to_thread(self.constraint)   # (the first use builds the vocabulary)
     runs = []

@@ -208,13 +208,14 @@ class Api:
   read_body: object                  # async (http request) -> its JSON object, checked
 
   def route(self, app, path: str, name: str, schema, request) -> None:
-    """POST `path`: the body read (`read_body`), `request(api, body, http).answer()` -> a
-    JSON object, or server-sent events to stream. schema: the body's pydantic model, for
-    /openapi.json."""
+    """POST `path`: the body read (`read_body`) and validated by `schema` (its pydantic
+    model, api_schema.py, which /openapi.json serves), `request(api, body, model,
+    http).answer()` -> a JSON object, or server-sent events to stream."""
     from fastapi.responses import StreamingResponse
 
     async def handler(http: HttpRequest):
-      out = await request(self, await self.read_body(http), http).answer()
+      body = await self.read_body(http)
+      out = await request(self, body, api_schema.parse(schema, body), http).answer()
       if isinstance(out, dict):
         return out
       return StreamingResponse(out, media_type="text/event-stream")

@@ -15,39 +15,33 @@ import asyncio
 import dataclasses
 
 import numpy as np
-from k3_jax.serve import api_params, api_schema, grammar, limits, logprobs
+from k3_jax.serve import api_params, api_schema, grammar, logprobs
 from k3_jax.serve.api_errors import DONE, ApiError, guarded, sse
 from k3_jax.serve.api_params import ParamError
 from k3_jax.serve.client import Api, Run, constraints, finish_reason
 
 
-def prompt_list(prompt, tokenizer) -> list[list[int]]:
-  """The request's prompts as token-id lists (ParamError naming `prompt` for any other form)."""
+def prompt_list(prompt, tokenizer, vocab_size: int | None = None) -> list[list[int]]:
+  """A validated `prompt` (api_schema's forms) as token-id lists (ParamError naming `prompt`
+  for a text prompt without a tokenizer, one that encodes to nothing, or an id past
+  `vocab_size`: a scored prompt never reaches the engine's own check)."""
   def ids_of(p) -> list[int]:
     if isinstance(p, str):
       if tokenizer is None:
         raise ParamError("text prompts need a tokenizer; send token ids", "prompt")
       return list(tokenizer.encode(p))
-    if isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-      return list(p)                  # (an empty one is refused below, naming its index)
-    raise ParamError("prompt must be a string, a list of strings, a list of token ids or a "
-                     "list of token-id lists", "prompt")
+    return list(p)
 
-  if isinstance(prompt, str) or (isinstance(prompt, list) and prompt
-                                 and all(isinstance(t, int) and not isinstance(t, bool)
-                                         for t in prompt)):
+  if isinstance(prompt, str) or isinstance(prompt[0], int):
     out = [ids_of(prompt)]
-  elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-    out = [ids_of(p) for p in prompt]
   else:
-    raise ParamError("prompt must be a string, a list of strings, a list of token ids or a "
-                     "list of token-id lists (a non-empty one)", "prompt")
-  if len(out) > limits.MAX_PROMPTS:
-    raise ParamError(f"{len(out)} prompts in one request; at most {limits.MAX_PROMPTS}",
-                     "prompt")
+    out = [ids_of(p) for p in prompt]
   for i, ids in enumerate(out):
     if not ids:
       raise ParamError(f"prompt {i} is empty", "prompt")
+    if vocab_size is not None and max(ids) >= vocab_size:
+      raise ParamError(f"prompt {i} holds token ids outside the model's vocabulary "
+                       f"[0, {vocab_size}): {[t for t in ids if t >= vocab_size][:5]}", "prompt")
   return out
 
 
@@ -59,28 +53,10 @@ class Options:
   score_only: bool = False          # max_tokens=0 with echo: the prompt's log-probabilities
 
 
-def options(body: dict) -> Options:
-  n = body.get("n", 1)
-  if n is None:
-    n = 1
-  if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= limits.MAX_N:
-    raise ParamError(f"n must be an integer in [1, {limits.MAX_N}], got {n!r}", "n")
-  lp = body.get("logprobs")
-  if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int)
-                         or not 0 <= lp <= limits.TOP_LOGPROBS):
-    raise ParamError(f"logprobs must be an integer in [0, {limits.TOP_LOGPROBS}], got {lp!r}",
-                     "logprobs")
-  echo = body.get("echo", False)
-  if not isinstance(echo, bool):
-    raise ParamError(f"echo must be a boolean, got {echo!r}", "echo")
-  max_tokens = body.get("max_tokens")
-  score_only = max_tokens == 0 and not isinstance(max_tokens, bool)
-  if score_only and not echo:
-    raise ParamError("max_tokens=0 generates nothing; it is only meaningful with echo=true "
-                     "(scoring the prompt)", "max_tokens")
-  if score_only and body.get("stream"):
-    raise ParamError("max_tokens=0 (scoring) cannot be streamed", "stream")
-  return Options(n=n, logprobs=lp, echo=echo, score_only=score_only)
+def options(req: api_schema.CompletionRequest) -> Options:
+  """The choices' options of a validated request."""
+  return Options(n=1 if req.n is None else req.n, logprobs=req.logprobs,
+                 echo=bool(req.echo), score_only=req.max_tokens == 0)
 
 
 def merge_logprobs(a, b):
@@ -104,13 +80,13 @@ class Completion:
   """One /v1/completions request: its choices (Run.index = prompt * draws + draw), run
   through the engine client, answered whole or streamed."""
 
-  def __init__(self, api: Api, body: dict, http):
-    self.api, self.body, self.http, tok = api, body, http, api.tokenizer
+  def __init__(self, api: Api, body: dict, req: api_schema.CompletionRequest, http):
+    self.api, self.body, self.req, self.http, tok = api, body, req, http, api.tokenizer
     api_params.refuse_unsupported(body, "completions")
-    self.opts = options(body)
-    self.draws = api_params.best_of(body, self.opts.n)   # samples per prompt; n best returned
-    self.bias = api_params.logit_bias(body, api.engine.cfg.vocab_size)
-    self.prompts = prompt_list(body.get("prompt"), tok)
+    self.opts = options(req)
+    self.draws = req.best_of or self.opts.n    # samples per prompt; n best returned
+    self.bias = api_params.logit_bias(req.logit_bias, api.engine.cfg.vocab_size)
+    self.prompts = prompt_list(req.prompt, tok, api.engine.cfg.vocab_size)
     self.k = self.opts.logprobs
     self.head = api.head("cmpl", "text_completion")
     self.prompt_tokens = sum(len(ids) for ids in self.prompts)
@@ -159,8 +135,7 @@ class Completion:
     with api.client.cancelling(self.runs):
       for i, ids in enumerate(self.prompts):
         params = dataclasses.replace(
-            api_params.sampling_from(self.body, api.engine, len(ids), stop_ids=api.eos,
-                                     allow_n=True),
+            api_params.sampling_from(self.req, api.engine, len(ids), stop_ids=api.eos),
             logit_bias=self.bias, logprobs=0 if self.draws > self.opts.n else None)
         api.client.fan_out(self.runs, ids, params, self.draws, each, i * self.draws,
                            record_logits=self.k is not None,

@@ -1,9 +1,10 @@
 """Every limit and default of a serving request, defined here once.
 
-The HTTP handlers (api_params.py, completions.py, chat_completions.py), the engine's own
-check (requests.SamplingParams.validate), the schema /openapi.json serves (api_schema.py),
-the serving step (steps.TOP_K alternatives per token) and `generate`'s flags (main.py) all
-read them from here; tests/serve/test_limits.py checks each reader against them.
+The request models (api_schema.py: they validate every HTTP body and are the schema
+/openapi.json serves), the handlers' defaults (api_params.sampling_from), the engine's own
+check (requests.SamplingParams.validate), the serving step (steps.TOP_K alternatives per
+token) and `generate`'s flags (main.py) all read them from here; tests/serve/test_limits.py
+checks each reader against them.
 
 Ranges are (low, high), both included unless named otherwise. The OpenAI ranges bound HTTP
 requests; the engine alone (Engine.submit with openai_ranges=False, `generate`) takes any

@@ -19,7 +19,7 @@ import asyncio
 from fastapi import Request   # at module level: FastAPI resolves the annotations
 
 from k3_jax.data.chat import ChatError
-from k3_jax.serve import api_params
+from k3_jax.serve import api_params, api_schema
 from k3_jax.serve import completions as cmpl
 from k3_jax.serve.api_params import ParamError
 
@@ -33,53 +33,42 @@ def chat_ids(template, body: dict) -> list[int]:
     raise ParamError(str(e), e.param) from None
 
 
-def completion_ids(tokenizer, body: dict) -> list[int]:
-  """The prompt ids of a completion `prompt` (one prompt, as /v1/completions encodes it)."""
-  prompts = cmpl.prompt_list(body.get("prompt"), tokenizer)
-  if len(prompts) != 1:
-    raise ParamError("/tokenize takes one prompt (a string or a list of token ids)", "prompt")
-  return prompts[0]
+def completion_ids(tokenizer, prompt, vocab_size: int | None = None) -> list[int]:
+  """The prompt ids of a validated completion `prompt` (one prompt, as /v1/completions
+  encodes and checks it)."""
+  return cmpl.prompt_list(prompt, tokenizer, vocab_size)[0]
 
 
-def _flag(body: dict, name: str, default: bool) -> bool:
-  v = body.get(name, default)
-  if not isinstance(v, bool):
-    raise ParamError(f"{name} must be a boolean, got {v!r}", name)
-  return v
-
-
-def tokenize(template, tokenizer, body: dict, max_len: int) -> dict:
-  if "messages" in body:
-    if "prompt" in body:
-      raise ParamError("give either messages (a chat request) or prompt, not both", "prompt")
+def tokenize(template, tokenizer, body: dict, max_len: int,
+             vocab_size: int | None = None) -> dict:
+  req = api_schema.parse(api_schema.TokenizeRequest, body)
+  if req.messages is not None:
     ids = chat_ids(template, body)
-  elif "prompt" in body:
-    _flag(body, "add_special_tokens", True)       # the completions endpoint adds none
-    ids = completion_ids(tokenizer, body)
-  else:
-    raise ParamError("/tokenize needs messages (a chat request) or prompt", "messages")
-  strs = [tokenizer.decode([i]) for i in ids] if _flag(body, "return_token_strs",
-                                                        False) else None
+  else:                     # (add_special_tokens: the completions endpoint adds none)
+    ids = completion_ids(tokenizer, req.prompt, vocab_size)
+  strs = [tokenizer.decode([i]) for i in ids] if req.return_token_strs else None
   return {"tokens": ids, "count": len(ids), "max_model_len": max_len, "token_strs": strs}
 
 
 def detokenize(tokenizer, body: dict, vocab_size: int) -> dict:
-  ids = body.get("tokens")
-  if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                          and 0 <= t < vocab_size for t in ids):
+  ids = api_schema.parse(api_schema.DetokenizeRequest, body).tokens
+  if any(t >= vocab_size for t in ids):
     raise ParamError(f"tokens must be a list of token ids in [0, {vocab_size})", "tokens")
   return {"prompt": tokenizer.decode(ids)}
 
 
 def register(app, template, tokenizer, engine, read_body) -> None:
-  """Adds the two endpoints to the server's app (read_body: its JSON body + model check)."""
+  """Adds the two endpoints to the server's app (read_body: its JSON body + model check;
+  then the body validated by its api_schema model, which /openapi.json serves)."""
 
-  @app.post("/tokenize")
+  @app.post("/tokenize", openapi_extra=api_schema.request_body(api_schema.TokenizeRequest))
   async def _tokenize(http: Request):
     body = await read_body(http)
-    return await asyncio.to_thread(tokenize, template, tokenizer, body, engine.max_len)
+    return await asyncio.to_thread(tokenize, template, tokenizer, body, engine.max_len,
+                                   engine.cfg.vocab_size)
 
-  @app.post("/detokenize")
+  @app.post("/detokenize",
+            openapi_extra=api_schema.request_body(api_schema.DetokenizeRequest))
   async def _detokenize(http: Request):
     return detokenize(tokenizer, await read_body(http), engine.cfg.vocab_size)
 

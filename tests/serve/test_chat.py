@@ -462,10 +462,21 @@ def test_api_params_refusals_and_tool_calls():
     refuse_unsupported({"suffix": ""}, "completions")
   refuse_unsupported({"echo": True, "logprobs": 5, "n": 3, "best_of": 4},
                      "completions")   # supported
-  with pytest.raises(ParamError, match="tools"):
-    render_kwargs({"tools": "get_weather"})
-  with pytest.raises(ParamError, match="parallel_tool_calls"):
-    render_kwargs({"parallel_tool_calls": "yes"})
+  from k3_jax.serve.api_schema import ChatCompletionRequest, TokenizeRequest, parse
+  ask = {"messages": [{"role": "user", "content": "hi"}]}
+  tools = [{"type": "function", "function": {"name": "f"}}]
+  for model, body, param in (
+      (ChatCompletionRequest, {"tools": "get_weather"}, "tools"),
+      (ChatCompletionRequest, {"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+      (ChatCompletionRequest, {"tool_choice": "required"}, "tool_choice"),
+      (ChatCompletionRequest, {"tools": tools, "tool_choice": {
+          "type": "function", "function": {"name": "g"}}}, "tool_choice"),
+      (TokenizeRequest, {"continue_final_message": True}, "continue_final_message")):
+    with pytest.raises(ParamError, match=param) as e:
+      parse(model, {**ask, **body})
+    assert e.value.param == param
+  got = render_kwargs({**ask, "tools": tools}, tokenize=True)
+  assert got["tools"] == tools and got["thinking"] and got["add_generation_prompt"]
   calls = ToolCalls({"parallel_tool_calls": False})
   one = {"index": 0, "id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}
   assert calls.add(Delta(tool_calls=[one, {**one, "id": "b"}])) == [one]

@@ -1,10 +1,14 @@
-"""API fuzzing with schemathesis against the server's own OpenAPI schema (api_schema.py
-describes the real request bodies): requests generated from the schema, loopback only,
+"""API fuzzing with schemathesis against the server's own OpenAPI schema (api_schema.py's
+models, which validate the request bodies): requests generated from the schema, loopback only,
 bounded in count and time. No response may be a 5xx, none may hang (a per-request timeout),
 and the server is healthy and idle afterwards. The server: the tiny 5-layer k3_tiny variant
-with random weights, a 64-token context (so generated requests stay cheap), 4 slots.
-Short run: 25 examples per operation (about 50 requests, 4 s after a 35 s start);
-long run: thousands in all, marked slow."""
+with random weights, a 64-token context (so generated requests stay cheap), 4 slots, batch
+invariant (one prompt a prefill call, every decode over all slots: the few step shapes the
+warm-up request compiles, so no fuzzed request waits past request_timeout on a compile).
+Then bodies generated outside the schema (schemathesis' negative mode) to each POST
+endpoint: every one must be a 4xx, as the schema served is the one that validates.
+Short run: 25 examples per operation and 10 outside the schema per POST endpoint (about 90
+requests, 5 s after a 35 s start); long run: thousands in all, marked slow."""
 
 import collections
 import time
@@ -13,6 +17,7 @@ import httpx
 import pytest
 import schemathesis            # pinned: a missing one fails here, never skips
 from hypothesis import HealthCheck, Phase, given, settings
+from schemathesis import GenerationMode
 
 from tests.serve.serverproc import start_server
 
@@ -22,7 +27,8 @@ from k3_jax.config import ServeConfig
 run_server(ServeOptions(config="k3_tiny", overrides=("max_seq_len=1024", "num_layers=5",
            "mla_layers=(4,5)"), seed=3, model_name="k3-test",
            serve=ServeConfig(max_batch=4, max_queue=64, prefix_cache_bytes=1 << 22, max_len=64,
-                             request_timeout=30, host="127.0.0.1", port={port})))
+                             request_timeout=30, batch_invariant=True,
+                             host="127.0.0.1", port={port})))
 """
 
 
@@ -41,22 +47,30 @@ def server(tmp_path_factory):
     proc.wait(timeout=30)
 
 
-def fuzz(base, per_operation: int, seconds: float) -> collections.Counter:
+def fuzz(base, per_operation: int, seconds: float,
+         mode: GenerationMode = GenerationMode.POSITIVE) -> collections.Counter:
+  """Status counts of requests generated from the served schema. NEGATIVE: bodies outside
+  it, sent to the POST endpoints, each of which must be refused with a 4xx (the schema
+  served is the one that validates)."""
   schema = schemathesis.openapi.from_url(f"{base}/openapi.json")
   counts: collections.Counter = collections.Counter()
   stop_at = time.monotonic() + seconds
+  negative = mode == GenerationMode.NEGATIVE
   for result in schema.get_all_operations():
     op = result.ok()
+    if negative and op.method.upper() != "POST":
+      continue
 
     @settings(max_examples=per_operation, deadline=None, database=None, derandomize=True,
               phases=[Phase.generate], suppress_health_check=list(HealthCheck))
-    @given(case=op.as_strategy())
+    @given(case=op.as_strategy(mode))
     def one(case):
       if time.monotonic() > stop_at:
         return
       resp = case.call(base_url=base, timeout=60)
       counts[resp.status_code] += 1
       assert resp.status_code < 500, (op.label, case.body, resp.status_code, resp.text[:500])
+      assert not negative or resp.status_code >= 400, (op.label, case.body, resp.text[:500])
     one()
   return counts
 
@@ -76,6 +90,9 @@ def test_fuzz_short(server):     # ~40 s alone, 35 of them the server's start an
   counts = fuzz(base, per_operation=25, seconds=20)
   print("fuzz status counts:", dict(sorted(counts.items())))
   assert sum(counts.values()) >= 30
+  refused = fuzz(base, per_operation=10, seconds=10, mode=GenerationMode.NEGATIVE)
+  print("bodies outside the schema:", dict(sorted(refused.items())))
+  assert sum(refused.values()) >= 20
   healthy_and_idle(base)
 
 
@@ -85,4 +102,7 @@ def test_fuzz_long(server):
   counts = fuzz(base, per_operation=800, seconds=1200)
   print("fuzz status counts:", dict(sorted(counts.items())))
   assert sum(counts.values()) >= 1500     # 1,603 measured (derandomized generation)
+  refused = fuzz(base, per_operation=200, seconds=300, mode=GenerationMode.NEGATIVE)
+  print("bodies outside the schema:", dict(sorted(refused.items())))
+  assert sum(refused.values()) >= 600     # 800 measured (derandomized generation)
   healthy_and_idle(base)

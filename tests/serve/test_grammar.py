@@ -174,18 +174,22 @@ def test_hf_tokenizer_has_the_same_token_bytes(k3_tokenizer, tmp_path):
 
 def test_bad_formats_and_combinations():
   tok = tk.ByteTokenizer()
-  for rf, needle in (({"type": "xml"}, "response_format.type"),
-                     ({"type": "json_schema"}, "json_schema must be an object"),
+  from k3_jax.serve.api_schema import CompletionRequest, parse   # the shape: the request model
+  from k3_jax.serve.api_params import ParamError
+  for rf, needle in (({"type": "xml"}, "expected a 'type'"),
+                     ({"type": "json_schema"}, "json_schema is required"),
                      ({"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}},
                       "name"),
                      ({"type": "json_schema", "json_schema": {"name": "a", "schema": []}},
                       "schema"),
-                     ({"type": "json_schema", "json_schema": {"name": "a", "schema": {
-                         "type": "nonsense"}}}, "JSON Schema"),
-                     ("json", "must be an object")):
-    with pytest.raises(gm.GrammarError, match=needle) as e:
-      gm.for_completion(tok, {"response_format": rf}, 256)
+                     ("json", "response_format")):
+    with pytest.raises(ParamError, match=needle) as e:
+      parse(CompletionRequest, {"prompt": "x", "response_format": rf})
     assert e.value.param == "response_format"
+  with pytest.raises(gm.GrammarError, match="JSON Schema") as e:    # the schema: llguidance
+    gm.for_completion(tok, {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "a", "schema": {"type": "nonsense"}}}}, 256)
+  assert e.value.param == "response_format"
   assert gm.for_completion(tok, {"response_format": {"type": "text"}}, 256) is None
   plain = chat.template_for(tok)
   with pytest.raises(gm.GrammarError, match="plain"):

@@ -120,6 +120,7 @@ def test_k3_chat_and_tokenize_over_http(served):
       ("/tokenize", {"messages": "hi"}, "messages"),
       ("/tokenize", {}, "messages"),
       ("/tokenize", {"prompt": ["a", "b"]}, "prompt"),
+      ("/tokenize", {"prompt": [1, 10 ** 12], "return_token_strs": True}, "prompt"),
       ("/tokenize", {"messages": ASK, "tools": TOOLS, "tool_choice": "sometimes"},
        "tool_choice"),
       ("/detokenize", {"tokens": [1, -1]}, "tokens"),

@@ -1,13 +1,15 @@
-"""Every request limit and default comes from serve/limits.py: the schema /openapi.json
-serves, the HTTP parameter checks, the engine's own check and the serving step each take
-the bound from there (each accepts the bound itself and refuses one step past it). No
-model is built: the checks run on plain bodies (exact comparisons)."""
+"""Every request limit and default comes from serve/limits.py: the request models (which
+both validate the bodies and give the schema /openapi.json serves), the handlers' defaults,
+the engine's own check and the serving step each take the bound from there (each accepts
+the bound itself and refuses one step past it), and the schema served refuses exactly what
+the validation refuses. No model is built: the checks run on plain bodies (exact
+comparisons)."""
 
 import types
 
 import pytest
 
-from k3_jax.serve import api_params, api_schema, completions, limits, steps
+from k3_jax.serve import api_params, api_schema, limits, steps
 from k3_jax.serve.api_params import ParamError
 from k3_jax.serve.requests import RequestError, SamplingParams
 
@@ -27,7 +29,9 @@ def test_the_schema_states_the_limits():
   assert schema(comp, "top_p")["maximum"] == limits.TOP_P[1]
   for name in ("presence_penalty", "frequency_penalty"):
     assert (schema(chat, name)["minimum"], schema(chat, name)["maximum"]) == limits.PENALTY
-  bias = schema(comp, "logit_bias")["additionalProperties"]
+  lb = schema(comp, "logit_bias")        # only token ids (digits) as keys
+  assert lb["additionalProperties"] is False and lb["maxProperties"] == limits.MAX_BIAS_ENTRIES
+  (bias,) = lb["patternProperties"].values()
   assert (bias["minimum"], bias["maximum"]) == limits.LOGIT_BIAS
   assert schema(comp, "n")["maximum"] == schema(comp, "best_of")["maximum"] == limits.MAX_N
   assert schema(comp, "logprobs")["maximum"] == limits.TOP_LOGPROBS
@@ -42,42 +46,81 @@ def refused(fn, *args, **kw) -> bool:
     return True
 
 
-def test_the_handlers_check_the_same_limits():
-  s = lambda **body: api_params.sampling_from(body, ENGINE, 10, allow_n=True)
-  lo, hi = limits.TEMPERATURE
-  assert not refused(s, temperature=hi) and refused(s, temperature=hi + 0.01)
-  assert refused(s, temperature=lo - 0.01)
-  assert not refused(s, top_p=limits.TOP_P[1]) and refused(s, top_p=limits.TOP_P[0])
-  lo, hi = limits.PENALTY
-  assert not refused(s, presence_penalty=hi) and refused(s, presence_penalty=hi + 0.01)
-  assert refused(s, frequency_penalty=lo - 0.01)
-  assert not refused(s, stop=["a"] * limits.MAX_STOP)
-  assert refused(s, stop=["a"] * (limits.MAX_STOP + 1))
+COMP = {"prompt": "hi"}
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+def at_and_past():
+  """(model, base body, field, {field: value at a limit}, {field: one step past it}) for
+  every bound of limits.py a request carries."""
+  comp, chat = api_schema.CompletionRequest, api_schema.ChatCompletionRequest
+  (tlo, thi), (plo, phi), (blo, bhi) = limits.TEMPERATURE, limits.PENALTY, limits.LOGIT_BIAS
+  n, k, e = limits.MAX_N, limits.TOP_LOGPROBS, limits.MAX_BIAS_ENTRIES
+  lp = {"logprobs": True}
+  return [
+      (comp, COMP, "temperature", {"temperature": thi}, {"temperature": thi + 0.01}),
+      (chat, CHAT, "temperature", {"temperature": tlo}, {"temperature": tlo - 0.01}),
+      (comp, COMP, "top_p", {"top_p": limits.TOP_P[1]}, {"top_p": limits.TOP_P[1] + 0.01}),
+      (chat, CHAT, "top_p", {"top_p": limits.TOP_P[0] + 0.01}, {"top_p": limits.TOP_P[0]}),
+      (comp, COMP, "presence_penalty", {"presence_penalty": phi},
+       {"presence_penalty": phi + 0.01}),
+      (chat, CHAT, "frequency_penalty", {"frequency_penalty": plo},
+       {"frequency_penalty": plo - 0.01}),
+      (comp, COMP, "logit_bias", {"logit_bias": {"1": bhi}}, {"logit_bias": {"1": bhi + 1}}),
+      (chat, CHAT, "logit_bias", {"logit_bias": {"1": blo}}, {"logit_bias": {"1": blo - 1}}),
+      (comp, COMP, "logit_bias", {"logit_bias": {str(i): 0 for i in range(e)}},
+       {"logit_bias": {str(i): 0 for i in range(e + 1)}}),
+      (comp, COMP, "stop", {"stop": ["a"] * limits.MAX_STOP},
+       {"stop": ["a"] * (limits.MAX_STOP + 1)}),
+      (chat, CHAT, "stop", {"stop": ["a"]}, {"stop": [""]}),
+      (comp, COMP, "n", {"n": n}, {"n": n + 1}),
+      (chat, CHAT, "n", {"n": 1}, {"n": 0}),
+      (comp, COMP, "best_of", {"best_of": n}, {"best_of": n + 1}),
+      (comp, COMP, "logprobs", {"logprobs": k}, {"logprobs": k + 1}),
+      (chat, CHAT, "top_logprobs", {**lp, "top_logprobs": k}, {**lp, "top_logprobs": k + 1}),
+      (chat, CHAT, "top_logprobs", {**lp, "top_logprobs": 0},
+       {**lp, "top_logprobs": limits.OPENAI_CHAT_TOP_LOGPROBS + 1}),
+      (comp, {}, "prompt", {"prompt": [[1]] * limits.MAX_PROMPTS},
+       {"prompt": [[1]] * (limits.MAX_PROMPTS + 1)}),
+      (comp, COMP, "max_tokens", {"max_tokens": 1}, {"max_tokens": -1}),
+      (chat, CHAT, "max_tokens", {"max_tokens": 1}, {"max_tokens": 0}),
+  ]
+
+
+def served_schema(model) -> dict:
+  """The request body's schema as /openapi.json serves it (api_schema.request_body), with
+  its components, as one JSON Schema document."""
+  extra = api_schema.request_body(model)
+  schema = extra["requestBody"]["content"]["application/json"]["schema"]
+  return {**schema, "components": {"schemas": extra["x-components"]}}
+
+
+@pytest.mark.parametrize("case", at_and_past(), ids=lambda c: c[2])
+def test_the_schema_served_is_the_one_that_validates(case):
+  """Each limit: the body at it passes both the served schema and the handlers' validation
+  (api_schema.parse), the body one step past it fails both, naming the field."""
+  import jsonschema
+  model, base, field, ok, bad = case
+  check = jsonschema.Draft202012Validator(served_schema(model))
+  assert check.is_valid({**base, **ok}) and api_schema.parse(model, {**base, **ok})
+  assert not check.is_valid({**base, **bad})
+  with pytest.raises(ParamError) as e:
+    api_schema.parse(model, {**base, **bad})
+  assert e.value.param == field and field in str(e.value)
+
+
+def test_the_handlers_take_the_defaults_and_the_context():
+  s = lambda **body: api_params.sampling_from(
+      api_schema.parse(api_schema.CompletionRequest, {**COMP, **body}), ENGINE, 10)
   got = s()
   assert got.max_tokens == limits.DEFAULT_MAX_TOKENS
   assert got.temperature == limits.DEFAULT_TEMPERATURE
   assert s(seed=limits.SEED_RANGE + 3).seed == 3
-  # logit_bias
-  hi = limits.LOGIT_BIAS[1]
-  assert api_params.logit_bias({"logit_bias": {"1": hi}}, 10) == ((1, hi),)
-  assert refused(api_params.logit_bias, {"logit_bias": {"1": hi + 1}}, 10)
-  many = {str(i): 0 for i in range(limits.MAX_BIAS_ENTRIES + 1)}
-  assert refused(api_params.logit_bias, {"logit_bias": many}, 10 ** 6)
-  # n, best_of, logprobs, prompts
-  n = limits.MAX_N
-  assert completions.options({"n": n}).n == n and refused(completions.options, {"n": n + 1})
-  assert api_params.chat_n({"n": n}) == n and refused(api_params.chat_n, {"n": n + 1})
-  assert api_params.best_of({"best_of": n}, 1) == n
-  assert refused(api_params.best_of, {"best_of": n + 1}, 1)
-  k = limits.TOP_LOGPROBS
-  assert completions.options({"logprobs": k}).logprobs == k
-  assert refused(completions.options, {"logprobs": k + 1})
-  assert api_params.chat_logprobs({"logprobs": True, "top_logprobs": k}) == k
-  assert refused(api_params.chat_logprobs, {"logprobs": True, "top_logprobs": k + 1})
-  assert refused(api_params.chat_logprobs,
-                 {"logprobs": True, "top_logprobs": limits.OPENAI_CHAT_TOP_LOGPROBS + 1})
-  assert len(completions.prompt_list([[1]] * limits.MAX_PROMPTS, None)) == limits.MAX_PROMPTS
-  assert refused(completions.prompt_list, [[1]] * (limits.MAX_PROMPTS + 1), None)
+  assert s(max_tokens=ENGINE.max_len - 10).max_tokens == ENGINE.max_len - 10
+  assert refused(s, max_tokens=ENGINE.max_len - 9)                 # past the context
+  # logit_bias: token ids past the model's vocabulary
+  assert api_params.logit_bias({"9": 1.0}, 10) == ((9, 1.0),)
+  assert refused(api_params.logit_bias, {"10": 1.0}, 10)
 
 
 def test_the_engine_and_the_step_share_them():

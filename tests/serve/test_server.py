@@ -137,6 +137,8 @@ def error_of(resp):
     ({"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "does not exist"),
     ({"prompt": 42}, 400, "prompt"),
+    ({"prompt": [2 ** 40], "max_tokens": 0, "echo": True, "logprobs": 1}, 400, "vocabulary"),
+    ({"prompt": [65, 10 ** 6], "max_tokens": 0, "echo": True}, 400, "vocabulary"),
 ])
 def test_bad_input(server, payload, status, needle):
   body = {"model": MODEL, "max_tokens": 2, **payload}
@@ -169,6 +171,31 @@ def test_lone_surrogate_is_400_naming_the_field(server, path, body, param):
   assert r.status_code == 400, r.text
   err = error_of(r)
   assert "surrogate" in err["message"] and err["param"] == param
+
+
+def test_openapi_serves_the_validating_schema(server):
+  """The request schemas /openapi.json serves are those of the models that validate the
+  bodies (api_schema), and a body one step past each limit of limits.py is a 400 from the
+  server naming the field (test_limits: the same bodies against the served schema)."""
+  from k3_jax.serve import api_schema as s
+  from tests.serve.test_limits import at_and_past
+  def same(x):        # (FastAPI leaves out the schema's "default": null entries)
+    if isinstance(x, dict):
+      return {k: same(v) for k, v in x.items() if not (k == "default" and v is None)}
+    return [same(v) for v in x] if isinstance(x, list) else x
+
+  spec = httpx.get(f"{server}/openapi.json", timeout=30).json()
+  for path, model in (("/v1/completions", s.CompletionRequest),
+                      ("/v1/chat/completions", s.ChatCompletionRequest),
+                      ("/tokenize", s.TokenizeRequest), ("/detokenize", s.DetokenizeRequest)):
+    want = s.request_body(model)
+    assert same(spec["paths"][path]["post"]["requestBody"]) == same(want["requestBody"])
+    for name, schema in want["x-components"].items():
+      assert same(spec["components"]["schemas"][name]) == same(schema)
+  for model, base, field, _, bad in at_and_past():
+    path = "completions" if model is s.CompletionRequest else "chat/completions"
+    r = httpx.post(f"{server}/v1/{path}", json={"model": MODEL, **base, **bad}, timeout=60)
+    assert r.status_code == 400 and error_of(r)["param"] == field, (field, bad, r.text)
 
 
 def health(server):
