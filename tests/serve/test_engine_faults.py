@@ -31,8 +31,10 @@ def prompt_of(seed, n):
 def eng():
   cfg = tiny_serving_config()
   g, p, r = train.split_model(create_model(cfg, seed=3))
+  # batch invariant: one step shape per piece (fewer compiles; the default's row buckets
+  # are tested in test_prefill_batching.py and through test_server.py's server)
   return Engine(cfg, g, p, r, max_batch=3, max_len=PAGE * 2, prefix_cache_bytes=1 << 22,
-                tokenizer=ByteTokenizer())
+                tokenizer=ByteTokenizer(), batch_invariant=True)
 
 
 def idle(eng):

@@ -111,8 +111,9 @@ def small():
   g, p, r = train.split_model(create_model(cfg, seed=3))
   probe = Engine(cfg, g, p, r, max_batch=1, prefix_cache_bytes=0, max_len=PAGE,
                  kv_cache_bytes=1 << 20)
+  # batch invariant: fixed step shapes (fewer compiles) and exact resumption to compare
   eng = Engine(cfg, g, p, r, max_batch=2, prefix_cache_bytes=0, max_len=3 * PAGE,
-               kv_cache_bytes=3 * probe.page_bytes)
+               kv_cache_bytes=3 * probe.page_bytes, batch_invariant=True)
   assert eng.num_pages == 3
   return eng
 

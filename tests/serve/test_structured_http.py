@@ -76,7 +76,7 @@ def served(request, tmp_path_factory, k3_tokenizer):
   out = str(tmp_path_factory.mktemp("k3_structured") / "hf")
   convert.export_model(create_model(cfg, seed=1), out, tokenizer=k3_tokenizer)
   engine, tok, _ = build_engine(ServeOptions(hf_dir=out, model_name=MODEL, serve=ServeConfig(
-      max_batch=20, prefix_cache_bytes=0)))
+      max_batch=20, prefix_cache_bytes=0, batch_invariant=True)))   # one decode shape
   app = build_app(engine, tok, MODEL)
   with TestClient(app) as http:
     client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http,
