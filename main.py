@@ -384,7 +384,8 @@ def _train_job(stop) -> None:
 
 def cmd_generate() -> None:
   from k3_jax.config import UserError
-  from k3_jax.serve import restore
+  from k3_jax.serve import generate as gen
+  from k3_jax.serve import loader
   if not FLAGS.prompt and not FLAGS.prompt_ids and not FLAGS.image:
     raise UserError("--prompt is empty: give the text to continue, e.g. --prompt=\"def \" "
                     "(or token ids with --prompt_ids=1,2,3)")
@@ -396,30 +397,30 @@ def cmd_generate() -> None:
   _check_sampling()
   _check_checkpoint_step()
   if FLAGS.prompt_ids:
-    restore.parse_token_ids(FLAGS.prompt_ids)     # a UserError naming it, before the load
+    gen.parse_token_ids(FLAGS.prompt_ids)     # a UserError naming it, before the load
   _check_tokenizer(FLAGS.tokenizer)
   if FLAGS.hf_dir:                    # released weights, read straight into place
-    restored = restore.restore_from_hf(FLAGS.hf_dir, _expert_format(), FLAGS.tokenizer)
+    restored = loader.restore_from_hf(FLAGS.hf_dir, _expert_format(), FLAGS.tokenizer)
   else:
-    restored = restore.restore_for_inference(FLAGS.workdir, _expert_format(), FLAGS.tokenizer,
-                                             step=FLAGS.checkpoint_step,
-                                             log=lambda m: print(m, file=sys.stderr))
+    restored = loader.restore_for_inference(FLAGS.workdir, _expert_format(), FLAGS.tokenizer,
+                                            step=FLAGS.checkpoint_step,
+                                            log=lambda m: print(m, file=sys.stderr))
   sampling = dict(temperature=FLAGS.temperature, top_p=FLAGS.top_p, seed=FLAGS.seed or 0,
                   frequency_penalty=FLAGS.frequency_penalty,
                   presence_penalty=FLAGS.presence_penalty)
   if FLAGS.prompt_ids or FLAGS.json:
-    ids, images = ((restore.parse_token_ids(FLAGS.prompt_ids), None) if FLAGS.prompt_ids
-                   else restore.prompt_ids(restored, FLAGS.prompt, FLAGS.image))
-    out = list(restore.generate_ids(restored, ids, FLAGS.max_new_tokens, **sampling,
-                                    token_ids_given=bool(FLAGS.prompt_ids), images=images))
+    ids, images = ((gen.parse_token_ids(FLAGS.prompt_ids), None) if FLAGS.prompt_ids
+                   else gen.prompt_ids(restored, FLAGS.prompt, FLAGS.image))
+    out = list(gen.generate_ids(restored, ids, FLAGS.max_new_tokens, **sampling,
+                                token_ids_given=bool(FLAGS.prompt_ids), images=images))
     if FLAGS.json:
       print(json.dumps({"prompt_ids": list(ids), "token_ids": out,
-                        "text": restore.decode_or_none(restored.tokenizer, out)}))
+                        "text": gen.decode_or_none(restored.tokenizer, out)}))
     else:
       print(" ".join(map(str, out)))
     return
-  pieces = restore.stream_completion(restored, FLAGS.prompt, FLAGS.max_new_tokens, **sampling,
-                                     image_paths=FLAGS.image)
+  pieces = gen.stream_completion(restored, FLAGS.prompt, FLAGS.max_new_tokens, **sampling,
+                                 image_paths=FLAGS.image)
   sys.stdout.write(FLAGS.prompt)
   sys.stdout.flush()
   for piece in pieces:

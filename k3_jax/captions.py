@@ -1,7 +1,7 @@
 """Greedy captions of held-out `shapes` images scored against their labels (the multimodal
 training run's accuracy measure), batched over many images with fixed shapes. Generation with
 images for one prompt (`generate --image`, the server's image parts) runs on the batched
-engine (serve/engine.py, restore.prompt_ids)."""
+engine (serve/engine.py, generate.prompt_ids)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Ahead-of-time compilation of the real steps for a TPU target, from any machine.
 
 A job-level module: it composes the train step (k3_jax/train.py) or the serving steps
-(k3_jax/model.py prefill / decode) with the mesh (sharding/) and pod/'s AOT helpers
+(k3_jax/serve/steps.py prefill_step / decode_step, the engine's own, over its paged cache)
+with the mesh (sharding/) and pod/'s AOT helpers
 (devices of a TPU topology, `aot.compile_report`). Neither sharding/ nor pod/ imports train
 or serve; this module does the composing, so the command line only parses flags and prints
 the report.
@@ -21,7 +22,7 @@ from k3_jax import step_costs, train
 from k3_jax.cache import MLACache, ModelCache
 from k3_jax.config import (EXPERT_FORMATS, ConfigError, ModelConfig, PodLayout, TrainConfig,
                            validate, validate_train)
-from k3_jax.model import create_model, param_counts, prefill
+from k3_jax.model import create_model, param_counts
 from k3_jax.ops.mx_gmm import EXPERT_WEIGHTS
 from k3_jax.serve import kv_pages as kv
 from k3_jax.serve.pack import pack_routed_experts
@@ -131,6 +132,8 @@ def compile_step(cfg: ModelConfig, tc: TrainConfig, target: Target, step: str,
     add_train_parts(rep, cfg, tc, batch * seq, seq, target.chips)
     return {**report, **_with_rates(rep, batch * seq, target.chips)}
   length = cache_len or seq
+  if step == "prefill" and length < seq:
+    raise ConfigError(f"cache_len={length} is shorter than the prefill's seq_len={seq}")
   if step == "decode" and length > cfg.max_seq_len:
     raise ConfigError(f"cache_len={length} exceeds max_seq_len={cfg.max_seq_len}")
   if step == "decode":
@@ -144,8 +147,7 @@ def compile_step(cfg: ModelConfig, tc: TrainConfig, target: Target, step: str,
                   weight_split="output" if page_split == "slot" else "model")
   fn, args = _serving_program(cfg, mesh, step, batch, seq, length, expert_format, page_split)
   report.update(cache_len=length, expert_format=expert_format,
-                step_function=("k3_jax.serve.steps.decode_step (the engine's, paged cache)"
-                               if step == "decode" else "k3_jax.model.prefill"))
+                step_function=f"k3_jax.serve.steps.{step}_step (the engine's, paged cache)")
   tokens = batch if step == "decode" else batch * seq
   # (a TPU decode attends over the pages with the Pallas kernel, whose cost estimate counts
   # every column; the plain-JAX page loop of other backends has a data-dependent trip count)
@@ -446,30 +448,54 @@ def train_program(cfg: ModelConfig, tc: TrainConfig, mesh):
 
 def _serving_program(cfg: ModelConfig, mesh, step: str, batch: int, seq: int, length: int,
                      expert_format: str, page_split: str = "column"):
-  """(jitted fn, abstract sharded args) of the prefill or decode step: parameters in their
-  served format, caches sharded on the batch, the decode cache donated."""
+  """(jitted fn, abstract sharded args) of the engine's prefill or decode step
+  (serve/steps.py) over its paged cache: parameters in their served format, the cache
+  donated."""
   graphdef, params, rest = serving_params(cfg, expert_format)
   p_sh, r_sh = tree_shardings(params, mesh), tree_shardings(rest, mesh)
   if step == "decode" and page_split == "slot":     # the batch fills the mesh
     p_sh = weights_by_output(params, mesh)
-  cache = jax.eval_shape(lambda: create_model(cfg, mode="abstract").init_cache(batch, length))
-  c_sh = cache_shardings(cache, mesh)
-  logits_sh = arrays.batch_shardings(
-      jax.ShapeDtypeStruct((batch, cfg.vocab_size), jnp.float32), mesh, 0)
   p_args = (arrays.with_shardings(params, p_sh), arrays.with_shardings(rest, r_sh))
-  par = parallel_for(mesh)     # built per call, for this mesh: no compile is shared across meshes
   if step == "decode":
     return _paged_decode_program(cfg, mesh, graphdef, parallel_for(mesh, page_split), p_args,
                                  (p_sh, r_sh), batch, length, page_split)
+  return _paged_prefill_program(cfg, mesh, graphdef, parallel_for(mesh), p_args,
+                                (p_sh, r_sh), batch, seq, length)
 
-  def run(params, rest, tokens):
-    logits, cache = prefill(nnx.merge(graphdef, params, rest), tokens, length,
-                            last_only=True, par=par)
-    return logits[:, -1], cache          # the next-token logits and the filled cache
-  toks = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
-  t_sh = arrays.batch_shardings(toks, mesh, 0)
-  fn = jax.jit(run, in_shardings=(p_sh, r_sh, t_sh), out_shardings=(logits_sh, c_sh))
-  return fn, (*p_args, jax.ShapeDtypeStruct(toks.shape, toks.dtype, sharding=t_sh))
+
+def _paged_cache(cfg: ModelConfig, mesh, slots: int, pages: int):
+  """The engine's paged cache of `slots` slots and `pages` pages, abstract, and its
+  shardings (kv_pages.paged_cache_shardings)."""
+  from k3_jax.serve.kv_pages import PAGE
+  cache = jax.eval_shape(lambda: create_model(cfg, mode="abstract").init_paged_cache(
+      slots, pages, PAGE))
+  return cache, kv.paged_cache_shardings(cache, mesh)
+
+
+def _paged_prefill_program(cfg: ModelConfig, mesh, graphdef, par, p_args, p_shardings,
+                           rows: int, piece: int, length: int):
+  """(jitted serve.steps.prefill_step, abstract sharded args): the engine's prefill call
+  (Runner.prefill) of `rows` prompt pieces of `piece` tokens each, one per slot of a pool
+  of `rows` slots, at any position whose piece ends by `length` (page-table width
+  ceil(length / 512), the columns striped over the page axis's shards with the null page,
+  kv_pages.pool_pages); -> each row's last logits [rows, V] and the cache, donated."""
+  from k3_jax.serve import steps
+  from k3_jax.serve.kv_pages import PAGE
+  per_slot = -(-length // PAGE)
+  cache, c_sh = _paged_cache(cfg, mesh, rows, kv.pool_pages(rows, per_slot, 0,
+                                                             kv.page_shards(mesh)))
+  b = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)
+  i32 = jnp.int32
+  # slots, tokens, pos, tables, valid (Runner.prefill's arrays), split on the rows
+  call = (b((rows,), i32), b((rows, piece), i32), b((rows,), i32), b((rows, per_slot), i32),
+          b((rows,), jnp.bool_))
+  in_sh = arrays.batch_shardings(call, mesh, 0)
+  logits_sh = arrays.batch_shardings(b((rows, cfg.vocab_size), jnp.float32), mesh, 0)
+  fn = jax.jit(steps.bind(steps.prefill_step, graphdef, par),
+               in_shardings=(*p_shardings, c_sh, *in_sh), out_shardings=(logits_sh, c_sh),
+               donate_argnums=(2,))
+  return fn, (*p_args, arrays.with_shardings(cache, c_sh),
+              *(arrays.with_shardings(a, s) for a, s in zip(call, in_sh)))
 
 
 def _paged_decode_program(cfg: ModelConfig, mesh, graphdef, par, p_args, p_shardings,
@@ -486,9 +512,7 @@ def _paged_decode_program(cfg: ModelConfig, mesh, graphdef, par, p_args, p_shard
   shards = kv.page_shards(mesh)
   pages = (shards * (batch // shards * per_slot + 1) if page_split == "slot"
            else kv.pool_pages(batch, per_slot, 0, shards))
-  cache = jax.eval_shape(lambda: create_model(cfg, mode="abstract").init_paged_cache(
-      batch, pages, PAGE))
-  c_sh = kv.paged_cache_shardings(cache, mesh)
+  cache, c_sh = _paged_cache(cfg, mesh, batch, pages)
   b = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)
   i32, f32 = jnp.int32, jnp.float32
   sampling = steps.Sampling(b((batch,), i32), b((batch,), i32), b((batch,), f32),

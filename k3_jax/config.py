@@ -497,7 +497,7 @@ def validate_train(tc: TrainConfig, cfg: ModelConfig) -> TrainConfig:
   return tc
 
 
-# generate (k3_jax/serve/restore.py): one stream, nothing cached between requests
+# generate (k3_jax/serve/loader.py Restored): one stream, nothing cached between requests
 SINGLE_STREAM = ServeConfig(max_batch=1, prefix_cache_bytes=0)
 
 

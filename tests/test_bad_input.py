@@ -229,7 +229,7 @@ def sandbox(tmp_path, monkeypatch):
   import importlib
   binders = [importlib.import_module(m) for m in (
       "k3_jax.checkpoint.inference", "k3_jax.compile", "k3_jax.serve.loader",
-      "k3_jax.serve.restore", "k3_jax.serve.server", "k3_jax.train")]
+      "k3_jax.serve.server", "k3_jax.train")]
   (tmp_path / "empty").mkdir()
   (tmp_path / "file.txt").write_text("not a directory\n")
   ck = tmp_path / "tinyrun" / "checkpoints"

@@ -112,12 +112,15 @@ def test_malloc_arena_cap_yields_to_the_environment(monkeypatch):
 
 @pytest.mark.slow   # ~30 s of TPU compiling
 def test_compile_prefill_of_one_long_sequence_k3_tiny_v5p():
-  """One sequence over 4 chips (the k3 1M-token layout in miniature): its tokens split over
-  the expert axis, the cache over its length; the next-token logits only."""
+  """One sequence over 4 chips (the k3 1M-token layout in miniature): the engine's
+  prefill_step, its tokens split over the expert axis, the paged cache over its pages; the
+  next-token logits only."""
   rep = _compile("--config=k3_tiny", "--topology=v5p-8", "--step=prefill", "--mesh=expert:4",
                  "--global_batch=1", "--seq_len=256", "--ep_capacity=2")
   _check_report(rep)
   assert rep["fits"] and rep["global_batch"] == 1 and rep["cache_len"] == 256
+  assert rep["step_function"].startswith("k3_jax.serve.steps.prefill_step")
+  assert rep["alias_bytes"] > 0              # the donated paged cache comes back in place
 
 
 @pytest.mark.slow

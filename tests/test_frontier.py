@@ -83,3 +83,24 @@ def test_frontier_table_and_plot(tmp_path):
   assert "skipped" not in frontier.point_line(pts[0]) and "not compiled" in frontier.point_line(pts[-1])
   frontier.plot(pts, str(tmp_path / "f.png"), "test")
   assert (tmp_path / "f.png").stat().st_size > 1000
+
+
+def test_prefill_program_is_the_engines_step_over_its_paged_cache():
+  """compile --step=prefill lowers serve/steps.py prefill_step as Runner.prefill calls it
+  (slots, tokens [rows, piece], positions, page tables [rows, pages], valid) over the
+  engine's paged cache (kv_pages.pool_pages' pages, donated), not model.prefill."""
+  from k3_jax.serve import kv_pages as kv
+  cfg = comp.validate(configs.get("k3_tiny"))
+  mesh = make_mesh(parse_mesh("expert:4"), jax.devices()[:4])
+  fn, args = comp._serving_program(cfg, mesh, "prefill", 2, 256, 1024, "dense")
+  slots, tokens, pos, tables, valid = args[3:]
+  assert tokens.shape == (2, 256) and tables.shape == (2, 1024 // kv.PAGE)
+  assert slots.shape == pos.shape == valid.shape == (2,)
+  pools = [e.c_kv for e in jax.tree.leaves(
+      args[2], is_leaf=lambda e: type(e).__name__ == "PagedMLACache")
+           if type(e).__name__ == "PagedMLACache"]
+  assert pools and all(p.shape[-3] == kv.pool_pages(2, 2, 0, 4) for p in pools)
+  assert fn.__name__ == "prefill_step"
+  logits, cache = jax.eval_shape(fn, *args)
+  assert logits.shape == (2, cfg.vocab_size)                       # each row's last logits
+  assert jax.tree.structure(cache) == jax.tree.structure(args[2])  # the cache, in place

@@ -1,13 +1,26 @@
-"""What a `serve` process starts from: weights (a training workdir's latest checkpoint, or a
-freshly initialised preset for smoke tests), the tokenizer, the engine, and the app."""
+"""The one loader of a model to serve or generate from: weights (a training workdir's newest
+good checkpoint, a Hugging Face directory, or a freshly initialised preset for smoke
+tests), each read straight into its shard of the mesh, the routed experts packed to MXFP4
+when asked, the tokenizer, and the engine over them.
+
+    build_engine / run_server     `serve`: any mesh, multi-host (relay.py), the HTTP app
+    restore_for_inference / restore_from_hf   `generate`: one device, one stream (Restored;
+                                  serve/generate.py turns its prompts into text)
+"""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING, Callable
 
 import jax
 
-from k3_jax.config import ModelConfig, ServeConfig, UserError, apply_overrides, validate
+from k3_jax.config import (EXPERT_FORMATS, SINGLE_STREAM, ModelConfig, ServeConfig, UserError,
+                           apply_overrides, validate)
+
+if TYPE_CHECKING:
+  from k3_jax.data.tokenizers import Tokenizer
+  from k3_jax.serve.engine import Engine
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,13 +43,21 @@ def _one_device():
   return make_mesh(devices=jax.devices()[:1])
 
 
-def load_checkpoint(workdir: str, step: int | None = None, mesh=None):
+def load_checkpoint(workdir: str, step: int | None = None, mesh=None,
+                    log: Callable[[str], None] = print):
   """(cfg, graphdef, params, rest) of the newest good checkpoint (or `step`) of a training
   workdir: parameters and balancing biases only, never the optimizer state; each read
-  straight into its shard of `mesh` (default: one device)."""
+  straight into its shard of `mesh` (default: one device). A damaged or non-finite newer
+  checkpoint is reported through `log` in one line and skipped
+  (k3_jax.checkpoint.inference)."""
+  return _checkpoint(workdir, step, mesh, log)[:4]
+
+
+def _checkpoint(workdir: str, step: int | None, mesh, log):
+  """load_checkpoint's tuple and the checkpoint's training step."""
   from k3_jax.checkpoint.inference import load_for_inference
-  loaded = load_for_inference(workdir, mesh or _one_device(), step)
-  return loaded.cfg, loaded.graphdef, loaded.params, loaded.rest
+  loaded = load_for_inference(workdir, mesh or _one_device(), step, log)
+  return loaded.cfg, loaded.graphdef, loaded.params, loaded.rest, loaded.step
 
 
 def load_hf(hf_dir: str, mesh=None):
@@ -57,6 +78,22 @@ def random_weights(config: str, overrides=(), seed: int = 0, vision: bool = Fals
   base = configs.get_multimodal(config) if vision else configs.get(config)
   cfg: ModelConfig = validate(apply_overrides(base, list(overrides)))
   return (cfg, *nnx.split(create_model(cfg, seed=seed), nnx.Param, ...))
+
+
+def check_expert_format(expert_format: str) -> None:
+  if expert_format not in EXPERT_FORMATS:
+    raise UserError(f"expert_format={expert_format!r}: expected one of "
+                    f"{', '.join(EXPERT_FORMATS)}")
+
+
+def packed(graphdef, params, rest, expert_format: str):
+  """(graphdef, params, rest) as served: "mxfp4" packs the routed experts to MXFP4
+  (serve/pack.py; the MoE then runs the QAT forward's computation), "dense" keeps them."""
+  check_expert_format(expert_format)
+  if expert_format == "mxfp4":
+    from k3_jax.serve.pack import pack_state
+    return pack_state(graphdef, params, rest)
+  return graphdef, params, rest
 
 
 def hf_tokenizer_spec(hf_dir: str) -> str:
@@ -112,13 +149,51 @@ def build_engine(opts: ServeOptions, relay=None):
     cfg, graphdef, params, rest = random_weights(opts.config, opts.overrides, opts.seed,
                                                  opts.vision)
     tok_spec = opts.tokenizer or "byte"
-  if opts.expert_format == "mxfp4":
-    from k3_jax.serve.pack import pack_state
-    graphdef, params, rest = pack_state(graphdef, params, rest)
+  graphdef, params, rest = packed(graphdef, params, rest, opts.expert_format)
   tok = load_checked_tokenizer(tok_spec, cfg.vocab_size)
   engine = Engine(cfg, graphdef, params, rest, opts.serve, tokenizer=tok, mesh=mesh,
                   relay=relay)
   return engine, tok, opts.model_name or cfg.name
+
+
+@dataclasses.dataclass
+class Restored:
+  """A model restored for `generate`: one device, one stream (config.SINGLE_STREAM)."""
+  cfg: ModelConfig
+  engine: Engine
+  tokenizer: Tokenizer
+  step: int                          # the checkpoint's training step (0: not trained here)
+
+
+def restore_for_inference(workdir: str, expert_format: str = "dense",
+                          tokenizer: str | None = None, step: int | None = None,
+                          log: Callable[[str], None] = print) -> Restored:
+  """A good checkpoint of `workdir` (the newest, or `step`; load_checkpoint) on one device,
+  its experts as `expert_format` says (packed), ready to generate. tokenizer defaults to the
+  one the run trained with (train_config.json), else the byte tokenizer."""
+  from k3_jax.checkpoint.inference import trained_tokenizer
+  from k3_jax.data import tokenizers
+  check_expert_format(expert_format)               # refused before the read
+  tok = tokenizers.get_tokenizer(trained_tokenizer(workdir, tokenizer))
+  cfg, graphdef, params, rest, good = _checkpoint(workdir, step, None, log)
+  return _restored(cfg, packed(graphdef, params, rest, expert_format), tok, good)
+
+
+def restore_from_hf(hf_dir: str, expert_format: str = "dense",
+                    tokenizer: str | None = None) -> Restored:
+  """A Hugging Face directory's model (config.json + safetensors) on one device (load_hf),
+  ready to generate; the directory's own tokenizer (tiktoken.model or tokenizer.json), else
+  byte, unless `tokenizer` names another."""
+  check_expert_format(expert_format)
+  cfg, graphdef, params, rest = load_hf(hf_dir)
+  tok = load_checked_tokenizer(tokenizer or hf_tokenizer_spec(hf_dir), cfg.vocab_size,
+                               check_byte=False)
+  return _restored(cfg, packed(graphdef, params, rest, expert_format), tok, 0)
+
+
+def _restored(cfg: ModelConfig, state, tok, step: int) -> Restored:
+  from k3_jax.serve.engine import Engine
+  return Restored(cfg, Engine(cfg, *state, SINGLE_STREAM), tok, step)
 
 
 def run_server(opts: ServeOptions) -> None:
@@ -168,5 +243,6 @@ def run_server(opts: ServeOptions) -> None:
     relay.group.stop()
 
 
-__all__ = ["ServeOptions", "load_checkpoint", "load_hf", "random_weights", "build_engine",
-           "run_server"]
+__all__ = ["ServeOptions", "load_checkpoint", "load_hf", "random_weights", "check_expert_format", "packed",
+           "hf_tokenizer_spec", "load_checked_tokenizer", "build_engine", "Restored",
+           "restore_for_inference", "restore_from_hf", "run_server"]

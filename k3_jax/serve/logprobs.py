@@ -3,9 +3,10 @@
 A token's log-probability is the log-softmax of the model's own logits at the position that
 predicts it (before temperature, top-p and penalties, which only shape sampling), computed on
 the host in float64 from the float32 rows the engine records (`Request.record_logits`). The
-prompt's own tokens (`echo`) are scored teacher-forced by `Scorer`: one forward pass over the
-whole prompt, without the paged cache, padded on the right to a bucket length (the model is
-causal, so padding changes no earlier position). The first prompt token has no predicting
+prompt's own tokens (`echo`) are scored teacher-forced by `Scorer`: the engine's prefill
+program (steps.score_step: the prefill's model call, every position's logits, over a paged
+cache of its own) over the whole prompt, padded on the right to a bucket length (the model
+is causal, so padding changes no earlier position). The first prompt token has no predicting
 position: its log-probability is null, as in OpenAI's API.
 """
 
@@ -14,9 +15,7 @@ from __future__ import annotations
 import threading
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 
 def log_softmax(row) -> np.ndarray:
@@ -94,14 +93,10 @@ class Scorer:
                fetch=lambda t: t):
     """relayed / fetch: the runner's (Runner.relayed, Runner.fetch), so that a multi-host
     job runs the forward on every process and the leader can read its rows."""
+    from k3_jax.serve import steps
     self.max_len = max_len
     self._lock = threading.Lock()
-
-    def fwd(params, rest, tokens):
-      logits, _, _ = nnx.merge(graphdef, params, rest)(tokens[None], par=par)
-      return logits[0].astype(jnp.float32)
-
-    self._fwd = relayed("score", jax.jit(fwd))
+    self._fwd = relayed("score", jax.jit(steps.bind(steps.score_step, graphdef, par)))
     self._fetch = fetch
     self._params, self._rest = params, rest
 

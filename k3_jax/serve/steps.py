@@ -6,6 +6,8 @@ memory and roofline `compile` reports is the program `serve` runs.
 
     prefill_step  prompt pieces of R slots, T tokens each: tokens [R, T] at positions
                   pos[i] + [0, T) -> (each row's last logits [R, V], cache)
+    score_step    one prompt's every position's logits [T, V], by the prefill's model call
+                  over a scratch paged cache (the completions API's echo / logprobs)
     decode_step   one token for every slot (idle ones masked) -> (Sampled, cache, counts)
     first_token   the token sampled from a prompt's last logits (a row of prefill's)
                   -> (Sampled, counts)
@@ -118,12 +120,36 @@ def prefill_step(graphdef, par, params, rest, cache: ModelCache, slots, tokens, 
   the null page, where their latents go). feats: a model with a vision tower gets, per row,
   the features [T, D] of that piece's image placeholders in order (zeros for a piece
   without any); scatter_features takes them in row-major order over the whole call."""
+  logits, out = prefill_rows(graphdef, par, params, rest, cache, slots, tokens, pos, tables,
+                             valid, feats, last_only=True)
+  return logits[:, -1], out
+
+
+def prefill_rows(graphdef, par, params, rest, cache: ModelCache, slots, tokens, pos, tables,
+                 valid, feats=None, last_only: bool = True):
+  """prefill_step's model call -> (logits [R, T or 1, V], cache): every position's logits
+  without last_only (score_step), the last position's with it."""
   model = nnx.merge(graphdef, params, rest)
   image_features = None if feats is None else row_major_features(
       tokens, jnp.stack(feats), model.cfg.vision.image_token_id)
   logits, out, _ = on_rows(cache, slots, valid, pos, tables, lambda sub: model(
-      tokens, cache=sub, image_features=image_features, last_only=True, par=par)[:2])
-  return logits[:, -1], out
+      tokens, cache=sub, image_features=image_features, last_only=last_only, par=par)[:2])
+  return logits, out
+
+
+def score_step(graphdef, par, params, rest, tokens):
+  """Teacher-forced logits of one prompt, tokens [T] -> [T, V] f32 (row i: the logits after
+  token i): the prefill's model call (prefill_rows) from position 0 over a paged cache of
+  its own (one slot, its ceil(T / PAGE) pages after the null page, zeros), with every
+  position's logits. The engine's cache is not touched (the completions API's echo)."""
+  model = nnx.merge(graphdef, params, rest)
+  pages = -(-tokens.shape[0] // kv.PAGE)
+  cache = model.init_paged_cache(1, pages + 1, kv.PAGE)
+  table = jnp.arange(1, pages + 1, dtype=jnp.int32)[None]
+  zero = jnp.zeros((1,), jnp.int32)
+  logits, _ = prefill_rows(graphdef, par, params, rest, cache, zero, tokens[None], zero,
+                           table, jnp.ones((1,), jnp.bool_), last_only=False)
+  return logits[0].astype(jnp.float32)
 
 
 def on_rows(cache: ModelCache, slots, valid, pos, tables, run):
@@ -313,6 +339,6 @@ def jit_steps(graphdef, par, jit=jax.jit, treedefs=None) -> ServeSteps:
 
 
 __all__ = ["TOP_K", "Sampling", "DecodeBatch", "Sampled", "sample_logits", "with_logprobs",
-           "prefill_step", "decode_step", "rows_decode_step", "on_rows", "row_major_features",
+           "prefill_step", "prefill_rows", "score_step", "decode_step", "rows_decode_step", "on_rows", "row_major_features",
            "first_token", "load_slot", "copy_slot", "zero_slot", "save_ckpt", "encode",
            "copy_page", "piece_features", "set_counts", "ServeSteps", "flat_params", "jit_steps"]

@@ -63,6 +63,22 @@ def test_logprobs_are_the_log_softmax_of_the_models_logits(engine8):
   assert q.token_logprobs == [] and q.top_logprobs == []
 
 
+def test_echo_scores_come_from_the_prefill_program(engine8):
+  """The echo scorer (steps.score_step: the prefill's model call over a paged cache of its
+  own, every position's logits) against the engine's prefill of the same prompt: its row
+  at the prompt's last position is the logits the first token was sampled from, to 1e-5
+  (one program; the scorer's bucket padding and all-position head may reorder float32
+  sums). Then its teacher-forced rows predict the generated tokens the
+  decode steps scored (to 1e-4: test_engine's REF_TOL)."""
+  x = prompt_of(12, 30)                   # a prefill shape the other tests compile
+  r = engine8.submit(x, SamplingParams(max_tokens=3, logprobs=1), record_logits=True)
+  engine8.run_until_done([r])
+  rows = engine8.scorer().logits(list(x) + r.output_ids[:-1])
+  np.testing.assert_allclose(rows[len(x) - 1], r.logits[0], rtol=0, atol=1e-5)
+  for i, (tid, lp) in enumerate(zip(r.output_ids, r.token_logprobs)):
+    assert abs(_log_softmax(rows[len(x) - 1 + i])[tid] - lp) < 1e-4
+
+
 def test_logit_bias_and_a_constraint_steer_greedy_picks_beside_a_free_request(engine8):
   v = engine8.cfg.vocab_size
   x, y = prompt_of(12, 25), prompt_of(13, 60)

@@ -123,13 +123,14 @@ def test_train_step_on_images_and_text():
 @pytest.mark.slow   # ~6 s (suite budget); images in a served request against a full forward
 # stay in the default suite (test_server.py::test_chat_with_image_matches_a_full_forward)
 def test_generate_with_images_matches_a_full_forward(tmp_path):
-  """`generate --image` (restore.prompt_ids + the batched engine) == argmax of one forward
+  """`generate --image` (generate.prompt_ids + the batched engine) == argmax of one forward
   pass over the prompt + generated tokens with the same images."""
   from PIL import Image
   from k3_jax.config import UserError
   from k3_jax.config import SINGLE_STREAM
   from k3_jax.serve.engine import Engine
-  from k3_jax.serve.restore import Restored, prompt_ids
+  from k3_jax.serve.generate import prompt_ids
+  from k3_jax.serve.loader import Restored
   model = create_model(MM1, seed=1)
   graphdef, params, rest = train.split_model(model)
   restored = Restored(MM1, Engine(MM1, graphdef, params, rest, SINGLE_STREAM), TOK, 0)
