@@ -41,6 +41,7 @@ from k3_jax.config import UserError
 from k3_jax.serve import kv_pages as kv
 from k3_jax.serve.cache_disk import Block, DiskTier, spec
 from k3_jax.serve.kv_pages import PAGE
+from k3_jax.serve.prefix_cache import block_hashes
 from k3_jax.stack import map_cache
 
 log = logging.getLogger("k3_jax.serve")
@@ -87,6 +88,7 @@ class EngineIO:
     self._read_page = jax.jit(read_page)
     self._write_page = jax.jit(write_page, donate_argnums=(0,))
     self._read_ckpt = jax.jit(read_ckpt)
+    self._read_state = jax.jit(lambda cache, slot: read_ckpt(kv.kda_states(cache), slot))
     self._write_ckpt = jax.jit(write_ckpt, donate_argnums=(0,))
     self.page_def = jax.tree.structure(jax.eval_shape(read_page, engine.cache, 0))
     self.ckpt_def = jax.tree.structure(jax.eval_shape(read_ckpt, engine.ckpts, np.int32(0)))
@@ -105,6 +107,13 @@ class EngineIO:
 
   def read_ckpt(self, c: int) -> list:
     return self._start(self._read_ckpt(self.engine.ckpts, np.int32(c)))
+
+  def read_state(self, slot: int, rows=None) -> list:
+    """Slot `slot`'s KDA state now (checkpoint layout): the engine's, or row `slot` of
+    `rows` (a kda_states-layout array, e.g. the decoded-turn cache's tail)."""
+    if rows is not None:
+      return self._start(self._read_ckpt(rows, np.int32(slot)))
+    return self._start(self._read_state(self.engine.cache, np.int32(slot)))
 
   def write_page(self, p: int, leaves: list) -> None:
     e = self.engine
@@ -199,6 +208,7 @@ class TierStats:
   blocks_out: int = 0
   seconds_in: float = 0.0          # host time promoting out of it / demoting into it
   seconds_out: float = 0.0
+  written_around: int = 0          # blocks placed here because the device cache had no room
 
 
 class CacheTiers:
@@ -209,6 +219,7 @@ class CacheTiers:
     self.page_bytes, self.ckpt_bytes, self.unit = prefix.page_bytes, prefix.ckpt_bytes, prefix.unit
     self._copies: dict[int, _Shared] = {}     # device page -> its host copy (while cached)
     self.stats = {t: TierStats() for t in TIERS}
+    self.deferred = 0                         # admissions put off for a disk read under way
     prefix.spill = self.demote
 
   # ----- demotion ----------------------------------------------------------------------------
@@ -222,13 +233,54 @@ class CacheTiers:
     if last_of_page:
       del self._copies[e.page]
     ckpt = self.io.read_ckpt(e.ckpt) if e.ckpt is not None else None
-    if self.disk is not None:
-      self.disk.put(h, Block(e.parent, page.arrays, ckpt))
-    if self.host.budget > 0:
-      self.host.put(h, e.parent, page, ckpt, self.page_bytes, self.ckpt_bytes)
-    s = self.stats["host" if self.host.budget > 0 else "disk"]
+    s = self._keep(h, e.parent, page, ckpt)
     s.blocks_out += 1
     s.seconds_out += time.perf_counter() - t0
+
+  def _keep(self, h: bytes, parent, page: _Shared, ckpt) -> TierStats:
+    """Block h into the host tier (and on disk) -> the stats of the tier it went to."""
+    if self.disk is not None:
+      self.disk.put(h, Block(parent, page.arrays, ckpt))
+    if self.host.budget > 0:
+      self.host.put(h, parent, page, ckpt, self.page_bytes, self.ckpt_bytes)
+    return self.stats["host" if self.host.budget > 0 else "disk"]
+
+  # ----- write-around ------------------------------------------------------------------------
+  def write_around(self, hashes: list[bytes], start: int, stop: int, page_of) -> int:
+    """Blocks start..stop-1 of a running sequence (block i's latents in its device page
+    page_of(i)) that the device cache could not take (its budget full of blocks running
+    requests pin, or their parent is not on the device): kept in the lower tiers instead of
+    dropped, with one host copy per page -> the end of the run placed (start when none:
+    its chain is in no tier). The copies are dispatched now, in order with the steps, so
+    they read the latents this step wrote."""
+    copies, i = {}, start
+    for i in range(start, stop):
+      h, parent = hashes[i], (hashes[i - 1] if i else None)
+      if parent is not None and parent not in self.prefix.entries and self._where(parent) is None:
+        return i
+      p = page_of(i)
+      if p not in copies:
+        copies[p] = _Shared(self.io.read_page(p))
+      t0 = time.perf_counter()
+      s = self._keep(h, parent, copies[p], None)
+      s.written_around += 1
+      s.seconds_out += time.perf_counter() - t0
+    return stop
+
+  def write_around_ckpt(self, h: bytes, parent, page_of, state) -> bool:
+    """The KDA state state() (checkpoint-layout leaves, copy started) as the checkpoint of
+    block h, written around the device (h must be in a lower tier) -> whether kept."""
+    if self._where(h) is None:
+      return False
+    state = state()
+    if h in self.host:
+      _, page, _, _, _ = self.host.blocks[h]
+      self.host.put(h, parent, page, state, self.page_bytes, self.ckpt_bytes)
+      if self.disk is not None:
+        self.disk.put(h, Block(parent, page.arrays, state))
+      return True
+    self.disk.put(h, Block(parent, self.io.read_page(page_of()), state))
+    return True
 
   # ----- promotion ---------------------------------------------------------------------------
   def _where(self, h: bytes):
@@ -238,10 +290,12 @@ class CacheTiers:
     d = self.disk.peek(h) if self.disk is not None else None
     return None if d is None else ("disk", d.has_ckpt)
 
-  def promote(self, hashes: list[bytes], max_blocks: int, step: int) -> dict[int, str]:
+  def promote(self, hashes: list[bytes], max_blocks: int, step: int) -> dict[int, str] | None:
     """Brings the lower-tier blocks that extend the device hit on `hashes` (up to the last
     boundary with a checkpoint among the first max_blocks) into device memory -> {block
-    index: the tier it came from}."""
+    index: the tier it came from}; None (nothing done: admit the request later) while some
+    of them are still being read from disk and other requests are running (with none
+    running, the step has nothing else to do and waits for the reads)."""
     entries, first, best, where = self.prefix.entries, None, 0, []
     for i, h in enumerate(hashes[:max_blocks]):
       e = entries.get(h)
@@ -260,6 +314,10 @@ class CacheTiers:
     promoted = {}
     if first is None or best <= first:
       return promoted
+    on_disk = [hashes[i] for i in range(first, best) if where[i - first] == "disk"]
+    if on_disk and self.disk.prefetch(on_disk) and self.io.engine.running:
+      self.deferred += 1              # other requests run meanwhile; admit it when read
+      return None
     prev = None                       # (host copy, device page) of the block just promoted
     for i in range(first, best):
       t0 = time.perf_counter()
@@ -272,6 +330,24 @@ class CacheTiers:
       s.blocks_in += 1
       s.seconds_in += time.perf_counter() - t0
     return promoted
+
+  def prefetch(self, tokens) -> None:
+    """A request for `tokens` is queued: start reading the blocks that only the disk holds
+    of the chain past the device and host tiers (thread-safe; nothing waits for the reads)."""
+    if self.disk is None:
+      return
+    hs, i = block_hashes(tokens, self.unit), 0
+    entries = self.prefix.entries
+    while i < len(hs) and hs[i] in entries:
+      i += 1
+    want = []
+    for h in hs[i:]:
+      if h in self.host:
+        continue
+      if self.disk.peek(h) is None:
+        break
+      want.append(h)
+    self.disk.prefetch(want)
 
   def _fetch(self, h: bytes):
     """(Block, its shared host page copy or None, tier) of a lower-tier block, taken out of
