@@ -264,6 +264,7 @@ class CacheTiers:
       t0 = time.perf_counter()
       s = self._keep(h, parent, copies[p], None)
       s.written_around += 1
+      s.blocks_out += 1
       s.seconds_out += time.perf_counter() - t0
     return stop
 
@@ -318,17 +319,23 @@ class CacheTiers:
     if on_disk and self.disk.prefetch(on_disk) and self.io.engine.running:
       self.deferred += 1              # other requests run meanwhile; admit it when read
       return None
-    prev = None                       # (host copy, device page) of the block just promoted
-    for i in range(first, best):
-      t0 = time.perf_counter()
-      got = self._fetch(hashes[i])    # (where it is now: room-making may have moved it)
-      if got is None or not self._install(hashes, i, got, prev):
-        break
-      prev = (got[1], self.prefix.entries[hashes[i]].page)
-      promoted[i] = got[2]
-      s = self.stats[got[2]]
-      s.blocks_in += 1
-      s.seconds_in += time.perf_counter() - t0
+    i = first
+    while i < best:                   # one page column at a time
+      t0, col, group = time.perf_counter(), i * self.unit // PAGE, []
+      while i + len(group) < best and (i + len(group)) * self.unit // PAGE == col:
+        got = self._fetch(hashes[i + len(group)])   # (where it is now: room-making moves)
+        if got is None:
+          break
+        group.append(got)
+      n = self._install(hashes, i, [g[0] for g in group]) if group else 0
+      for k in range(n):
+        promoted[i + k] = group[k][1]
+        st = self.stats[group[k][1]]
+        st.blocks_in += 1
+        st.seconds_in += (time.perf_counter() - t0) / n
+      if n == 0 or i + n < best and (i + n) * self.unit // PAGE == col:
+        break                         # no room, or a block no tier holds intact
+      i += n
     return promoted
 
   def prefetch(self, tokens) -> None:
@@ -350,46 +357,45 @@ class CacheTiers:
     self.disk.prefetch(want)
 
   def _fetch(self, h: bytes):
-    """(Block, its shared host page copy or None, tier) of a lower-tier block, taken out of
-    the host tier; None when no tier has it (intact)."""
+    """(Block, tier) of a lower-tier block, taken out of the host tier; None when no tier
+    has it (intact)."""
     if h in self.host:
-      shared = self.host.blocks[h][1]
       b = self.host.get(h)
       self.host.pop(h)
-      return b, shared, "host"
+      return b, "host"
     b = self.disk.get(h) if self.disk is not None else None
-    return None if b is None else (b, None, "disk")
+    return None if b is None else (b, "disk")
 
-  def _install(self, hashes, i: int, got, prev) -> bool:
-    """Block i's arrays into a device page (the previous promoted block's, when both come
-    from one host copy of one page column) and a checkpoint slot; registered in the device
-    cache. False (nothing kept) when the device cache has no room."""
-    b, key, _ = got
+  def _install(self, hashes, i: int, blocks: list) -> int:
+    """Blocks i, i+1, .. of one page column (their Blocks) into one fresh device page,
+    written from the last one's page (valid for every earlier block of the column, as the
+    device cache reads a page from its last block), each with its checkpoint slot when it
+    has one; registered in the device cache -> how many (0 when it has no room)."""
     pc, pool = self.prefix, self.prefix.pool
-    h, parent = hashes[i], (hashes[i - 1] if i else None)
-    col = i * self.unit // PAGE
+    parent = hashes[i - 1] if i else None
     if parent is not None:
       pc.entries[parent].children += 1          # room-making must not evict its parent
+    n = 0
     try:
-      if prev is not None and key is not None and prev[0] is key and \
-          pc.entries[hashes[i - 1]].page == prev[1] and (i - 1) * self.unit // PAGE == col:
-        page = prev[1]
-        pool.incref([page])
-      else:
-        if not pc.free_pages(1, col):
-          return False
-        page = pool.alloc(1, col)[0]
-        self.io.write_page(page, b.page)
-      ok = pc.register_block(h, parent, page, step=-1)
+      col = i * self.unit // PAGE
+      if not pc.free_pages(1, col):
+        return 0
+      page = pool.alloc(1, col)[0]               # (our reference keeps them all unevictable)
+      self.io.write_page(page, blocks[-1].page)
+      for k, b in enumerate(blocks):
+        j = i + k
+        if not pc.register_block(hashes[j], hashes[j - 1] if j else None, page, step=-1):
+          break
+        n += 1
+        if b.ckpt is not None:
+          c = pc.alloc_checkpoint(hashes[j])
+          if c is not None:
+            self.io.write_ckpt(c, b.ckpt)
       pool.decref([page])
     finally:
       if parent is not None:
         pc.entries[parent].children -= 1
-    if ok and b.ckpt is not None:
-      c = pc.alloc_checkpoint(h)
-      if c is not None:
-        self.io.write_ckpt(c, b.ckpt)
-    return ok
+    return n
 
   def persist(self) -> int:
     """Writes every block of the device and host tiers that the disk tier lacks to it and
@@ -398,13 +404,16 @@ class CacheTiers:
     if self.disk is None:
       return 0
     n = 0
+    def lacks(h, ckpt) -> bool:            # (or holds it without the checkpoint it has)
+      d = self.disk.peek(h)
+      return d is None or (ckpt and not d.has_ckpt)
     for h, e in list(self.prefix.entries.items()):
-      if self.disk.peek(h) is None:
+      if lacks(h, e.ckpt is not None):
         self.disk.put(h, Block(e.parent, self.io.read_page(e.page),
                                self.io.read_ckpt(e.ckpt) if e.ckpt is not None else None))
         n += 1
     for h in list(self.host.blocks):
-      if self.disk.peek(h) is None:
+      if lacks(h, self.host.has_ckpt(h)):
         self.disk.put(h, self.host.get(h))
         n += 1
     self.disk.flush()
@@ -449,7 +458,10 @@ class TierMetrics:
         "promotion_seconds": ("host seconds promoting blocks out of this tier",
                               "seconds_in"),
         "demotion_seconds": ("host seconds demoting blocks into this tier (copies are "
-                             "started, not waited for)", "seconds_out")}
+                             "started, not waited for)", "seconds_out"),
+        "written_around_blocks": ("blocks placed in this tier because the device cache "
+                                  "had no room for them (of the demoted ones)",
+                                  "written_around")}
     for name, (doc, field) in fams.items():
       c = CounterMetricFamily(f"k3_prefix_cache_tier_{name}", doc, labels=["tier"])
       for tier, st in t.stats.items():

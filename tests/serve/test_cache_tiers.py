@@ -323,8 +323,8 @@ def test_disk_reads_run_ahead_of_the_step(tmp_path, monkeypatch):
   import threading
   import types
   pool = PagePool(8)
-  pc = PrefixCache(pool, num_ckpt_slots=2, budget_bytes=210, page_bytes=100, ckpt_bytes=10,
-                   unit=256)     # (from disk each block comes back in a page of its own)
+  pc = PrefixCache(pool, num_ckpt_slots=2, budget_bytes=110, page_bytes=100, ckpt_bytes=10,
+                   unit=256)     # one page: the blocks of a column come back in one page
   io = FakeIO(8, 2)
   io.engine = types.SimpleNamespace(running=[object()])
   disk = cache_disk.DiskTier(str(tmp_path), 1 << 20, "fp")
@@ -347,5 +347,5 @@ def test_disk_reads_run_ahead_of_the_step(tmp_path, monkeypatch):
   io.engine.running = []                                 # nothing else to run: it waits
   assert tiers.promote(x, 2, step=5) == {0: "disk", 1: "disk"}
   assert disk.prefetched == 2 and disk.reads == 2 and not disk.ready
-  e1 = pc.entries[x[1]]
-  assert np.all(io.pages[e1.page] == 7) and np.all(io.ckpts[e1.ckpt] == 70)
+  e0, e1 = pc.entries[x[0]], pc.entries[x[1]]
+  assert e0.page == e1.page and np.all(io.pages[e1.page] == 7) and np.all(io.ckpts[e1.ckpt] == 70)
