@@ -1,6 +1,6 @@
 """Agent-trace replay: the prefix cache's tiers on multi-turn agent sessions (k3_small, CPU).
 
-  python -m benchmarks.agent_replay [--sessions 8] [--turns 12] [--quick] [--json out.json]
+  python -m benchmarks.agent_replay [--sessions 12] [--turns 12] [--quick] [--json out.json]
 
 N sessions run concurrently through one engine (4 slots), each for many turns. Every
 session's first prompt is a system prompt + tool declarations shared by all sessions, then
@@ -25,8 +25,9 @@ ceiling is lower).
 
 Configurations, each one engine of the same shapes (one compile for all):
   no cache         every prompt prefilled from scratch (use_prefix_cache=False)
-  device           the device prefix cache alone, its budget half the sessions' working set
-                   (the pages of their last contexts): more sessions than it holds
+  device           the device prefix cache alone, its budget the pages the 4 running
+                   requests pin and a little more; the sessions' working set (the
+                   pages of their last contexts) is about twice that
   device+host      + a host-memory tier of a quarter of the working set
   device+host+disk + a disk tier (a temporary directory)
 
@@ -178,7 +179,7 @@ def restore_vs_prefill(eng: Engine, context: np.ndarray) -> dict:
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--config", default="k3_small")
-  ap.add_argument("--sessions", type=int, default=8)
+  ap.add_argument("--sessions", type=int, default=12)
   ap.add_argument("--turns", type=int, default=12)
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--json", default=None)
@@ -193,10 +194,12 @@ def main():
   probe = Engine(cfg, g, p, r, max_batch=1, max_len=512, prefix_cache_bytes=0)
   block = probe.page_bytes
   # the sessions' working set: the pages of their last contexts (and a checkpoint each);
-  # the device cache holds half of it, the host tier a quarter
+  # the device cache holds the pages the 4 running requests pin and a little more (a
+  # promotion needs room beside them), the host tier a quarter of the working set
   last = SYSTEM + USER + (args.turns - 1) * (ANSWER + sum(TOOL) // 2 + USER)
-  working = args.sessions * (-(-last // 512) * block + probe.ckpt_bytes)
-  device = working // 2
+  pages = -(-last // 512)
+  working = args.sessions * (pages * block + probe.ckpt_bytes)
+  device = (4 * pages + 8) * block + 16 * probe.ckpt_bytes
   tiers = {"no cache": {}, "device": {}, "device+host": {"host_cache_bytes": working // 4},
            "device+host+disk": {"host_cache_bytes": working // 4}}
   tmp = tempfile.mkdtemp(prefix="k3_agent_replay_")
@@ -227,6 +230,7 @@ def main():
     rows[name], engines[name] = got, eng
     if eng.tiers is not None:
       got["tiers"] = {k: v.hit_tokens for k, v in eng.tiers.stats.items()}
+      got["tier_summary"] = eng.tiers.summary()
     print(f"{name:>17}: {got['requests']} requests, {got['prompt_tokens']} prompt tokens, "
           f"hit {got['hit_rate']:.1%} (ceiling {got['ceiling']:.1%}), ttft p50 "
           f"{got['ttft_p50']:.3f} s p99 {got['ttft_p99']:.3f} s, input ${got['cost']:.4f}, "

@@ -220,6 +220,7 @@ class CacheTiers:
     self._copies: dict[int, _Shared] = {}     # device page -> its host copy (while cached)
     self.stats = {t: TierStats() for t in TIERS}
     self.deferred = 0                         # admissions put off for a disk read under way
+    self.no_room = 0                          # promotions cut short: no device room for them
     prefix.spill = self.demote
 
   # ----- demotion ----------------------------------------------------------------------------
@@ -333,6 +334,8 @@ class CacheTiers:
         st = self.stats[group[k][1]]
         st.blocks_in += 1
         st.seconds_in += (time.perf_counter() - t0) / n
+      if n < len(group) or not group:
+        self.no_room += bool(group)
       if n == 0 or i + n < best and (i + n) * self.unit // PAGE == col:
         break                         # no room, or a block no tier holds intact
       i += n
@@ -431,7 +434,8 @@ class CacheTiers:
 
   def summary(self) -> dict:
     out = {"host_bytes": self.host.used, "host_budget_bytes": self.host.budget,
-           "host_blocks": len(self.host.blocks)}
+           "host_blocks": len(self.host.blocks), "promotions_without_room": self.no_room,
+           "admissions_deferred": self.deferred}
     if self.disk is not None:
       d = self.disk
       out.update(disk_bytes=d.used, disk_budget_bytes=d.budget, disk_blocks=len(d.index),
