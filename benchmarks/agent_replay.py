@@ -17,7 +17,7 @@ results of 32-256 tokens (a few hundred to a few thousand), 12 turns reaching ~3
 (tens of thousands). What sets the hit rate is the share of a turn's prompt that is new
 (its tool result, user message, and the part of the previous turn past the last 64-token
 match boundary), against the context sent back, and that share is kept. max_len holds a
-whole session (no session is cut short). The ceiling (below) is ~92% on the default
+whole session (no session is cut short). The ceiling (below) is 92.5% on the default
 sessions; with the earlier 4 turns of 128-1,024-token tool results capped at 4,096 it was
 69%: a session's first turns, and the large tool results against short contexts, were most
 of its prompt tokens. --quick: 4 sessions x 6 turns (a smoke run of a few minutes; its
@@ -40,6 +40,12 @@ session's cached context from host memory and from disk against prefilling it (r
 promotion of its blocks into device memory, waited for), and a restart: a new engine on the
 same disk directory (after the first one wrote its blocks there, as a draining server does)
 answers one session's next turn, and its cached tokens are printed.
+
+Measured (12-04, shared 2-core CPU, defaults; docs/serving.md has the table): hit rate
+0 / 67.9 / 78.3 / 92.1% of prompt tokens (ceiling 92.5%), TTFT p50 6.37 / 2.44 / 1.43 /
+0.77 s, input cost 1.00 / 0.39 / 0.30 / 0.17x no cache; restore 4.4% (host) and 6.1%
+(disk) of prefilling the same tokens; after a restart the first returning turn hit 3,456
+of 3,523 tokens. About 7 minutes in all (the no-cache replay ~2).
 """
 
 from __future__ import annotations
