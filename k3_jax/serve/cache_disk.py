@@ -20,8 +20,8 @@ checked against its digest when the block is read (promoted); a damaged one is s
 Writes run on one background thread: `put` queues the block (kept in memory until the file
 is written, so a read before then is served from there) and returns at once. Reads can run
 ahead on another thread: `prefetch` starts reading blocks a queued request will promote, and
-keeps them (checked) in memory until `get` takes them (at most READY_MAX blocks, oldest
-first out), so the engine step that admits the request does not wait for the disk.
+keeps them (checked) in memory until `get` takes them (at most READY_BYTES, oldest first
+out: a block pushed out is read again when needed), so the engine step that admits the request does not wait for the disk.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ log = logging.getLogger("k3_jax.serve")
 
 MAGIC = b"K3PCACHE1\n"
 SUFFIX = ".k3c"
-READY_MAX = 512                     # prefetched blocks kept in memory until promoted
+READY_BYTES = 1 << 30               # prefetched blocks kept in memory until promoted, at most
 
 
 @dataclasses.dataclass
@@ -143,6 +143,7 @@ class DiskTier:
     self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="k3-disk-cache")
     self.reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="k3-disk-read")
     self.ready: collections.OrderedDict[bytes, Block] = collections.OrderedDict()  # prefetched
+    self.ready_bytes = 0
     self.inflight: set[bytes] = set()
     self.prefetched = 0
     self.writes = self.reads = self.skipped = self.evictions = 0
@@ -198,7 +199,7 @@ class DiskTier:
         return None
       self.index.move_to_end(h)
       if h in self.ready:
-        return self.ready.pop(h)
+        return self._unready(h)
       if h in self.pending:
         return self.pending[h]
     return self._read(h)
@@ -243,10 +244,16 @@ class DiskTier:
         self.inflight.discard(h)
         if b is not None and h in self.index:
           self.ready[h] = b
+          self.ready_bytes += nbytes(b.page) + nbytes(b.ckpt)
           self.prefetched += 1
-          while len(self.ready) > READY_MAX:
-            self.ready.popitem(last=False)
+          while self.ready_bytes > READY_BYTES:
+            self._unready(next(iter(self.ready)))
         self.read_done.notify_all()
+
+  def _unready(self, h: bytes) -> Block:
+    b = self.ready.pop(h)
+    self.ready_bytes -= nbytes(b.page) + nbytes(b.ckpt)
+    return b
 
   def reading(self, hashes) -> bool:
     """Whether any of `hashes` is being prefetched now."""
@@ -298,7 +305,8 @@ class DiskTier:
           del self.pending[h]
 
   def _drop(self, h: bytes) -> None:
-    self.ready.pop(h, None)
+    if h in self.ready:
+      self._unready(h)
     e = self.index.pop(h, None)
     if e is None:
       return
@@ -325,4 +333,4 @@ class DiskTier:
 
 
 __all__ = ["Block", "DiskTier", "DiskEntry", "encode", "decode", "nbytes", "spec", "MAGIC",
-           "READY_MAX"]
+           "READY_BYTES"]

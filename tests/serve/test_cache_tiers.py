@@ -346,6 +346,6 @@ def test_disk_reads_run_ahead_of_the_step(tmp_path, monkeypatch):
   gate.set()
   io.engine.running = []                                 # nothing else to run: it waits
   assert tiers.promote(x, 2, step=5) == {0: "disk", 1: "disk"}
-  assert disk.prefetched == 2 and disk.reads == 2 and not disk.ready
+  assert disk.prefetched == 2 and disk.reads == 2 and not disk.ready and disk.ready_bytes == 0
   e0, e1 = pc.entries[x[0]], pc.entries[x[1]]
   assert e0.page == e1.page and np.all(io.pages[e1.page] == 7) and np.all(io.ckpts[e1.ckpt] == 70)
