@@ -18,7 +18,10 @@ checked against its digest when the block is read (promoted); a damaged one is s
 (the hit ends before it), logged and removed, never served.
 
 Writes run on one background thread: `put` queues the block (kept in memory until the file
-is written, so a read before then is served from there) and returns at once.
+is written, so a read before then is served from there) and returns at once. Reads can run
+ahead on another thread: `prefetch` starts reading blocks a queued request will promote, and
+keeps them (checked) in memory until `get` takes them (at most READY_BYTES, oldest first
+out: a block pushed out is read again when needed), so the engine step that admits the request does not wait for the disk.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ log = logging.getLogger("k3_jax.serve")
 
 MAGIC = b"K3PCACHE1\n"
 SUFFIX = ".k3c"
+READY_BYTES = 1 << 30               # prefetched blocks kept in memory until promoted, at most
 
 
 @dataclasses.dataclass
@@ -134,8 +138,14 @@ class DiskTier:
     self.index: collections.OrderedDict[bytes, DiskEntry] = collections.OrderedDict()  # LRU
     self.used = 0
     self.lock = threading.Lock()
+    self.read_done = threading.Condition(self.lock)     # a prefetch finished
     self.pending: dict[bytes, Block] = {}
     self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="k3-disk-cache")
+    self.reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="k3-disk-read")
+    self.ready: collections.OrderedDict[bytes, Block] = collections.OrderedDict()  # prefetched
+    self.ready_bytes = 0
+    self.inflight: set[bytes] = set()
+    self.prefetched = 0
     self.writes = self.reads = self.skipped = self.evictions = 0
     self.write_seconds = self.read_seconds = 0.0
     self._scan()
@@ -180,13 +190,21 @@ class DiskTier:
       return self.index.get(h)
 
   def get(self, h: bytes) -> Block | None:
-    """The block, read and checked (None: absent, or damaged, which is logged and removed)."""
+    """The block, read and checked (None: absent, or damaged, which is logged and removed);
+    a prefetched one from memory, one being prefetched once its read is done."""
     with self.lock:
+      while h in self.inflight:
+        self.read_done.wait()
       if h not in self.index:
         return None
       self.index.move_to_end(h)
+      if h in self.ready:
+        return self._unready(h)
       if h in self.pending:
         return self.pending[h]
+    return self._read(h)
+
+  def _read(self, h: bytes) -> Block | None:
     t0 = time.perf_counter()
     try:
       with open(self.path(h), "rb") as f:
@@ -202,12 +220,52 @@ class DiskTier:
       self.read_seconds += time.perf_counter() - t0
     return b
 
+  def prefetch(self, hashes) -> bool:
+    """Starts reading the blocks of `hashes` that are only on disk (on the reader thread)
+    -> whether any of them is being read now."""
+    busy = False
+    for h in hashes:
+      with self.lock:
+        if h in self.inflight:
+          busy = True
+        if h not in self.index or h in self.pending or h in self.ready or h in self.inflight:
+          continue
+        self.inflight.add(h)
+        busy = True
+      self.reader.submit(self._prefetch_one, h)
+    return busy
+
+  def _prefetch_one(self, h: bytes) -> None:
+    b = None
+    try:
+      b = self._read(h)
+    finally:
+      with self.lock:
+        self.inflight.discard(h)
+        if b is not None and h in self.index:
+          self.ready[h] = b
+          self.ready_bytes += nbytes(b.page) + nbytes(b.ckpt)
+          self.prefetched += 1
+          while self.ready_bytes > READY_BYTES:
+            self._unready(next(iter(self.ready)))
+        self.read_done.notify_all()
+
+  def _unready(self, h: bytes) -> Block:
+    b = self.ready.pop(h)
+    self.ready_bytes -= nbytes(b.page) + nbytes(b.ckpt)
+    return b
+
+  def reading(self, hashes) -> bool:
+    """Whether any of `hashes` is being prefetched now."""
+    with self.lock:
+      return any(h in self.inflight for h in hashes)
+
   # ----- writing -------------------------------------------------------------------------
   def put(self, h: bytes, b: Block) -> None:
     """Stores the block (a no-op when the tier holds it already, with a checkpoint if this
     one has one); the file is written on the background thread."""
     with self.lock:
-      if h in self.index and (b.ckpt is None or self.index[h].has_ckpt or h in self.pending):
+      if h in self.index and (b.ckpt is None or self.index[h].has_ckpt):
         self.index.move_to_end(h)
         return
       self._drop(h)                 # (held without the checkpoint this one brings)
@@ -243,9 +301,12 @@ class DiskTier:
         self._drop(h)
     finally:
       with self.lock:
-        self.pending.pop(h, None)
+        if self.pending.get(h) is b:      # (not a newer version of it, queued after)
+          del self.pending[h]
 
   def _drop(self, h: bytes) -> None:
+    if h in self.ready:
+      self._unready(h)
     e = self.index.pop(h, None)
     if e is None:
       return
@@ -268,6 +329,8 @@ class DiskTier:
 
   def close(self) -> None:
     self.pool.shutdown(wait=True)
+    self.reader.shutdown(wait=True)
 
 
-__all__ = ["Block", "DiskTier", "DiskEntry", "encode", "decode", "nbytes", "spec", "MAGIC"]
+__all__ = ["Block", "DiskTier", "DiskEntry", "encode", "decode", "nbytes", "spec", "MAGIC",
+           "READY_BYTES"]

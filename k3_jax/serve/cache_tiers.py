@@ -41,6 +41,7 @@ from k3_jax.config import UserError
 from k3_jax.serve import kv_pages as kv
 from k3_jax.serve.cache_disk import Block, DiskTier, spec
 from k3_jax.serve.kv_pages import PAGE
+from k3_jax.serve.prefix_cache import block_hashes
 from k3_jax.stack import map_cache
 
 log = logging.getLogger("k3_jax.serve")
@@ -87,6 +88,7 @@ class EngineIO:
     self._read_page = jax.jit(read_page)
     self._write_page = jax.jit(write_page, donate_argnums=(0,))
     self._read_ckpt = jax.jit(read_ckpt)
+    self._read_state = jax.jit(lambda cache, slot: read_ckpt(kv.kda_states(cache), slot))
     self._write_ckpt = jax.jit(write_ckpt, donate_argnums=(0,))
     self.page_def = jax.tree.structure(jax.eval_shape(read_page, engine.cache, 0))
     self.ckpt_def = jax.tree.structure(jax.eval_shape(read_ckpt, engine.ckpts, np.int32(0)))
@@ -105,6 +107,13 @@ class EngineIO:
 
   def read_ckpt(self, c: int) -> list:
     return self._start(self._read_ckpt(self.engine.ckpts, np.int32(c)))
+
+  def read_state(self, slot: int, rows=None) -> list:
+    """Slot `slot`'s KDA state now (checkpoint layout): the engine's, or row `slot` of
+    `rows` (a kda_states-layout array, e.g. the decoded-turn cache's tail)."""
+    if rows is not None:
+      return self._start(self._read_ckpt(rows, np.int32(slot)))
+    return self._start(self._read_state(self.engine.cache, np.int32(slot)))
 
   def write_page(self, p: int, leaves: list) -> None:
     e = self.engine
@@ -199,6 +208,7 @@ class TierStats:
   blocks_out: int = 0
   seconds_in: float = 0.0          # host time promoting out of it / demoting into it
   seconds_out: float = 0.0
+  written_around: int = 0          # blocks placed here because the device cache had no room
 
 
 class CacheTiers:
@@ -209,6 +219,8 @@ class CacheTiers:
     self.page_bytes, self.ckpt_bytes, self.unit = prefix.page_bytes, prefix.ckpt_bytes, prefix.unit
     self._copies: dict[int, _Shared] = {}     # device page -> its host copy (while cached)
     self.stats = {t: TierStats() for t in TIERS}
+    self.deferred = 0                         # admissions put off for a disk read under way
+    self.no_room = 0                          # promotions cut short: no device room for them
     prefix.spill = self.demote
 
   # ----- demotion ----------------------------------------------------------------------------
@@ -222,13 +234,55 @@ class CacheTiers:
     if last_of_page:
       del self._copies[e.page]
     ckpt = self.io.read_ckpt(e.ckpt) if e.ckpt is not None else None
-    if self.disk is not None:
-      self.disk.put(h, Block(e.parent, page.arrays, ckpt))
-    if self.host.budget > 0:
-      self.host.put(h, e.parent, page, ckpt, self.page_bytes, self.ckpt_bytes)
-    s = self.stats["host" if self.host.budget > 0 else "disk"]
+    s = self._keep(h, e.parent, page, ckpt)
     s.blocks_out += 1
     s.seconds_out += time.perf_counter() - t0
+
+  def _keep(self, h: bytes, parent, page: _Shared, ckpt) -> TierStats:
+    """Block h into the host tier (and on disk) -> the stats of the tier it went to."""
+    if self.disk is not None:
+      self.disk.put(h, Block(parent, page.arrays, ckpt))
+    if self.host.budget > 0:
+      self.host.put(h, parent, page, ckpt, self.page_bytes, self.ckpt_bytes)
+    return self.stats["host" if self.host.budget > 0 else "disk"]
+
+  # ----- write-around ------------------------------------------------------------------------
+  def write_around(self, hashes: list[bytes], start: int, stop: int, page_of) -> int:
+    """Blocks start..stop-1 of a running sequence (block i's latents in its device page
+    page_of(i)) that the device cache could not take (its budget full of blocks running
+    requests pin, or their parent is not on the device): kept in the lower tiers instead of
+    dropped, with one host copy per page -> the end of the run placed (start when none:
+    its chain is in no tier). The copies are dispatched now, in order with the steps, so
+    they read the latents this step wrote."""
+    copies, i = {}, start
+    for i in range(start, stop):
+      h, parent = hashes[i], (hashes[i - 1] if i else None)
+      if parent is not None and parent not in self.prefix.entries and self._where(parent) is None:
+        return i
+      p = page_of(i)
+      if p not in copies:
+        copies[p] = _Shared(self.io.read_page(p))
+      t0 = time.perf_counter()
+      s = self._keep(h, parent, copies[p], None)
+      s.written_around += 1
+      s.blocks_out += 1
+      s.seconds_out += time.perf_counter() - t0
+    return stop
+
+  def write_around_ckpt(self, h: bytes, parent, page_of, state) -> bool:
+    """The KDA state state() (checkpoint-layout leaves, copy started) as the checkpoint of
+    block h, written around the device (h must be in a lower tier) -> whether kept."""
+    if self._where(h) is None:
+      return False
+    state = state()
+    if h in self.host:
+      _, page, _, _, _ = self.host.blocks[h]
+      self.host.put(h, parent, page, state, self.page_bytes, self.ckpt_bytes)
+      if self.disk is not None:
+        self.disk.put(h, Block(parent, page.arrays, state))
+      return True
+    self.disk.put(h, Block(parent, self.io.read_page(page_of()), state))
+    return True
 
   # ----- promotion ---------------------------------------------------------------------------
   def _where(self, h: bytes):
@@ -238,10 +292,12 @@ class CacheTiers:
     d = self.disk.peek(h) if self.disk is not None else None
     return None if d is None else ("disk", d.has_ckpt)
 
-  def promote(self, hashes: list[bytes], max_blocks: int, step: int) -> dict[int, str]:
+  def promote(self, hashes: list[bytes], max_blocks: int, step: int) -> dict[int, str] | None:
     """Brings the lower-tier blocks that extend the device hit on `hashes` (up to the last
     boundary with a checkpoint among the first max_blocks) into device memory -> {block
-    index: the tier it came from}."""
+    index: the tier it came from}; None (nothing done: admit the request later) while some
+    of them are still being read from disk and other requests are running (with none
+    running, the step has nothing else to do and waits for the reads)."""
     entries, first, best, where = self.prefix.entries, None, 0, []
     for i, h in enumerate(hashes[:max_blocks]):
       e = entries.get(h)
@@ -260,60 +316,89 @@ class CacheTiers:
     promoted = {}
     if first is None or best <= first:
       return promoted
-    prev = None                       # (host copy, device page) of the block just promoted
-    for i in range(first, best):
-      t0 = time.perf_counter()
-      got = self._fetch(hashes[i])    # (where it is now: room-making may have moved it)
-      if got is None or not self._install(hashes, i, got, prev):
-        break
-      prev = (got[1], self.prefix.entries[hashes[i]].page)
-      promoted[i] = got[2]
-      s = self.stats[got[2]]
-      s.blocks_in += 1
-      s.seconds_in += time.perf_counter() - t0
+    on_disk = [hashes[i] for i in range(first, best) if where[i - first] == "disk"]
+    if on_disk and self.disk.prefetch(on_disk) and self.io.engine.running:
+      self.deferred += 1              # other requests run meanwhile; admit it when read
+      return None
+    i = first
+    while i < best:                   # one page column at a time
+      t0, col, group = time.perf_counter(), i * self.unit // PAGE, []
+      while i + len(group) < best and (i + len(group)) * self.unit // PAGE == col:
+        got = self._fetch(hashes[i + len(group)])   # (where it is now: room-making moves)
+        if got is None:
+          break
+        group.append(got)
+      n = self._install(hashes, i, [g[0] for g in group]) if group else 0
+      for k in range(n):
+        promoted[i + k] = group[k][1]
+        st = self.stats[group[k][1]]
+        st.blocks_in += 1
+        st.seconds_in += (time.perf_counter() - t0) / n
+      if n < len(group) or not group:
+        self.no_room += bool(group)
+      if n == 0 or i + n < best and (i + n) * self.unit // PAGE == col:
+        break                         # no room, or a block no tier holds intact
+      i += n
     return promoted
 
+  def prefetch(self, tokens) -> None:
+    """A request for `tokens` is queued: start reading the blocks that only the disk holds
+    of the chain past the device and host tiers (thread-safe; nothing waits for the reads)."""
+    if self.disk is None:
+      return
+    hs, i = block_hashes(tokens, self.unit), 0
+    entries = self.prefix.entries
+    while i < len(hs) and hs[i] in entries:
+      i += 1
+    want = []
+    for h in hs[i:]:
+      if h in self.host:
+        continue
+      if self.disk.peek(h) is None:
+        break
+      want.append(h)
+    self.disk.prefetch(want)
+
   def _fetch(self, h: bytes):
-    """(Block, its shared host page copy or None, tier) of a lower-tier block, taken out of
-    the host tier; None when no tier has it (intact)."""
+    """(Block, tier) of a lower-tier block, taken out of the host tier; None when no tier
+    has it (intact)."""
     if h in self.host:
-      shared = self.host.blocks[h][1]
       b = self.host.get(h)
       self.host.pop(h)
-      return b, shared, "host"
+      return b, "host"
     b = self.disk.get(h) if self.disk is not None else None
-    return None if b is None else (b, None, "disk")
+    return None if b is None else (b, "disk")
 
-  def _install(self, hashes, i: int, got, prev) -> bool:
-    """Block i's arrays into a device page (the previous promoted block's, when both come
-    from one host copy of one page column) and a checkpoint slot; registered in the device
-    cache. False (nothing kept) when the device cache has no room."""
-    b, key, _ = got
+  def _install(self, hashes, i: int, blocks: list) -> int:
+    """Blocks i, i+1, .. of one page column (their Blocks) into one fresh device page,
+    written from the last one's page (valid for every earlier block of the column, as the
+    device cache reads a page from its last block), each with its checkpoint slot when it
+    has one; registered in the device cache -> how many (0 when it has no room)."""
     pc, pool = self.prefix, self.prefix.pool
-    h, parent = hashes[i], (hashes[i - 1] if i else None)
-    col = i * self.unit // PAGE
+    parent = hashes[i - 1] if i else None
     if parent is not None:
       pc.entries[parent].children += 1          # room-making must not evict its parent
+    n = 0
     try:
-      if prev is not None and key is not None and prev[0] is key and \
-          pc.entries[hashes[i - 1]].page == prev[1] and (i - 1) * self.unit // PAGE == col:
-        page = prev[1]
-        pool.incref([page])
-      else:
-        if not pc.free_pages(1, col):
-          return False
-        page = pool.alloc(1, col)[0]
-        self.io.write_page(page, b.page)
-      ok = pc.register_block(h, parent, page, step=-1)
+      col = i * self.unit // PAGE
+      if not pc.free_pages(1, col):
+        return 0
+      page = pool.alloc(1, col)[0]               # (our reference keeps them all unevictable)
+      self.io.write_page(page, blocks[-1].page)
+      for k, b in enumerate(blocks):
+        j = i + k
+        if not pc.register_block(hashes[j], hashes[j - 1] if j else None, page, step=-1):
+          break
+        n += 1
+        if b.ckpt is not None:
+          c = pc.alloc_checkpoint(hashes[j])
+          if c is not None:
+            self.io.write_ckpt(c, b.ckpt)
       pool.decref([page])
     finally:
       if parent is not None:
         pc.entries[parent].children -= 1
-    if ok and b.ckpt is not None:
-      c = pc.alloc_checkpoint(h)
-      if c is not None:
-        self.io.write_ckpt(c, b.ckpt)
-    return ok
+    return n
 
   def persist(self) -> int:
     """Writes every block of the device and host tiers that the disk tier lacks to it and
@@ -322,13 +407,16 @@ class CacheTiers:
     if self.disk is None:
       return 0
     n = 0
+    def lacks(h, ckpt) -> bool:            # (or holds it without the checkpoint it has)
+      d = self.disk.peek(h)
+      return d is None or (ckpt and not d.has_ckpt)
     for h, e in list(self.prefix.entries.items()):
-      if self.disk.peek(h) is None:
+      if lacks(h, e.ckpt is not None):
         self.disk.put(h, Block(e.parent, self.io.read_page(e.page),
                                self.io.read_ckpt(e.ckpt) if e.ckpt is not None else None))
         n += 1
     for h in list(self.host.blocks):
-      if self.disk.peek(h) is None:
+      if lacks(h, self.host.has_ckpt(h)):
         self.disk.put(h, self.host.get(h))
         n += 1
     self.disk.flush()
@@ -346,7 +434,8 @@ class CacheTiers:
 
   def summary(self) -> dict:
     out = {"host_bytes": self.host.used, "host_budget_bytes": self.host.budget,
-           "host_blocks": len(self.host.blocks)}
+           "host_blocks": len(self.host.blocks), "promotions_without_room": self.no_room,
+           "admissions_deferred": self.deferred}
     if self.disk is not None:
       d = self.disk
       out.update(disk_bytes=d.used, disk_budget_bytes=d.budget, disk_blocks=len(d.index),
@@ -373,7 +462,10 @@ class TierMetrics:
         "promotion_seconds": ("host seconds promoting blocks out of this tier",
                               "seconds_in"),
         "demotion_seconds": ("host seconds demoting blocks into this tier (copies are "
-                             "started, not waited for)", "seconds_out")}
+                             "started, not waited for)", "seconds_out"),
+        "written_around_blocks": ("blocks placed in this tier because the device cache "
+                                  "had no room for them (of the demoted ones)",
+                                  "written_around")}
     for name, (doc, field) in fams.items():
       c = CounterMetricFamily(f"k3_prefix_cache_tier_{name}", doc, labels=["tier"])
       for tier, st in t.stats.items():

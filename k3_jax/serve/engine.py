@@ -124,6 +124,8 @@ class Engine:
     prompt = self.validate(prompt_ids, params, openai_ranges, images)
     kw.setdefault("timeout", self.serve.request_timeout or None)
     req = Request(prompt, params, images=images, **kw)
+    if self.tiers is not None and images is None and req.use_prefix_cache:   # cache tiers
+      self.tiers.prefetch(prompt)              # disk blocks read while it waits
     self.roster.enqueue(req)
     return req
 

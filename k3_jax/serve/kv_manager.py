@@ -130,6 +130,8 @@ class KVManager:
     promoted = {}
     if self.tiers is not None and use_prefix:     # lower-tier blocks extending the hit
       promoted = self.tiers.promote(hashes, (tokens - 1) // self.prefix.unit, step)
+      if promoted is None:                        # its blocks are still being read from disk
+        return None
     if self.prefix is not None and use_prefix:
       hit = self.prefix.lookup(hashes, (tokens - 1) // self.prefix.unit, step)   # pins it
       hit_pages, copy_src, ckpt, hit_tokens = hit.pages, hit.copy_src, hit.ckpt, hit.tokens
@@ -176,19 +178,31 @@ class KVManager:
     return True
 
   def register(self, slot: int, hashes: list[bytes], registered: int, upto: int, step: int,
-               keep_ckpt_at: int | None) -> tuple[int, int | None]:
+               keep_ckpt_at: int | None, state_rows=None) -> tuple[int, int | None]:
     """The blocks registered..upto/unit of the sequence at `slot` (hashes: its blocks')
     handed to the prefix cache -> (blocks now registered, a checkpoint slot to save the
-    KDA state into when `keep_ckpt_at` (a position on the unit grid) is wholly registered)."""
+    KDA state into when `keep_ckpt_at` (a position on the unit grid) is wholly registered).
+    With the cache tiers, blocks the device cache cannot take are written around it to the
+    lower tiers (and counted as registered), the checkpoint too: the KDA state of the slot
+    now, or row `slot` of `state_rows` when given."""
     u, pages = self.prefix.unit, self.held[slot]
     for i in range(registered, upto // u):
       if not self.prefix.register_block(hashes[i], hashes[i - 1] if i else None,
                                         pages[i * u // PAGE], step):
+        if self.tiers is not None:                # cache tiers: write-around
+          registered = self.tiers.write_around(hashes, i, upto // u,
+                                               lambda j: pages[j * u // PAGE])
         break
       registered = i + 1
     if keep_ckpt_at is None or registered * u < keep_ckpt_at:
       return registered, None
-    return registered, self.prefix.alloc_checkpoint(hashes[keep_ckpt_at // u - 1])
+    b = keep_ckpt_at // u - 1
+    if hashes[b] not in self.prefix.entries and self.tiers is not None:
+      self.tiers.write_around_ckpt(hashes[b], hashes[b - 1] if b else None,
+                                   lambda: pages[b * u // PAGE],
+                                   lambda: self.tiers.io.read_state(slot, state_rows))
+      return registered, None
+    return registered, self.prefix.alloc_checkpoint(hashes[b])
 
   def release(self, slot: int) -> None:
     self.pool.decref(self.held[slot])

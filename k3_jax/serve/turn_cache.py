@@ -80,7 +80,7 @@ class TurnCache:
     last = n // self.unit * self.unit
     before = r.registered
     r.registered, c = e.kv.register(slot, hashes, r.registered, n, e.step_no,
-                                    last if at == last else None)
+                                    last if at == last else None, state_rows=self.tail)
     self.registered_blocks += max(0, r.registered - before)
     if c is not None:
       e.ckpts = self._to_ckpt(e.ckpts, self.tail, np.int32(slot), np.int32(c))

@@ -94,6 +94,7 @@ def test_disk_tier_hit_and_restart(parts, tmp_path, caplog):
   assert len(os.listdir(d)) == 2                         # a's blocks
   hit = run(eng, a)
   assert hit.cached_tokens == 2 * PAGE and eng.tiers.stats["disk"].hit_tokens == 2 * PAGE
+  assert eng.tiers.disk.prefetched == 2        # read on the reader thread from submit on
   assert_bitwise(hit, cold)
   eng.tiers.disk.flush()
   assert len(os.listdir(d)) == 4                         # + b's, pushed out by a's return
@@ -128,6 +129,30 @@ def test_disk_tier_hit_and_restart(parts, tmp_path, caplog):
   with caplog.at_level(logging.WARNING, logger="k3_jax.serve"):
     eng4 = make((cfg, other, shared), disk_cache_dir=d)
   assert not eng4.tiers.disk.index and "fingerprint" in caplog.text
+
+
+def test_write_around_when_the_device_cache_is_pinned_full(parts):
+  # the device cache's budget full of blocks running requests hold: a new prompt's blocks
+  # (and its checkpoint, the slot's KDA state) go straight to the host tier, and its next
+  # request hits them there, bitwise the cold prefill
+  eng = make(parts, host_cache_bytes=1 << 30)
+  pc, held, k = eng.prefix, [], 0
+  while True:                                            # pinned blocks until it is full
+    (page,) = eng.pool.alloc(1, 0)
+    ok = pc.register_block(bytes([k]) * 16, None, page, -1)
+    held.append(page)
+    k += 1
+    if not ok:
+      break
+  a = prompt_of(9, N)
+  cold = run(eng, a, use_prefix_cache=False)
+  hs = block_hashes(a)
+  assert not any(h in pc.entries for h in hs) and all(h in eng.tiers.host for h in hs)
+  assert eng.tiers.host.has_ckpt(hs[1]) and eng.tiers.stats["host"].written_around == 2
+  eng.pool.decref(held)                                  # those requests finished
+  hit = run(eng, a)
+  assert hit.cached_tokens == 2 * PAGE and eng.tiers.stats["host"].hit_tokens == 2 * PAGE
+  assert_bitwise(hit, cold)
 
 
 # ----- bookkeeping alone (no model) ---------------------------------------------------------
@@ -290,3 +315,37 @@ def test_persist_writes_device_and_host_blocks(tmp_path):
   assert tiers.persist() == 3 and tiers.persist() == 0
   assert set(disk.index) == {b"x", b"y", b"z"} and disk.index[b"y"].has_ckpt
   assert np.array_equal(disk.get(b"y").ckpt[0], io.ckpts[c])
+
+
+def test_disk_reads_run_ahead_of_the_step(tmp_path, monkeypatch):
+  # a promotion that needs blocks still being read from disk is put off while other
+  # requests run (the step does not wait); with nothing else to run it waits for them
+  import threading
+  import types
+  pool = PagePool(8)
+  pc = PrefixCache(pool, num_ckpt_slots=2, budget_bytes=110, page_bytes=100, ckpt_bytes=10,
+                   unit=256)     # one page: the blocks of a column come back in one page
+  io = FakeIO(8, 2)
+  io.engine = types.SimpleNamespace(running=[object()])
+  disk = cache_disk.DiskTier(str(tmp_path), 1 << 20, "fp")
+  tiers = CacheTiers(pc, io, host_bytes=0, disk=disk)
+  tokens = np.arange(600) % 97
+  x = block_hashes(tokens, 256)
+  (p,) = pool.alloc(1)
+  assert pc.register_block(x[0], None, p, 1) and pc.register_block(x[1], x[0], p, 1)
+  io.ckpts[pc.alloc_checkpoint(x[1])][:] = 70
+  io.pages[p][:] = 7
+  pool.decref([p])
+  assert pc._evict_one() and pc._evict_one() and not pc.entries   # demoted to disk
+  disk.flush()
+  gate, read = threading.Event(), disk._read
+  monkeypatch.setattr(disk, "_read", lambda h: gate.wait(10) and read(h))
+  tiers.prefetch(tokens)                                 # a request is queued
+  assert disk.reading(x)
+  assert tiers.promote(x, 2, step=5) is None and tiers.deferred == 1 and not pc.entries
+  gate.set()
+  io.engine.running = []                                 # nothing else to run: it waits
+  assert tiers.promote(x, 2, step=5) == {0: "disk", 1: "disk"}
+  assert disk.prefetched == 2 and disk.reads == 2 and not disk.ready and disk.ready_bytes == 0
+  e0, e1 = pc.entries[x[0]], pc.entries[x[1]]
+  assert e0.page == e1.page and np.all(io.pages[e1.page] == 7) and np.all(io.ckpts[e1.ckpt] == 70)
