@@ -129,8 +129,10 @@ flags.DEFINE_integer("num_slices", None, "multi-slice data parallelism: the data
                      "slices of --topology (default 1); train: TPU devices must form that "
                      "many (slice_index), CPU devices are split into that many fake slices")
 flags.DEFINE_alias("slices", "num_slices")
-flags.DEFINE_enum("step", "train", ["train", "prefill", "decode", "init"], "which step to "
-                  "compile (init: the sharded initialisation of the train state)")
+flags.DEFINE_enum("step", "train", ["train", "prefill", "decode", "verify", "init"],
+                  "which step to compile (init: the sharded initialisation of the train "
+                  "state; verify: speculative decoding's verify step, "
+                  "--num_speculative_tokens drafts a slot)")
 flags.DEFINE_integer("global_batch", None, "global batch in sequences (default: "
                      "--batch_size or the preset's)")
 flags.DEFINE_integer("cache_len", None, "prefill/decode: cache length in tokens "
@@ -515,8 +517,10 @@ def cmd_compile() -> None:
   if FLAGS.sweep:
     _compile_sweep(cfg, tc, target, kw)
     return
-  if FLAGS.step == "decode":
+  if FLAGS.step in ("decode", "verify"):
     kw["page_split"] = FLAGS.page_split
+  if FLAGS.step == "verify":
+    kw["draft_tokens"] = FLAGS.num_speculative_tokens
   rep = compile_step(cfg, tc, target, FLAGS.step, **kw)
   rep["pod_layout"] = (None if layout is None
                        else f"{FLAGS.config}: {layout.topology} {layout.step}")
@@ -662,10 +666,11 @@ COMMANDS: dict[str, Command] = {
                          "image")),
     "info": Command(cmd_info, "layer plan and parameter counts (abstract, nothing allocated)",
                     (*MODEL_FLAGS, "json", "serving_bytes", "param_groups", "optimizer")),
-    "compile": Command(cmd_compile, "ahead-of-time compile the train / prefill / decode step "
-                       "for a TPU target and report per-chip memory",
+    "compile": Command(cmd_compile, "ahead-of-time compile the train / prefill / decode / "
+                       "verify step for a TPU target and report per-chip memory",
                        (*MODEL_FLAGS, "topology", "num_slices", "step", "mesh", "global_batch",
                         "seq_len", "cache_len", "gmm", "expert_format", "ep_capacity", "json",
+                        "num_speculative_tokens",
                         "batch_size", "grad_accum", "optimizer", "remat")),
     "convert": Command(cmd_convert, "convert an Orbax workdir to Hugging Face safetensors or "
                        "back (the direction from what --from holds)",

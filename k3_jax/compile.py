@@ -34,7 +34,7 @@ from sharding.install import parallel_for
 from sharding.mesh import make_mesh, parse_mesh, validate_mesh
 from sharding.rules import RULES, tree_shardings
 
-STEPS = ("train", "prefill", "decode", "init")
+STEPS = ("train", "prefill", "decode", "verify", "init")
 
 # The flags a preset's PodLayout fills in when they are not given.
 LAYOUT_FLAGS = ("mesh", "global_batch", "seq_len", "cache_len", "remat", "grad_accum",
@@ -44,8 +44,9 @@ LAYOUT_FLAGS = ("mesh", "global_batch", "seq_len", "cache_len", "remat", "grad_a
 def pod_layout(layouts, target: Target, step: str) -> PodLayout | None:
   """The layout among `layouts` (a preset's PodLayouts) for `step` on `target` (the same
   chip grid and slice count, however the topology is spelled), or None. The init step
-  takes the train step's layout: it creates the state the train step is sharded for."""
-  want = "train" if step == "init" else step
+  takes the train step's layout: it creates the state the train step is sharded for; the
+  verify step the decode's, whose cache it reads."""
+  want = {"init": "train", "verify": "decode"}.get(step, step)
   for lay in layouts:
     t = resolve_target(lay.topology)
     if (lay.step == want and t.topology == target.topology
@@ -95,13 +96,18 @@ def apply_pod_layout(layout: PodLayout | None, cfg: ModelConfig, tc: TrainConfig
 def compile_step(cfg: ModelConfig, tc: TrainConfig, target: Target, step: str,
                  mesh_spec: str = "", global_batch: int | None = None,
                  seq_len: int | None = None, cache_len: int | None = None,
-                 expert_format: str = "dense", page_split: str = "auto") -> dict:
+                 expert_format: str = "dense", page_split: str = "auto",
+                 draft_tokens: int = 4) -> dict:
   """Lower and compile the real `step` of `cfg` for `target` with abstract inputs (nothing
   is allocated); returns pod.aot.compile_report's per-chip memory report plus what was
   compiled. global_batch / seq_len default to tc's; cache_len (prefill / decode) to seq_len.
   The grouped-matmul kind and the expert-parallel capacity are cfg's execution-only fields
   (moe.gmm, moe.ep_capacity). page_split (decode): how the paged cache's pages lie over the
-  mesh, "column" (by length), "slot" (by sequence) or "auto" (`decode_page_split`)."""
+  mesh, "column" (by length), "slot" (by sequence) or "auto" (`decode_page_split`).
+  step="verify": the speculative decoding's verify step (serve/verify.py) of every slot and
+  `draft_tokens` drafts each, over the decode's paged cache: one step emits 1 to
+  draft_tokens + 1 tokens a slot, so its step time against the decode's is the number of
+  tokens a step must keep to pay for itself."""
   if step not in STEPS:
     raise ConfigError(f"step={step!r}: expected one of {', '.join(STEPS)}")
   if expert_format not in EXPERT_FORMATS:
@@ -116,8 +122,9 @@ def compile_step(cfg: ModelConfig, tc: TrainConfig, target: Target, step: str,
   # Training splits its batch evenly over the batch axes; a serving step may take fewer
   # sequences than those axes (one 1M-token prompt, 8 long decodes): the batch is then
   # repeated there and the cache length split over them (rules "cache_seq").
+  decoding = step in ("decode", "verify")
   validate_mesh(cfg, mesh, batch if step == "train" else None,
-                seq if step != "decode" else None, grad_accum=tc.grad_accum)
+                None if decoding else seq, grad_accum=tc.grad_accum)
   report = {"config": cfg.name, "step": step, "topology": target.topology,
             "target": target.name, "num_slices": target.num_slices, "chips": target.chips,
             "mesh": {k: int(v) for k, v in mesh.shape.items()}, "global_batch": batch,
@@ -134,25 +141,34 @@ def compile_step(cfg: ModelConfig, tc: TrainConfig, target: Target, step: str,
   length = cache_len or seq
   if step == "prefill" and length < seq:
     raise ConfigError(f"cache_len={length} is shorter than the prefill's seq_len={seq}")
-  if step == "decode" and length > cfg.max_seq_len:
+  if decoding and length > cfg.max_seq_len:
     raise ConfigError(f"cache_len={length} exceeds max_seq_len={cfg.max_seq_len}")
-  if step == "decode":
+  if step == "verify" and draft_tokens < 1:
+    raise ConfigError(f"draft_tokens={draft_tokens}: must be at least 1")
+  rows = batch * (draft_tokens + 1) if step == "verify" else batch   # tokens the model runs
+  if decoding:
     page_split = decode_page_split(batch, mesh, page_split)
-    exchange = expert_exchange(batch, mesh)
+    exchange = expert_exchange(rows, mesh)
     if exchange == "all_to_all" and not cfg.moe.ep_capacity:
-      cap = decode_ep_capacity(batch, mesh, cfg)
+      cap = decode_ep_capacity(rows, mesh, cfg)
       cfg = validate(dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, ep_capacity=cap)))
       report["ep_capacity"] = cap
     report.update(page_split=page_split, expert_exchange=exchange,
                   weight_split="output" if page_split == "slot" else "model")
-  fn, args = _serving_program(cfg, mesh, step, batch, seq, length, expert_format, page_split)
+  fn, args = _serving_program(cfg, mesh, step, batch, seq, length, expert_format, page_split,
+                              draft_tokens)
   report.update(cache_len=length, expert_format=expert_format,
-                step_function=f"k3_jax.serve.steps.{step}_step (the engine's, paged cache)")
-  tokens = batch if step == "decode" else batch * seq
+                step_function=(f"k3_jax.serve.verify.verify_step ({draft_tokens} drafts a slot, "
+                               "the engine's paged cache)" if step == "verify" else
+                               f"k3_jax.serve.steps.{step}_step (the engine's, paged cache)"))
+  if step == "verify":
+    report["draft_tokens"] = draft_tokens
+  tokens = batch if decoding else batch * seq     # verify: the one token a slot it always keeps
   # (a TPU decode attends over the pages with the Pallas kernel, whose cost estimate counts
   # every column; the plain-JAX page loop of other backends has a data-dependent trip count)
   _, rep = aot.compile_report(fn, args, target.chip_hbm_bytes, target.generation,
-                              model_flops(cfg, step, tokens, target.chips))
+                              model_flops(cfg, step, rows if decoding else tokens,
+                                          target.chips))
   if step == "decode" and rep.get("roofline"):
     r = rep["roofline"]
     weights = served_weight_bytes(cfg, expert_format)
@@ -447,18 +463,19 @@ def train_program(cfg: ModelConfig, tc: TrainConfig, mesh):
 
 
 def _serving_program(cfg: ModelConfig, mesh, step: str, batch: int, seq: int, length: int,
-                     expert_format: str, page_split: str = "column"):
-  """(jitted fn, abstract sharded args) of the engine's prefill or decode step
-  (serve/steps.py) over its paged cache: parameters in their served format, the cache
-  donated."""
+                     expert_format: str, page_split: str = "column", draft_tokens: int = 4):
+  """(jitted fn, abstract sharded args) of the engine's prefill, decode or verify step
+  (serve/steps.py, serve/verify.py) over its paged cache: parameters in their served
+  format, the cache donated."""
   graphdef, params, rest = serving_params(cfg, expert_format)
   p_sh, r_sh = tree_shardings(params, mesh), tree_shardings(rest, mesh)
-  if step == "decode" and page_split == "slot":     # the batch fills the mesh
+  if step in ("decode", "verify") and page_split == "slot":     # the batch fills the mesh
     p_sh = weights_by_output(params, mesh)
   p_args = (arrays.with_shardings(params, p_sh), arrays.with_shardings(rest, r_sh))
-  if step == "decode":
+  if step in ("decode", "verify"):
     return _paged_decode_program(cfg, mesh, graphdef, parallel_for(mesh, page_split), p_args,
-                                 (p_sh, r_sh), batch, length, page_split)
+                                 (p_sh, r_sh), batch, length, page_split,
+                                 draft_tokens if step == "verify" else 0)
   return _paged_prefill_program(cfg, mesh, graphdef, parallel_for(mesh), p_args,
                                 (p_sh, r_sh), batch, seq, length)
 
@@ -499,13 +516,15 @@ def _paged_prefill_program(cfg: ModelConfig, mesh, graphdef, par, p_args, p_shar
 
 
 def _paged_decode_program(cfg: ModelConfig, mesh, graphdef, par, p_args, p_shardings,
-                          batch: int, length: int, page_split: str = "column"):
+                          batch: int, length: int, page_split: str = "column",
+                          draft_tokens: int = 0):
   """(jitted serve.steps.decode_step, abstract sharded args): the engine's decode over its
   paged cache (every slot at up to `length` tokens: ceil(length / 512) pages each, striped
   over the page axis's shards with the null page, kv_pages.pool_pages; with
   page_split="slot" each shard holds its own slots' pages and one spare, the null page on
   shard 0), with the per-slot sampling inputs (a logit bias row per slot) and the cache and
-  counts donated."""
+  counts donated. draft_tokens > 0: serve.verify.verify_step instead, every slot with that
+  many drafts (its sampled outputs' shardings left to the compiler)."""
   from k3_jax.serve import steps
   from k3_jax.serve.kv_pages import PAGE
   per_slot = -(-length // PAGE)
@@ -518,11 +537,24 @@ def _paged_decode_program(cfg: ModelConfig, mesh, graphdef, par, p_args, p_shard
   sampling = steps.Sampling(b((batch,), i32), b((batch,), i32), b((batch,), f32),
                             b((batch,), f32), b((batch,), f32), b((batch,), f32),
                             b((batch, cfg.vocab_size), f32))
+  counts = b((batch, cfg.vocab_size), i32)
+  n_sh = arrays.batch_shardings(counts, mesh, 0)
+  if draft_tokens:
+    from k3_jax.serve.verify import VerifyBatch, verify_step
+    vbatch = VerifyBatch(b((batch,), i32), b((batch, draft_tokens), i32), b((batch,), i32),
+                         b((batch,), i32), b((batch, per_slot), i32), b((batch,), jnp.bool_),
+                         sampling)
+    v_sh = arrays.batch_shardings(vbatch, mesh, 0)
+    fn = jax.jit(steps.bind(verify_step, graphdef, par),
+                 in_shardings=(*p_shardings, c_sh, n_sh, v_sh),
+                 out_shardings=(None, None, c_sh, n_sh),    # cache and counts in place
+                 donate_argnums=(2, 3))
+    return fn, (*p_args, arrays.with_shardings(cache, c_sh),
+                arrays.with_shardings(counts, n_sh), arrays.with_shardings(vbatch, v_sh))
   dbatch = steps.DecodeBatch(b((batch,), i32), b((batch,), i32), b((batch, per_slot), i32),
                              b((batch,), jnp.bool_), sampling, b((batch,), i32),
                              b((batch,), jnp.bool_))
-  counts = b((batch, cfg.vocab_size), i32)
-  d_sh, n_sh = arrays.batch_shardings(dbatch, mesh, 0), arrays.batch_shardings(counts, mesh, 0)
+  d_sh = arrays.batch_shardings(dbatch, mesh, 0)
   out_sh = arrays.batch_shardings(jax.eval_shape(
       lambda: steps.Sampled(*(jnp.zeros(s, d) for s, d in (
           ((batch,), i32), ((batch,), f32), ((batch, steps.TOP_K), i32),

@@ -36,6 +36,19 @@ def _check_report(rep):
   assert rep["fits"] == (rep["per_chip_total_bytes"] <= rep["chip_hbm_bytes"])
 
 
+@pytest.mark.slow   # ~30 s AOT compile (suite budget)
+def test_compile_verify_k3_tiny_v5p():
+  """compile --step=verify lowers speculative decoding's verify step (serve/verify.py) in the
+  decode's pod layout: every slot runs its last token and k drafts over the paged cache."""
+  rep = _compile("--config=k3_tiny", "--topology=v5p-8", "--step=verify",
+                 "--num_speculative_tokens=3")
+  _check_report(rep)
+  assert rep["pod_layout"] == "k3_tiny: v5p-8 decode" and rep["draft_tokens"] == 3
+  assert rep["step"] == "verify" and "verify_step" in rep["step_function"]
+  r = rep["roofline"]
+  assert r["tokens_per_step"] == rep["global_batch"] and r["step_time_s"] > 0
+
+
 @pytest.mark.slow   # ~20 s AOT compile (suite budget); compile of the prefill and train steps
 # for a TPU topology stays in the default suite
 def test_compile_decode_k3_tiny_v5p():
