@@ -11,8 +11,7 @@ join free slots (a prefix-cache hit and pages from the KV manager, the slot's KD
 zeroed or loaded from a checkpoint); prefill pieces run, oldest request first, up to
 `prefill_chunk` prompt tokens (planner.prefill); a finished prompt samples its first token
 and starts its forks (n samples of one prefill); then ONE jit-compiled decode step runs
-over all `max_batch` slots with fixed shapes (idle slots masked).
-
+over the decoding slots (padded to a power of two; all slots with `batch_invariant`).
 Hooks: `_take` is where the tokens a step accepted for request r arrive; `Roster.finish`
 is where request r ends (slot and pages freed).
 
