@@ -469,10 +469,11 @@ def _serving_program(cfg: ModelConfig, mesh, step: str, batch: int, seq: int, le
   format, the cache donated."""
   graphdef, params, rest = serving_params(cfg, expert_format)
   p_sh, r_sh = tree_shardings(params, mesh), tree_shardings(rest, mesh)
-  if step in ("decode", "verify") and page_split == "slot":     # the batch fills the mesh
+  decoding = step in ("decode", "verify")
+  if decoding and page_split == "slot":     # the batch fills the mesh
     p_sh = weights_by_output(params, mesh)
   p_args = (arrays.with_shardings(params, p_sh), arrays.with_shardings(rest, r_sh))
-  if step in ("decode", "verify"):
+  if decoding:
     return _paged_decode_program(cfg, mesh, graphdef, parallel_for(mesh, page_split), p_args,
                                  (p_sh, r_sh), batch, length, page_split,
                                  draft_tokens if step == "verify" else 0)

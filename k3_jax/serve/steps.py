@@ -339,6 +339,7 @@ def jit_steps(graphdef, par, jit=jax.jit, treedefs=None) -> ServeSteps:
 
 
 __all__ = ["TOP_K", "Sampling", "DecodeBatch", "Sampled", "sample_logits", "with_logprobs",
-           "prefill_step", "prefill_rows", "score_step", "decode_step", "rows_decode_step", "on_rows", "row_major_features",
+           "prefill_step", "prefill_rows", "score_step", "decode_step", "rows_decode_step",
+           "on_rows", "row_major_features",
            "first_token", "load_slot", "copy_slot", "zero_slot", "save_ckpt", "encode",
            "copy_page", "piece_features", "set_counts", "ServeSteps", "flat_params", "jit_steps"]
