@@ -186,12 +186,12 @@ class KVManager:
     lower tiers (and counted as registered), the checkpoint too: the KDA state of the slot
     now, or row `slot` of `state_rows` when given."""
     u, pages = self.prefix.unit, self.held[slot]
+    page_of = lambda j: pages[j * u // PAGE]                # block j's page
     for i in range(registered, upto // u):
       if not self.prefix.register_block(hashes[i], hashes[i - 1] if i else None,
-                                        pages[i * u // PAGE], step):
+                                        page_of(i), step):
         if self.tiers is not None:                # cache tiers: write-around
-          registered = self.tiers.write_around(hashes, i, upto // u,
-                                               lambda j: pages[j * u // PAGE])
+          registered = self.tiers.write_around(hashes, i, upto // u, page_of)
         break
       registered = i + 1
     if keep_ckpt_at is None or registered * u < keep_ckpt_at:
@@ -199,7 +199,7 @@ class KVManager:
     b = keep_ckpt_at // u - 1
     if hashes[b] not in self.prefix.entries and self.tiers is not None:
       self.tiers.write_around_ckpt(hashes[b], hashes[b - 1] if b else None,
-                                   lambda: pages[b * u // PAGE],
+                                   lambda: page_of(b),
                                    lambda: self.tiers.io.read_state(slot, state_rows))
       return registered, None
     return registered, self.prefix.alloc_checkpoint(hashes[b])
