@@ -13,7 +13,7 @@ One entry per decoder layer, by its mixer:
         window            None, or a KDAWindow during a speculative verify step
                           (k3_jax/layers/kda_window.py): the layer then runs T tokens a
                           row, keeps the state and tails as they were, and records here
-                          what replaying the accepted tokens needs
+                          what making the accepted tokens' state needs
     MLACache        MLA layer, contiguous (prefill / decode): the latents of every position
         c_kv              [B, S, R]
         k_r               [B, S, Pr]     (R = kv_lora_rank, Pr = qk_rope_head_dim)
@@ -64,17 +64,20 @@ class KDAState:
 
 @_pytree
 class KDAWindow:
-  """A verify step's record of one KDA layer's inputs for the T tokens of each row's window:
-  exactly what the recurrence and the short convolutions read, so the accepted prefix can be
-  replayed onto the kept state after acceptance (layers/kda_window.replay)."""
-  q: jax.Array              # [B, T, H, K] f32 (after conv, SiLU, L2 norm)
-  k: jax.Array              # [B, T, H, K] f32
-  v: jax.Array              # [B, T, H, V] f32
-  g: jax.Array              # [B, T, H, K] f32 log decay
-  beta: jax.Array           # [B, T, H] f32
-  xq: jax.Array             # [B, T, H*K] the convolutions' inputs (the tails are made of them)
+  """A verify step's record of one KDA layer over the T tokens of each row's window, from
+  which the state after the accepted prefix is made once acceptance is known
+  (layers/kda_window.py): the conv inputs (the tails are made of them) and either every
+  position's state (`states`, kept where a layer's state is small) or what the recurrence
+  read (q, k, v, g, beta, replayed onto the kept state otherwise)."""
+  xq: jax.Array             # [B, T, H*K] the convolutions' inputs
   xk: jax.Array
   xv: jax.Array
+  states: jax.Array | None = None   # [B, T, H, K, V] f32: the state after token t
+  q: jax.Array | None = None        # [B, T, H, K] f32 (after conv, SiLU, L2 norm)
+  k: jax.Array | None = None        # [B, T, H, K] f32
+  v: jax.Array | None = None        # [B, T, H, V] f32
+  g: jax.Array | None = None        # [B, T, H, K] f32 log decay
+  beta: jax.Array | None = None     # [B, T, H] f32
 
 
 @_pytree

@@ -255,6 +255,15 @@ class Runner:
     return steps.Sampling(seeds, n, temp, top_p, pres, freq,
                           self.zero_bias(rows) if bias is None else bias)
 
+  def sampling_rows(self, sampling: steps.Sampling, rows: np.ndarray, biased: bool
+                    ) -> steps.Sampling:
+    """The Sampling rows `rows` of a full one (`sampling`'s bias a kept zeros array when
+    no row is `biased`)."""
+    fields = [getattr(sampling, f.name) for f in dataclasses.fields(sampling)]
+    bias = fields.pop()
+    return steps.Sampling(*(a[rows] for a in fields),
+                          bias[rows] if biased else self.zero_bias(rows.size))
+
   def zero_bias(self, rows: int):
     """A zeros [rows, V] bias on the device (the steps' bias when no row has one)."""
     if rows not in self.no_bias:
@@ -329,13 +338,9 @@ class Runner:
     batch = steps.DecodeBatch(tokens, pos, table[:, :width], active, sampling, self.prev,
                               from_prev)
     if rows is not None:        # fewer requests than slots: run only their rows
-      fields = [getattr(sampling, f.name) for f in dataclasses.fields(sampling)]
-      bias = fields.pop()
       batch = steps.DecodeBatch(
           tokens[rows], pos[rows], table[rows, :width], active[rows],
-          steps.Sampling(*(a[rows] for a in fields),
-                         self.zero_bias(rows.size) if not biases else bias[rows]),
-          self.prev, from_prev[rows], rows)
+          self.sampling_rows(sampling, rows, bool(biases)), self.prev, from_prev[rows], rows)
     got, self.cache, self.counts = self.steps.decode(*self.weights, self.cache, self.counts,
                                                      batch)
     self.prev = got.by_slot

@@ -33,11 +33,10 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from k3_jax.serve import output
+from k3_jax.serve import output, planner, steps
 from k3_jax.serve import verify as vf
 from k3_jax.serve.drafters import make_drafter
 from k3_jax.serve.runner import bucket, guard
-from k3_jax.serve.steps import bind, flat_params
 
 
 class Speculator:
@@ -45,7 +44,8 @@ class Speculator:
     self.k, self.drafter = k, make_drafter(kind)
     run = engine.runner
     (_, p_def), (_, r_def) = (jax.tree.flatten(t) for t in (run.params, run.rest))
-    fn = jax.jit(flat_params(bind(vf.verify_step, run.graphdef, run.par), (p_def, r_def)),
+    fn = jax.jit(steps.flat_params(steps.bind(vf.verify_step, run.graphdef, run.par),
+                                   (p_def, r_def)),
                  donate_argnums=(2, 3))
     self._verify = guard("verify", run.relayed("verify", fn), run._compiled)
     self.steps = self.tokens = self.drafted = self.accepted = 0   # totals, for benchmarks
@@ -80,33 +80,42 @@ class Speculator:
     return None
 
   def _run(self, eng, now, drafts, biases) -> None:
-    run, b, k, t = eng.runner, eng.max_batch, self.k, self.k + 1
+    """One verify step over the slots of `now` (padded with idle ones to a power of two, as
+    planner.decode_slots pads a decode step; all slots with batch_invariant)."""
+    run, k, t = eng.runner, self.k, self.k + 1
+    slots = planner.decode_slots([r.slot for r in now], eng.max_batch,
+                                 eng.serve.batch_invariant)
+    rows = np.arange(eng.max_batch, dtype=np.int32) if slots is None else slots
+    b, row = rows.size, {int(s): i for i, s in enumerate(rows)}
     tokens, pos, ndraft = (np.zeros(b, np.int32) for _ in range(3))
     window, active = np.zeros((b, k), np.int32), np.zeros(b, bool)
-    tables = np.zeros_like(eng.tables)
+    tables = np.zeros((b, eng.tables.shape[1]), eng.tables.dtype)
     for r in now:
-      s, d = r.slot, drafts[id(r)]
-      tokens[s], pos[s], ndraft[s], active[s], tables[s] = r.last_token, r.pos, len(d), True, \
-          eng.tables[s]
-      window[s, :len(d)] = d
+      i, d = row[r.slot], drafts[id(r)]
+      tokens[i], pos[i], ndraft[i], active[i], tables[i] = r.last_token, r.pos, len(d), True, \
+          eng.tables[r.slot]
+      window[i, :len(d)] = d
     width = bucket(int(pos.max()) + t, eng.pages_per_slot)
-    batch = vf.VerifyBatch(tokens, window, ndraft, pos, tables[:, :width], active,
-                           run.sampling(now, b, biases))
+    sampling = run.sampling(now, eng.max_batch, biases)
+    if slots is not None:
+      sampling = run.sampling_rows(sampling, slots, bool(biases))
+    batch = vf.VerifyBatch(tokens, window, ndraft, pos, tables[:, :width], active, sampling,
+                           rows)
     got, emitted, run.cache, run.counts = self._verify(*run.weights, run.cache, run.counts,
                                                        batch)
     host = output.HostSampled(got, now, run.fetch)
     emitted = np.asarray(run.fetch(emitted))
     self.steps += 1
     for r in now:
-      s = r.slot
-      self.drafted += int(ndraft[s])
-      self.accepted += int(emitted[s]) - 1
-      for i in range(int(emitted[s])):
+      s, i = r.slot, row[r.slot]
+      self.drafted += int(ndraft[i])
+      self.accepted += int(emitted[i]) - 1
+      for j in range(int(emitted[i])):
         if r.state != "decode" or r.slot != s:      # ended (stop, length, its own fault)
           break
         r.pos += 1
         self.tokens += 1
-        eng._own(r, eng._take, r, host, s * t + i)
+        eng._own(r, eng._take, r, host, i * t + j)
 
 
 def for_engine(engine):

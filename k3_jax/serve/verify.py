@@ -3,28 +3,33 @@ the logits of every position, the drafts accepted (acceptance.py), and the cache
 where decoding only the kept tokens would leave it.
 
 The call runs the model over B (k + 1) rows of one token each: row b T + t (T = k + 1) is
-token t of slot b's window at position pos[b] + t, with slot b's page table. So every layer
-but KDA computes, per row, what a decode step computes for that token:
+token t of row b's window at position pos[b] + t, with its slot's page table. The B rows
+are the slots with requests decoding (padded to a power of two without batch invariance,
+as a decode step is; every slot with it). So every layer but KDA computes, per row, what a
+decode step computes for that token:
 
   MLA     each row writes its latents into the slot's pages first, then attends over the
           pool's positions < its own plus its own latents (layers/mla.py, write then read):
           token t sees the window's tokens < t. Latents of rejected drafts stay in the pages
           past the slot's position, never read (attention stops at the position) and
-          overwritten by the next step. Rows past a slot's drafts (and idle slots) get the
+          overwritten by the next step. Rows past a slot's drafts (and idle rows) get the
           null page's table, so they write nothing that is read.
-  KDA     the layer folds the rows back to [B, T], runs its one-step decode token by token,
-          keeps the state and conv tails as they were and records its inputs
-          (layers/kda_window.py); after acceptance `replay` applies the kept tokens (the
-          last token and the accepted drafts) to them. Idle slots keep 0 tokens.
+  KDA     the layer folds the rows back to [B, T], convolves the window at once from the
+          cached tails, runs its one-step recurrence token by token, keeps the state and
+          tails as they were and records the window (layers/kda_window.py): every
+          position's state where a layer's state is small, else the recurrence's inputs;
+          after acceptance `replay` makes the state after the kept tokens (the last token
+          and the accepted drafts) by selecting, or by applying them again. Idle rows keep
+          0 tokens (and their states are not written back).
 
 So with every draft accepted the step equals k + 1 decode steps, and with a rejection at
 position j it equals decoding the j + 1 kept tokens; both are tested
 (tests/serve/test_verify.py), with the tolerance the batch shape leaves (B T rows instead of
 B: XLA may sum a matmul's products in another order).
 
-Memory (recording, not keeping states): per KDA layer and slot the record is T (4 H K + H)
-f32 + 3 T H K model-dtype values, against T H K V f32 for every position's state (docs/
-serving.md gives the k3 numbers).
+Memory per KDA layer and slot: recording, T (4 H K + H) f32 + 3 T H K model-dtype values;
+keeping states, T H K V f32 more (docs/serving.md gives the k3 numbers, where the
+recording is chosen).
 """
 
 from __future__ import annotations
@@ -47,13 +52,14 @@ from k3_jax.stack import map_cache
 @dataclasses.dataclass(frozen=True)
 class VerifyBatch:
   """One verify step's input: every slot's last token and its drafts."""
-  tokens: jax.Array         # int32 [B]: each slot's last token (not yet in the cache)
+  tokens: jax.Array         # int32 [B]: each row's last token (not yet in the cache)
   drafts: jax.Array         # int32 [B, k]: its drafts (row b's first ndraft[b] are real)
-  ndraft: jax.Array         # int32 [B]: 0 for a slot decoding plainly in this step
+  ndraft: jax.Array         # int32 [B]: 0 for a row decoding plainly in this step
   pos: jax.Array            # int32 [B]: the last token's position
   tables: jax.Array         # int32 [B, M]
-  active: jax.Array         # bool [B]
+  active: jax.Array         # bool [B]: idle rows (padding) keep their slot's state
   sampling: Sampling
+  slots: jax.Array          # int32 [B]: row i's slot (a step may run fewer rows than slots)
 
 
 def window_rows(batch: VerifyBatch):
@@ -70,27 +76,35 @@ def window_rows(batch: VerifyBatch):
 
 
 def verify_step(graphdef, par, params, rest, cache, counts, batch: VerifyBatch):
-  """-> (Sampled over the B T rows (ids: row b T + t is slot b's t-th emitted token for
-  t < emitted[b]), emitted [B] int32 (0 for idle slots), cache, counts)."""
+  """-> (Sampled over the B T rows (ids: row b T + t is row b's t-th emitted token for
+  t < emitted[b]), emitted [B] int32 (0 for idle rows), cache, counts).
+
+  The B rows' slots' KDA states are taken out, verified and put back (idle rows' dropped),
+  as steps.on_rows does for a decode step over fewer rows than slots: a step's cost follows
+  the requests decoding, not the slot count."""
   model = nnx.merge(graphdef, params, rest)
   b, k = batch.drafts.shape
   t = k + 1
   tokens, pos, tables = window_rows(batch)
   mark = lambda e, axis: (replace(e, window=empty_window(e, e.state.shape[:axis + 1], t))
                           if isinstance(e, KDAState) else e)
-  marked = map_cache(mark, kv.with_pages(cache, pos, tables))
-  logits, new, _ = model(tokens, cache=marked, par=par)
+  states = kv.kda_states(cache)
+  sub = kv.with_kda_states(cache, kv.take_rows(states, batch.slots))
+  logits, new, _ = model(tokens, cache=map_cache(mark, kv.with_pages(sub, pos, tables)),
+                         par=par)
   raw = logits[:, 0].astype(jnp.float32)                               # [B T, V]
-  ids, emitted = accept(raw.reshape(b, t, -1), counts, batch.drafts, batch.ndraft,
-                        batch.sampling)
+  ids, emitted = accept(raw.reshape(b, t, -1), counts[batch.slots], batch.drafts,
+                        batch.ndraft, batch.sampling)
   emitted = jnp.where(batch.active, emitted, 0)
   backend = model.cfg.kda.backend
-  out = map_cache(lambda e, axis: replay(e, emitted, backend, par)
+  new = map_cache(lambda e, axis: replay(e, emitted, backend, par)
                   if isinstance(e, KDAState) else e, kv.without_pages(new))
+  keep = jnp.where(batch.active, batch.slots, jnp.iinfo(jnp.int32).max)   # idle: dropped
+  out = kv.with_kda_states(new, kv.put_rows(states, keep, kv.kda_states(new)))
   out = out.replace(pos=cache.pos)
   mine = jnp.arange(t)[None] < emitted[:, None]                        # [B, T]
-  counts = counts + jnp.sum(jax.nn.one_hot(ids, counts.shape[-1], dtype=jnp.int32)
-                            * mine[..., None], axis=1)
+  counts = counts.at[batch.slots].add(
+      jnp.sum(jax.nn.one_hot(ids, counts.shape[-1], dtype=jnp.int32) * mine[..., None], 1))
   return with_logprobs(raw, ids.reshape(-1)), emitted, out, counts
 
 

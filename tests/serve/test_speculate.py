@@ -173,3 +173,29 @@ def test_sampled_requests_with_speculation(engine8, speculator8):
   for r in reqs:
     assert r.finish_reason == "length" and len(r.output_ids) == 12
     assert 7 not in r.output_ids
+
+
+@pytest.mark.slow
+def test_greedy_output_is_identical_verifying_only_the_busy_slots(engine8, speculator8):
+  """Without batch invariance a verify step runs only the slots with requests (3 of 8 here,
+  padded to 4 rows; their states are taken out and put back): the same output ids
+  as plain decoding, by the Oracle drafter (kept runs and rejections), the idle slots'
+  KDA states untouched. (Compiles the 4-row verify step and the decode's row shapes.)"""
+  import dataclasses
+  from k3_jax.serve import kv_pages as kv
+  params = SamplingParams(max_tokens=24)
+  plain = generate(engine8, PROMPTS, params)
+  serve, sp = engine8.serve, speculator8
+  engine8.serve = dataclasses.replace(serve, batch_invariant=False)
+  rest = np.array(engine8.free_slots[:-len(PROMPTS)])      # the slots the requests won't take
+  idle = jax.tree.map(np.asarray, kv.take_rows(kv.kda_states(engine8.cache), rest))
+  engine8.speculator, sp.drafter, sp.steps = sp, Oracle(plain), 0
+  try:
+    spec = generate(engine8, PROMPTS, params)
+  finally:
+    engine8.serve, engine8.speculator, sp.drafter = serve, None, NgramDrafter()
+  assert sp.steps > 0
+  assert [r.output_ids for r in spec] == [r.output_ids for r in plain]
+  after = kv.take_rows(kv.kda_states(engine8.cache), rest)
+  for a, b in zip(jax.tree.leaves(idle), jax.tree.leaves(after)):
+    np.testing.assert_array_equal(a, np.asarray(b))

@@ -76,7 +76,7 @@ def verify(e, sp, cache, table, first, drafts):
   active = np.arange(b) == 0
   batch = VerifyBatch(np.where(active, first, 0).astype(np.int32), window, ndraft,
                       np.where(active, PROMPT, 0).astype(np.int32), table, active,
-                      sampling(e))
+                      sampling(e), np.arange(b, dtype=np.int32))
   got, emitted, cache, _ = sp._verify(*e.runner.weights, jax.tree.map(jnp.copy, cache),
                                       jnp.zeros((b, v), jnp.int32), batch)
   return np.asarray(got.ids).reshape(b, K + 1)[0], np.asarray(got.logits).reshape(
