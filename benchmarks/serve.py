@@ -289,14 +289,16 @@ def free_port() -> int:
 
 
 def start_serve(hf_dir, flags, log_path):
-  """`python main.py serve --hf_dir=DIR` as a user starts it (default flags plus `flags`),
-  waited for until /health answers -> (process, base URL, the pool line it printed)."""
+  """`python main.py serve --hf_dir=DIR` as a user starts it (default flags plus `flags`;
+  hf_dir None: the model's flag is among them), waited for until /health answers
+  -> (process, base URL, the pool line it printed)."""
   import subprocess
   import sys
   import httpx
   port = free_port()
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  cmd = [sys.executable, "main.py", "serve", f"--hf_dir={hf_dir}", f"--port={port}", *flags]
+  cmd = [sys.executable, "main.py", "serve", *([f"--hf_dir={hf_dir}"] if hf_dir else []),
+         f"--port={port}", *flags]
   out = open(log_path, "w")
   proc = subprocess.Popen(cmd, cwd=root, stdout=out, stderr=subprocess.STDOUT,
                           env={**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS",

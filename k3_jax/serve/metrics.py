@@ -1,7 +1,7 @@
 """The server's Prometheus metrics (GET /metrics): latency histograms the engine client
 observes (time to first token, between tokens, arrival to last token), gauges of the
 engine's queue, slots and pages, and counters of its prefix cache, tokens, preemptions,
-requests and (multi-host) relay."""
+requests, (multi-host) relay and speculation."""
 
 from __future__ import annotations
 
@@ -46,7 +46,14 @@ def make_metrics(engine):
                engine.relay.seq),
               ("k3_relay_plan_bytes", "bytes of the published plans", engine.relay.sent_bytes),
               ("k3_relay_send_seconds", "seconds spent publishing plans",
-               engine.relay.send_seconds)))):
+               engine.relay.send_seconds))),
+          *(() if getattr(engine, "speculator", None) is None else (   # speculation
+              ("k3_spec_verify_steps", "speculative verify steps", engine.speculator.steps),
+              ("k3_spec_verify_rows", "requests verified, summed over the verify steps",
+               engine.speculator.rows),
+              ("k3_spec_draft_tokens", "draft tokens verified", engine.speculator.drafted),
+              ("k3_spec_accepted_tokens", "draft tokens accepted",
+               engine.speculator.accepted)))):
         c = CounterMetricFamily(name, doc)
         c.add_metric([], value)
         yield c

@@ -48,7 +48,9 @@ class Speculator:
                                    (p_def, r_def)),
                  donate_argnums=(2, 3))
     self._verify = guard("verify", run.relayed("verify", fn), run._compiled)
-    self.steps = self.tokens = self.drafted = self.accepted = 0   # totals, for benchmarks
+    # totals (/metrics, benchmarks): verify steps, requests in them, tokens emitted,
+    # drafts verified and kept
+    self.steps = self.rows = self.tokens = self.drafted = self.accepted = 0
 
   def drafts(self, r) -> list[int]:
     """r's drafts this step: none for a constrained request or one at its last token."""
@@ -106,6 +108,7 @@ class Speculator:
     host = output.HostSampled(got, now, run.fetch)
     emitted = np.asarray(run.fetch(emitted))
     self.steps += 1
+    self.rows += len(now)
     for r in now:
       s, i = r.slot, row[r.slot]
       self.drafted += int(ndraft[i])
