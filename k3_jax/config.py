@@ -321,8 +321,11 @@ class ServeConfig:
                             "num_speculative_tokens tokens a step from the request's own "
                             "tokens (prompt lookup) and one verify step keeps the ones the "
                             "model agrees with (the output's distribution is the model's); "
-                            "'off': one token a step", choices=("off", "ngram"))
+                            "'draft': a smaller model (--draft_dir) drafts them; "
+                            "'off': one token a step", choices=("off", "ngram", "draft"))
   num_speculative_tokens: int = option(4, "drafts per sequence and step with --speculative")
+  draft_dir: str = option("", "--speculative=draft: the draft model's training workdir (a "
+                          "smaller model with the served model's tokenizer)")
 
   def __post_init__(self):
     _require(self.request_timeout >= 0, "request_timeout", self.request_timeout,
@@ -350,8 +353,10 @@ class ServeConfig:
              u & (u - 1) == 0, "prefix_match_unit", u,
              f"must be a power of two dividing {SERVE_PAGE} (1, 2, ..., {SERVE_PAGE})")
     _require(self.max_queue >= 0, "max_queue", self.max_queue, "must be >= 0")
-    _require(self.speculative in ("off", "ngram"), "speculative", self.speculative,
-             "must be 'off' or 'ngram'")
+    _require(self.speculative in ("off", "ngram", "draft"), "speculative", self.speculative,
+             "must be 'off', 'ngram' or 'draft'")
+    _require((self.speculative == "draft") == bool(self.draft_dir), "draft_dir",
+             self.draft_dir, "is needed by --speculative=draft, and only by it")
     _require(1 <= self.num_speculative_tokens <= 16, "num_speculative_tokens",
              self.num_speculative_tokens, "must be in 1..16")
     _require(0 <= self.port < 65536, "port", self.port, "must lie in [0, 65535]")

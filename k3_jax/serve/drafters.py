@@ -9,6 +9,9 @@ acceptance rule assumes.
                    tokens (n from max_n down to min_n) in its own prompt and output, and the
                    tokens that followed it there. No model; wins when the output restates
                    its context (code edits, quoting, extraction).
+    ModelDrafter   (draft_model.py) a smaller model's greedy continuation; it keeps a state
+                   per slot, so it drafts every request of a step at once (`propose_batch`
+                   of (slot, tokens, k) items) instead of `propose`.
 """
 
 from __future__ import annotations
@@ -21,6 +24,11 @@ import numpy as np
 class Drafter(Protocol):
   def propose(self, tokens: np.ndarray, k: int) -> list[int]:
     """Up to k tokens (possibly none) to follow `tokens` [n] int32 (prompt + output)."""
+
+
+class BatchDrafter(Protocol):
+  def propose_batch(self, items: list[tuple[int, np.ndarray, int]]) -> list[list[int]]:
+    """(slot, tokens [n] int32, k) per drafting request -> up to k tokens each."""
 
 
 class NgramDrafter:
@@ -46,9 +54,10 @@ class NgramDrafter:
 
 
 def make_drafter(kind: str) -> Drafter:
+  """The drafter of a model-free kind (a draft model: draft_model.load)."""
   if kind == "ngram":
     return NgramDrafter()
-  raise ValueError(f"unknown drafter {kind!r} (known: 'ngram')")
+  raise ValueError(f"unknown drafter {kind!r} (known: 'ngram'; 'draft' is draft_model.load)")
 
 
-__all__ = ["Drafter", "NgramDrafter", "make_drafter"]
+__all__ = ["Drafter", "BatchDrafter", "NgramDrafter", "make_drafter"]

@@ -1,26 +1,30 @@
 """Speculative decoding in the engine: drafts per request, one verify step for the batch,
 several tokens emitted a step (ServeConfig.speculative / num_speculative_tokens).
 
-Per engine step `Speculator.decode` asks the drafter (drafters.py) for each decoding
-request's drafts and runs the verify step (verify.py) over every slot in place of the decode
-step: a slot without drafts is a plain decode row of it (mixed batches), an idle slot keeps
-its state. Each request then emits its kept drafts and the model's next token in order,
-through the engine's own _take (logprobs, stop ids and strings, max_tokens, streaming: a
-stream gets all of them in one step). With ServeConfig.batch_invariant (the default) every
-decode step is a verify step, drafts or not: the verify step's rows are B (k + 1) where the
-decode step's are B, and XLA moves a row's logits in the last bits with the row count (the
-plain decode step itself does, 8 against 32 slots: 4.8e-7), so a request's logits would
-otherwise depend on whether another request drafted. Without it the plain decode step runs
-when no request has drafts (cheaper).
+Per engine step `Speculator.decode` asks the drafter for each decoding request's drafts
+(drafters.py: prompt lookup; draft_model.py: a smaller model, every request at once) and
+runs the verify step (verify.py) in place of the decode step, over the slots with requests
+(padded to a power of two like a decode step; every slot with ServeConfig.batch_invariant):
+a slot without drafts is a plain decode row of it (mixed batches), an idle slot keeps its
+state. Each request then emits its kept drafts and the model's next token in order, through
+the engine's own _take (logprobs, stop ids and strings, max_tokens, streaming: a stream gets
+all of them in one step). With batch_invariant every decode step is a verify step over
+every slot, drafts or not: the verify step's rows are B (k + 1) where the decode step's are
+B, and XLA moves a row's logits in the last bits with the row count (the plain decode step
+itself does, 8 against 32 slots: 4.8e-7), so a request's logits would otherwise depend on
+whether another request drafted. Without it the plain decode step runs when no request has
+drafts (cheaper).
 
 What it leaves as it was:
-- the prefix cache registers prompt blocks only (at prefill), never a decoded position, so no
-  checkpoint can hold a rejected draft; the KDA state after a verify step is the state of
-  the kept tokens (verify.py), so later prefill pieces or forks start from an exact one;
+- the prefix cache: the prefill registers prompt blocks; a finished request's decoded
+  blocks (turn_cache.py) are its accepted tokens' latents, exact, and no KDA checkpoint is
+  taken inside a verify step, so no checkpoint can hold a rejected draft; the KDA state
+  after a verify step is the state of the kept tokens (verify.py), so later prefill pieces
+  or forks start from an exact one;
 - a request's output: greedy equals plain decoding's (to the verify step's float tolerance,
   tests/serve/test_speculate.py); sampled output has the target's distribution
   (acceptance.py), each token drawn with its token index's key;
-- batch invariance (see above): drafts depend on the request's own tokens only, and every
+- batch invariance (with it): drafts depend on the request's own tokens only, and every
   row of the verify step on its own slot.
 
 Not speculated (they decode plainly inside the step): requests with a grammar constraint
@@ -33,7 +37,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from k3_jax.serve import output, planner, steps
+from k3_jax.serve import draft_model, output, planner, steps
 from k3_jax.serve import verify as vf
 from k3_jax.serve.drafters import make_drafter
 from k3_jax.serve.runner import bucket, guard
@@ -41,7 +45,9 @@ from k3_jax.serve.runner import bucket, guard
 
 class Speculator:
   def __init__(self, engine, kind: str, k: int):
-    self.k, self.drafter = k, make_drafter(kind)
+    self.k = k
+    self.drafter = (draft_model.load(engine.serve.draft_dir, engine) if kind == "draft"
+                    else make_drafter(kind))
     run = engine.runner
     (_, p_def), (_, r_def) = (jax.tree.flatten(t) for t in (run.params, run.rest))
     fn = jax.jit(steps.flat_params(steps.bind(vf.verify_step, run.graphdef, run.par),
@@ -52,13 +58,30 @@ class Speculator:
     # drafts verified and kept
     self.steps = self.rows = self.tokens = self.drafted = self.accepted = 0
 
-  def drafts(self, r) -> list[int]:
-    """r's drafts this step: none for a constrained request or one at its last token."""
+  def ask(self, r):
+    """(r's tokens so far, how many drafts it may take), or None: no drafts for a
+    constrained request or one at its last token."""
     room = r.params.max_tokens - len(r.output_ids) - 1
     if r.constraint is not None or room <= 0:
-      return []
-    context = np.concatenate([r.prompt, np.asarray(r.output_ids, np.int32)])
-    return self.drafter.propose(context, min(self.k, room))[:min(self.k, room)]
+      return None
+    return np.concatenate([r.prompt, np.asarray(r.output_ids, np.int32)]), min(self.k, room)
+
+  def propose(self, eng, dec: list) -> dict:
+    """id(r) -> r's drafts this step, for the requests of `dec` (a request's own fault in
+    asking fails it alone; a draft model drafts every request at once)."""
+    asks = {}
+    for r in dec:
+      eng._own(r, lambda: asks.__setitem__(id(r), self.ask(r)))
+    live = [r for r in dec if r.state == "decode" and asks.get(id(r)) is not None]
+    drafts = {id(r): [] for r in dec}
+    if hasattr(self.drafter, "propose_batch"):
+      got = self.drafter.propose_batch([(r.slot, *asks[id(r)]) for r in live])
+      drafts.update({id(r): d[:asks[id(r)][1]] for r, d in zip(live, got)})
+    else:
+      for r in live:
+        eng._own(r, lambda: drafts.__setitem__(
+            id(r), self.drafter.propose(*asks[id(r)])[:asks[id(r)][1]]))
+    return drafts
 
   def decode(self, eng, dec: list) -> list | None:
     """This step's decode for `dec`: a verify step when some request has drafts (-> None),
@@ -67,9 +90,7 @@ class Speculator:
       pend, eng._pending = eng._pending, None
       eng._read_decode(pend)
       dec = [r for r in dec if r.state == "decode"]
-    drafts = {}
-    for r in dec:
-      eng._own(r, lambda: drafts.__setitem__(id(r), self.drafts(r)))
+    drafts = self.propose(eng, dec)
     dec = [r for r in dec if r.state == "decode"]
     if not dec or (not eng.serve.batch_invariant and not any(drafts.get(id(r)) for r in dec)):
       return dec
