@@ -11,7 +11,8 @@ comment asking for it again under a new name and the renamed `def` line; the com
 is the function's own text, which prompt lookup can draft.
 
 For each mode (`plain`: the server's defaults; `ngram`: plus --speculative=ngram
---num_speculative_tokens=K) a `python main.py serve --workdir=DIR` process runs the same
+--num_speculative_tokens=K; `draft`, with --draft_dir: --speculative=draft, a draft
+model's workdir) a `python main.py serve --workdir=DIR` process runs the same
 requests, batch 1 (one at a time) and batch 8 (8 at once), all of them once to compile
 every shape, then timed: with max_tokens=new and with max_tokens=1 (prefill and first
 token), so decode tokens/s = (new - 1) tokens a request over the difference. The prefix
@@ -66,8 +67,9 @@ def edit_prompt(name: str, src: str) -> str:
 
 def post(base: str, prompt: str, new: int) -> str:
   import httpx
+  model = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
   r = httpx.post(f"{base}/v1/completions", timeout=600, json=dict(
-      model="m", prompt=prompt, max_tokens=new, temperature=0.0))
+      model=model, prompt=prompt, max_tokens=new, temperature=0.0))
   r.raise_for_status()
   return r.json()["choices"][0]["text"]
 
@@ -99,6 +101,9 @@ def main():
   ap.add_argument("--requests", type=int, default=8)
   ap.add_argument("--batches", default="1,8")
   ap.add_argument("--log_dir", default="/tmp")
+  ap.add_argument("--draft_dir", default="",
+                  help="a draft model's workdir: adds the mode `draft` (--speculative=draft)")
+  ap.add_argument("--modes", default="plain,ngram,draft", help="which of the modes to run")
   args = ap.parse_args()
   workdir = os.path.abspath(args.workdir)
   funcs = functions(args.requests)
@@ -107,7 +112,12 @@ def main():
   print(f"{workdir}: {len(prompts)} functions of the eval split, prompts "
         f"{min(map(len, prompts))}-{max(map(len, prompts))} bytes, {args.new} new tokens "
         f"each, greedy; k = {args.k}", flush=True)
-  modes = {"plain": [], "ngram": ["--speculative=ngram", f"--num_speculative_tokens={args.k}"]}
+  k = f"--num_speculative_tokens={args.k}"
+  modes = {"plain": [], "ngram": ["--speculative=ngram", k],
+           "draft": ["--speculative=draft", k,
+                     f"--draft_dir={os.path.abspath(args.draft_dir or '.')}"]}
+  modes = {m: f for m, f in modes.items() if m in args.modes.split(",")
+           and (m != "draft" or args.draft_dir)}
   got, texts = {}, {}
   for mode, flags in modes.items():
     proc, base, pool = start_serve(None, [f"--workdir={workdir}", "--prefix_cache_bytes=0",

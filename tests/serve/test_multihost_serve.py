@@ -36,12 +36,13 @@ FRESH = ["Pack my box with five dozen liquor jugs.", "Sphinx of black quartz, ju
 CANCELLED = "Jackdaws love my big sphinx of quartz."
 
 
-def launch(nproc: int, ndev: int, log_dir, mesh: bool = True, hf_dir: str | None = None):
+def launch(nproc: int, ndev: int, log_dir, mesh: bool = True, hf_dir: str | None = None,
+           extra: tuple = ()):
   weights = (SETTINGS[:2] if hf_dir is None
              else [f"--hf_dir={hf_dir}", "--served_model_name=k3_tiny"])
   return serverproc.start_group(
       nproc, ndev, log_dir, [*weights, *SETTINGS[2:], f"--peer_timeout={PEER_TIMEOUT}"]
-      + (["--mesh=expert:-1"] if mesh else []))
+      + (["--mesh=expert:-1"] if mesh else []) + list(extra))
 
 
 def stop(procs) -> list[int]:
@@ -133,6 +134,26 @@ def test_two_processes_serve_like_one(results):
   two = results["2x4"]
   assert serverproc.metric_value(two["metrics"], "k3_relay_plans_total") > 0
   assert two["codes"] == [0, 0], two["logs"][1][-2000:]   # SIGTERM drains the whole group
+
+
+@pytest.mark.slow          # the three servers of `results` and a 2 x 4 one
+def test_two_processes_relay_verify_steps(results, tmp_path):
+  """--speculative=ngram on 2 processes x 4 devices: the leader's verify steps (and their
+  drafts, inside the step's host arrays) are relayed like the other steps, and the workload's
+  greedy answers equal 1 device's without speculation (texts exactly, logprobs to 1e-5 as
+  above, the verify step's rows adding ~1e-6: test_verify.py)."""
+  procs, base, logs = launch(2, 4, tmp_path, extra=("--speculative=ngram",
+                                                    "--num_speculative_tokens=3"))
+  try:
+    got = _workload(base)
+  finally:
+    codes = stop(procs)
+  assert serverproc.metric_value(got["metrics"], "k3_spec_verify_steps_total") > 0
+  ref = results["1x1"]
+  for a, b in zip([got["warm"], *got["done"]], [ref["warm"], *ref["done"]]):
+    assert a["text"] == b["text"]
+    np.testing.assert_allclose(a["lp"], b["lp"], atol=1e-5, rtol=0)
+  assert codes == [0, 0], [log.read_text()[-2000:] for log in logs]
 
 
 @pytest.mark.slow          # a 2 x 4 server to compile: ~1 min here
