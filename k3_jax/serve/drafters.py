@@ -7,8 +7,9 @@ acceptance rule assumes.
 
     NgramDrafter   prompt lookup: the latest earlier occurrence of the request's last n
                    tokens (n from max_n down to min_n) in its own prompt and output, and the
-                   tokens that followed it there. No model; wins when the output restates
-                   its context (code edits, quoting, extraction).
+                   tokens that followed it there (a repeating run: its period, repeated).
+                   No model; wins when the output restates its context (code edits,
+                   quoting, extraction) or repeats itself.
     ModelDrafter   (draft_model.py) a smaller model's greedy continuation; it keeps a state
                    per slot, so it drafts every request of a step at once (`propose_batch`
                    of (slot, tokens, k) items) instead of `propose`.
@@ -48,8 +49,13 @@ class NgramDrafter:
       windows = np.lib.stride_tricks.sliding_window_view(tokens[:size - 1], n)
       hits = np.flatnonzero((windows == pattern).all(axis=1))
       if hits.size:
-        start = int(hits[-1]) + n                  # what followed the latest copy
-        return tokens[start:start + k].tolist()
+        # what followed the latest copy; where that runs into the end (a repeating run:
+        # the copy overlaps the tokens matched), it goes on with its own drafts, i.e. the
+        # run's period repeated
+        start, seq = int(hits[-1]) + n, tokens.tolist()
+        for i in range(k):
+          seq.append(seq[start + i])
+        return seq[size:]
     return []
 
 

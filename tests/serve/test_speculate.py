@@ -37,7 +37,8 @@ def test_ngram_drafter_proposes_what_followed_the_latest_copy():
   d = NgramDrafter(max_n=3)
   assert d.propose(np.array([1, 2, 3, 9, 1, 2, 3, 4, 7, 1, 2, 3]), 2) == [4, 7]
   assert d.propose(np.array([5, 6, 7]), 3) == []
-  assert d.propose(np.array([4, 8, 4]), 5) == [8, 4]
+  assert d.propose(np.array([4, 8, 4]), 5) == [8, 4, 8, 4, 8]     # a run: its period
+  assert d.propose(np.array([9, 3, 3, 3]), 3) == [3, 3, 3]
 
 
 def test_greedy_keeps_the_longest_agreeing_prefix():
