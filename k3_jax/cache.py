@@ -99,6 +99,10 @@ class PagedMLACache:
   # after the loop.
   unit: jax.Array | None = None
   deferred: bool = dataclasses.field(default=False, metadata=dict(static=True))
+  # (static) a speculative verify step's rows per sequence: rows b w ... b w + w - 1 of a
+  # one-token call are consecutive positions of one sequence (layers/mla.py reads its pages
+  # once for all w rows)
+  window: int = dataclasses.field(default=1, metadata=dict(static=True))
 
 
 @_pytree

@@ -322,8 +322,10 @@ class K3Model(nnx.Module):
       st, first, i = xs
       c = None
       if caches is not None:
-        c = tuple((PagedMLACache(e.c_kv, e.k_r, e.page_table[i], unit=i, deferred=True)
-                   if after else PagedMLACache(a_c[0], a_c[1], e.page_table[i], unit=i))
+        c = tuple((PagedMLACache(e.c_kv, e.k_r, e.page_table[i], unit=i, deferred=True,
+                                 window=e.window)
+                   if after else PagedMLACache(a_c[0], a_c[1], e.page_table[i], unit=i,
+                                               window=e.window))
                   if p else _unit_entry(a_c, i, one_token)
                   for e, a_c, p in zip(caches, all_c, paged))
       layer = jax.tree.map(lambda w: mx_gmm.StackedLayer(w, i), stacks,

@@ -155,18 +155,30 @@ class MLA(nnx.Module):
 
   @jax.named_scope("paged_decode_attention")
   def _paged_decode(self, x, q_nope, q_rope, new_c, new_r, pool_c, pool_r, unit, table, pos,
-                    par: Parallel = SINGLE):
+                    par: Parallel = SINGLE, window: int = 1):
     """One token per sequence at positions pos [B]: attention over the cached positions
     < pos read from the pages in place (never a gathered copy of the sequence) merged with
     the token's own latents (new_c [B, 1, R], new_r [B, 1, P]), flash-decoding style. On a
     mesh whose page axis is split, each shard reads its own pages and the partials combine
-    across shards (par.ops.paged_attention)."""
+    across shards (par.ops.paged_attention). window w > 1 (a verify step): rows b w + t
+    are one sequence's positions pos[b w] + t, so the pages are read once for its w rows
+    (positions < pos[b w], its w T queries as heads) and each row's window part (the rows
+    t' <= t) comes from the call's own latents: the same keys, summed in another order."""
     q_lat, q_rope, w_v = self._absorb_query(q_nope, q_rope)
     q_lat, q_rope = q_lat[:, 0], q_rope[:, 0]                          # [B, H, R], [B, H, P]
     attend = par.ops.paged_attention or paged_attention
-    cached = attend(q_lat, q_rope, pool_c, pool_r, unit, table, pos, self.scale,
-                    attn_ops.pages_per_block(par.platform), kernel=par.platform == "tpu")
-    own = attn_ops.token_partial(q_lat, q_rope, new_c[:, 0], new_r[:, 0], self.scale)
+    w = window
+    if w > 1:   # speculation: a sequence's w rows read its pages once, below the first row
+      fold = lambda a: a.reshape((a.shape[0] // w, w * a.shape[1]) + a.shape[2:])
+      cached = attend(fold(q_lat), fold(q_rope), pool_c, pool_r, unit, table[::w], pos[::w],
+                      self.scale, attn_ops.pages_per_block(par.platform),
+                      kernel=par.platform == "tpu")
+      cached = attn_ops.Partial(*(a.reshape((-1,) + q_lat.shape[1:a.ndim]) for a in cached))
+      own = attn_ops.window_partial(q_lat, q_rope, new_c[:, 0], new_r[:, 0], self.scale, w)
+    else:
+      cached = attend(q_lat, q_rope, pool_c, pool_r, unit, table, pos, self.scale,
+                      attn_ops.pages_per_block(par.platform), kernel=par.platform == "tpu")
+      own = attn_ops.token_partial(q_lat, q_rope, new_c[:, 0], new_r[:, 0], self.scale)
     part = attn_ops.merge_partials(cached, own)
     o_lat = attn_ops.finish_partial(part)[:, None]                     # [B, 1, H, R]
     o = jnp.einsum("bthr,rhv->bthv", o_lat, w_v)                       # [B, 1, H, V]
@@ -201,7 +213,7 @@ class MLA(nnx.Module):
       new_cache = PagedMLACache(c_kv=pool_c, k_r=pool_r, page_table=table, unit=cache.unit)
     if t == 1:   # the pool's copy of the token is not read: it is merged as its own partial
       y, max_logit = self._paged_decode(x, q_nope, q_rope, new_c, new_r, pool_c, pool_r,
-                                        cache.unit, table, pos, par)
+                                        cache.unit, table, pos, par, cache.window)
       return y, new_cache, max_logit
     c_all = pool_c[lead + (table,)].reshape(b, m * page_size, -1)      # [B, S = M P, R]
     r_all = pool_r[lead + (table,)].reshape(b, m * page_size, -1)      # [B, S, Pr]

@@ -193,6 +193,27 @@ def token_partial(q_latent: jax.Array, q_rope: jax.Array, c_kv: jax.Array, k_rop
   return Partial(logit, jnp.ones_like(logit), jnp.broadcast_to(c[:, None], q_latent.shape))
 
 
+def window_partial(q_latent: jax.Array, q_rope: jax.Array, c_kv: jax.Array, k_rope: jax.Array,
+                   scale: float, w: int) -> Partial:
+  """The partial of each query over its window's keys up to its own: rows b w + t (q_latent
+  [B w, H, R], q_rope [B w, H, P] f32; their latents c_kv [B w, R], k_rope [B w, P]) are
+  one sequence's consecutive tokens, and row t sees rows t' <= t (token_partial at w = 1)."""
+  n, h, r = q_latent.shape
+  b = n // w
+  c = c_kv.astype(jnp.float32).reshape(b, w, -1)
+  k = k_rope.astype(jnp.float32).reshape(b, w, -1)
+  logit = (jnp.einsum("bthr,bsr->bths", q_latent.reshape(b, w, h, r), c,
+                      preferred_element_type=jnp.float32)
+           + jnp.einsum("bthp,bsp->bths", q_rope.reshape(b, w, h, -1), k,
+                        preferred_element_type=jnp.float32)) * scale       # [B, w, H, w]
+  seen = (jnp.arange(w)[None, :] <= jnp.arange(w)[:, None])[None, :, None]   # s <= t
+  logit = jnp.where(seen, logit, -jnp.inf)
+  m = logit.max(-1)
+  p = jnp.exp(logit - m[..., None])
+  acc = jnp.einsum("bths,bsr->bthr", p, c, preferred_element_type=jnp.float32)
+  return Partial(m.reshape(n, h), p.sum(-1).reshape(n, h), acc.reshape(n, h, r))
+
+
 # Pages read per step of the paged decode loop, by target platform: XLA:CPU runs a step's
 # small matmuls fastest one 512-token page at a time (benchmarks/serve.py, docs/results.md);
 # a TPU pays a fixed cost per loop step, so it takes more pages a step.

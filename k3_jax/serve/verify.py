@@ -8,11 +8,12 @@ are the slots with requests decoding (padded to a power of two without batch inv
 as a decode step is; every slot with it). So every layer but KDA computes, per row, what a
 decode step computes for that token:
 
-  MLA     each row writes its latents into the slot's pages first, then attends over the
-          pool's positions < its own plus its own latents (layers/mla.py, write then read):
-          token t sees the window's tokens < t. Latents of rejected drafts stay in the pages
-          past the slot's position, never read (attention stops at the position) and
-          overwritten by the next step. Rows past a slot's drafts (and idle rows) get the
+  MLA     each row writes its latents into the slot's pages; a slot's T rows read its pages
+          once, below the window (PagedMLACache.window: the T queries as heads of one
+          paged attention), and row t attends to the window's rows <= t from the call's own
+          latents (layers/mla.py): token t sees what decoding it would. Latents of
+          rejected drafts stay in the pages past the slot's position, never read
+          (attention stops at the position) and overwritten by the next step. Rows past a slot's drafts (and idle rows) get the
           null page's table, so they write nothing that is read.
   KDA     the layer folds the rows back to [B, T], convolves the window at once from the
           cached tails, runs its one-step recurrence token by token, keeps the state and
@@ -87,7 +88,7 @@ def verify_step(graphdef, par, params, rest, cache, counts, batch: VerifyBatch):
   t = k + 1
   tokens, pos, tables = window_rows(batch)
   mark = lambda e, axis: (replace(e, window=empty_window(e, e.state.shape[:axis + 1], t))
-                          if isinstance(e, KDAState) else e)
+                          if isinstance(e, KDAState) else replace(e, window=t))
   states = kv.kda_states(cache)
   sub = kv.with_kda_states(cache, kv.take_rows(states, batch.slots))
   logits, new, _ = model(tokens, cache=map_cache(mark, kv.with_pages(sub, pos, tables)),
@@ -98,7 +99,7 @@ def verify_step(graphdef, par, params, rest, cache, counts, batch: VerifyBatch):
   emitted = jnp.where(batch.active, emitted, 0)
   backend = model.cfg.kda.backend
   new = map_cache(lambda e, axis: replay(e, emitted, backend, par)
-                  if isinstance(e, KDAState) else e, kv.without_pages(new))
+                  if isinstance(e, KDAState) else replace(e, window=1), kv.without_pages(new))
   keep = jnp.where(batch.active, batch.slots, jnp.iinfo(jnp.int32).max)   # idle: dropped
   out = kv.with_kda_states(new, kv.put_rows(states, keep, kv.kda_states(new)))
   out = out.replace(pos=cache.pos)
