@@ -146,6 +146,9 @@ def load(draft_dir: str, engine) -> ModelDrafter:
     raise UserError(f"--draft_dir={draft_dir}: the draft model's vocabulary "
                     f"({cfg.vocab_size}) is not the served model's ({engine.cfg.vocab_size}); "
                     "a draft model needs the same tokenizer")
+  if cfg.max_seq_len < engine.max_len:
+    raise UserError(f"--draft_dir={draft_dir}: the draft model's max_seq_len "
+                    f"({cfg.max_seq_len}) is shorter than the served max_len ({engine.max_len})")
   return ModelDrafter(cfg, g, p, r, engine.max_batch, engine.max_len)
 
 
