@@ -76,7 +76,9 @@ def test_serve_defaults_have_one_home():
 @pytest.mark.parametrize("bad", [dict(max_batch=0), dict(prefill_chunk=768),
                                  dict(prefill_chunk=0), dict(prefix_cache_bytes=-1),
                                  dict(max_len=0), dict(port=70000),
-                                 dict(speculative="draft"), dict(num_speculative_tokens=0)])
+                                 dict(speculative="eagle"), dict(num_speculative_tokens=0),
+                                 dict(draft_dir="runs/d"),   # without --speculative=draft
+                                 dict(speculative="draft")])  # without --draft_dir
 def test_serve_config_is_validated(bad):
   with pytest.raises(ConfigError, match=next(iter(bad))):
     ServeConfig(**bad)
