@@ -123,7 +123,7 @@ class Speculator:
     if slots is not None:
       sampling = run.sampling_rows(sampling, slots, bool(biases))
     batch = vf.VerifyBatch(tokens, window, ndraft, pos, tables[:, :width], active, sampling,
-                           rows)
+                           slots)
     got, emitted, run.cache, run.counts = self._verify(*run.weights, run.cache, run.counts,
                                                        batch)
     host = output.HostSampled(got, now, run.fetch)

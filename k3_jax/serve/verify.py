@@ -60,7 +60,8 @@ class VerifyBatch:
   tables: jax.Array         # int32 [B, M]
   active: jax.Array         # bool [B]: idle rows (padding) keep their slot's state
   sampling: Sampling
-  slots: jax.Array          # int32 [B]: row i's slot (a step may run fewer rows than slots)
+  slots: jax.Array | None = None   # int32 [B]: row i's slot, a step over fewer rows than
+                            # slots; None: row i is slot i, every slot (states in place)
 
 
 def window_rows(batch: VerifyBatch):
@@ -80,32 +81,35 @@ def verify_step(graphdef, par, params, rest, cache, counts, batch: VerifyBatch):
   """-> (Sampled over the B T rows (ids: row b T + t is row b's t-th emitted token for
   t < emitted[b]), emitted [B] int32 (0 for idle rows), cache, counts).
 
-  The B rows' slots' KDA states are taken out, verified and put back (idle rows' dropped),
-  as steps.on_rows does for a decode step over fewer rows than slots: a step's cost follows
-  the requests decoding, not the slot count."""
+  With batch.slots the B rows' slots' KDA states are taken out, verified and put back (idle
+  rows' dropped), as steps.on_rows does for a decode step over fewer rows than slots: a
+  step's cost follows the requests decoding, not the slot count. Without, every slot runs
+  in place (an idle one keeps 0 tokens: its state as it was, bit for bit)."""
   model = nnx.merge(graphdef, params, rest)
   b, k = batch.drafts.shape
   t = k + 1
   tokens, pos, tables = window_rows(batch)
   mark = lambda e, axis: (replace(e, window=empty_window(e, e.state.shape[:axis + 1], t))
                           if isinstance(e, KDAState) else replace(e, window=t))
-  states = kv.kda_states(cache)
-  sub = kv.with_kda_states(cache, kv.take_rows(states, batch.slots))
+  states, slots = kv.kda_states(cache), batch.slots
+  sub = cache if slots is None else kv.with_kda_states(cache, kv.take_rows(states, slots))
   logits, new, _ = model(tokens, cache=map_cache(mark, kv.with_pages(sub, pos, tables)),
                          par=par)
   raw = logits[:, 0].astype(jnp.float32)                               # [B T, V]
-  ids, emitted = accept(raw.reshape(b, t, -1), counts[batch.slots], batch.drafts,
-                        batch.ndraft, batch.sampling)
+  mine = counts if slots is None else counts[slots]
+  ids, emitted = accept(raw.reshape(b, t, -1), mine, batch.drafts, batch.ndraft,
+                        batch.sampling)
   emitted = jnp.where(batch.active, emitted, 0)
   backend = model.cfg.kda.backend
-  new = map_cache(lambda e, axis: replay(e, emitted, backend, par)
+  out = map_cache(lambda e, axis: replay(e, emitted, backend, par)
                   if isinstance(e, KDAState) else replace(e, window=1), kv.without_pages(new))
-  keep = jnp.where(batch.active, batch.slots, jnp.iinfo(jnp.int32).max)   # idle: dropped
-  out = kv.with_kda_states(new, kv.put_rows(states, keep, kv.kda_states(new)))
+  if slots is not None:
+    keep = jnp.where(batch.active, slots, jnp.iinfo(jnp.int32).max)     # idle: dropped
+    out = kv.with_kda_states(out, kv.put_rows(states, keep, kv.kda_states(out)))
   out = out.replace(pos=cache.pos)
-  mine = jnp.arange(t)[None] < emitted[:, None]                        # [B, T]
-  counts = counts.at[batch.slots].add(
-      jnp.sum(jax.nn.one_hot(ids, counts.shape[-1], dtype=jnp.int32) * mine[..., None], 1))
+  hot = jnp.sum(jax.nn.one_hot(ids, counts.shape[-1], dtype=jnp.int32)
+                * (jnp.arange(t)[None] < emitted[:, None])[..., None], axis=1)   # [B, V]
+  counts = counts + hot if slots is None else counts.at[slots].add(hot)
   return with_logprobs(raw, ids.reshape(-1)), emitted, out, counts
 
 
