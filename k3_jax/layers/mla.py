@@ -161,17 +161,20 @@ class MLA(nnx.Module):
     the token's own latents (new_c [B, 1, R], new_r [B, 1, P]), flash-decoding style. On a
     mesh whose page axis is split, each shard reads its own pages and the partials combine
     across shards (par.ops.paged_attention). window w > 1 (a verify step): rows b w + t
-    are one sequence's positions pos[b w] + t, so the pages are read once for its w rows
-    (positions < pos[b w], its w T queries as heads) and each row's window part (the rows
-    t' <= t) comes from the call's own latents: the same keys, summed in another order."""
+    are one sequence's positions pos[b w] + t, so the pages below pos[b w] are read once
+    for a group of its rows (their queries as heads; window_group rows a read) and each
+    row's window part (the rows t' <= t) comes from the call's own latents: the same keys,
+    summed in another order."""
     q_lat, q_rope, w_v = self._absorb_query(q_nope, q_rope)
     q_lat, q_rope = q_lat[:, 0], q_rope[:, 0]                          # [B, H, R], [B, H, P]
     attend = par.ops.paged_attention or paged_attention
     w = window
-    if w > 1:   # speculation: a sequence's w rows read its pages once, below the first row
-      fold = lambda a: a.reshape((a.shape[0] // w, w * a.shape[1]) + a.shape[2:])
-      cached = attend(fold(q_lat), fold(q_rope), pool_c, pool_r, unit, table[::w], pos[::w],
-                      self.scale, attn_ops.pages_per_block(par.platform),
+    if w > 1:   # speculation: a sequence's w rows read its pages below the first row
+      g = window_group(w, q_lat.shape[1] * q_lat.shape[2] * 4)
+      fold = lambda a: a.reshape((a.shape[0] // g, g * a.shape[1]) + a.shape[2:])
+      first = lambda a: jnp.repeat(a[::w], w // g, axis=0)
+      cached = attend(fold(q_lat), fold(q_rope), pool_c, pool_r, unit, first(table),
+                      first(pos), self.scale, attn_ops.pages_per_block(par.platform),
                       kernel=par.platform == "tpu")
       cached = attn_ops.Partial(*(a.reshape((-1,) + q_lat.shape[1:a.ndim]) for a in cached))
       own = attn_ops.window_partial(q_lat, q_rope, new_c[:, 0], new_r[:, 0], self.scale, w)
@@ -222,6 +225,18 @@ class MLA(nnx.Module):
       c_all, r_all = c_all.at[rows, q_pos].set(new_c), r_all.at[rows, q_pos].set(new_r)
     y, max_logit = self._absorbed(x, q_nope, q_rope, c_all, r_all, q_pos, par)
     return y, new_cache, max_logit
+
+
+WINDOW_QUERY_BYTES = 1 << 20    # a verify step's folded queries a paged read at most
+
+
+def window_group(w: int, row_bytes: int) -> int:
+  """How many of a sequence's w window rows share one read of its pages: the largest
+  divisor of w whose queries (row_bytes each, f32 [H, R]) fit WINDOW_QUERY_BYTES (the TPU
+  kernel holds them, its accumulator alike, in VMEM: k3 at K = 7, 8 x 96 heads of 512, ran
+  out), at least 1."""
+  return max(d for d in range(1, w + 1) if w % d == 0 and (d == 1 or
+                                                            d * row_bytes <= WINDOW_QUERY_BYTES))
 
 
 def paged_attention(q_latent, q_rope, pool_c, pool_r, unit, table, pos, scale, block=1,
