@@ -7,17 +7,18 @@ edit-like workload from its own eval split, with and without prompt lookup, side
 Workload: Python functions from the training data's held-out documents (the stdlib eval
 split, data/sources.py), each 300-1,200 bytes; the prompt holds the function, then a
 comment asking for it again under a new name and the renamed `def` line; the completion
-(--new tokens, greedy, no stop) restates it: the edit (a rename) is in the prompt, the rest
-is the function's own text, which prompt lookup can draft.
+(--new tokens, greedy, no stop) should restate it: the edit (a rename) is in the prompt,
+the rest is the function's own text, which prompt lookup can draft (the default model, 180
+steps, does not: its greedy output runs into indentation whitespace; docs/serving.md).
 
 For each mode (`plain`: the server's defaults; `ngram`: plus --speculative=ngram
 --num_speculative_tokens=K; `draft`, with --draft_dir: --speculative=draft, a draft
-model's workdir) a `python main.py serve --workdir=DIR` process (all up at once) runs the same
-requests, batch 1 (one at a time) and batch 8 (8 at once), all of them once to compile
+model's workdir) a `python main.py serve --workdir=DIR` process (all up at once) runs the
+same requests, batch 1 (one at a time) and batch 8 (8 at once), all of them once to compile
 every shape, then timed (--reps times, the modes' runs alternating, the fastest kept):
 with max_tokens=new and with max_tokens=1 (prefill and first token), so decode tokens/s =
-(new - 1) tokens a request over the difference. The prefix
-cache is off (--prefix_cache_bytes=0) so every run prefills alike. The speculation
+(new - 1) tokens a request over the difference. The prefix cache is off
+(--prefix_cache_bytes=0) so every run prefills alike. The speculation
 counters of /metrics give the drafts kept per verified request and step and the tokens a
 request gets per verify step. Every ngram completion must equal plain's (greedy).
 """
