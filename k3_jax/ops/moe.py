@@ -84,8 +84,8 @@ def ragged_dot_tpu_gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
 
 
 def _tile_rows(m: int, g: int) -> int:
-  """Rows per tile for `tiled_gmm`: about the mean group size m / g, a power of two in
-  [8, 256]. Padding is at most g * (tile - 1) rows, but XLA:CPU's per-tile matmuls and
+  """Rows per tile for `tiled_gmm` and `_moe_tiles_batched` (training's program): about
+  the mean group size m / g, a power of two in [8, 256]. Padding is at most g * (tile - 1) rows, but XLA:CPU's per-tile matmuls and
   per-tile weight picks cost less with fewer, larger tiles: at 16 experts x 4 (the served
   15M Kimi-Linear) and m = 16,384 pairs (eight 512-token prompts), 256 rows took 69 ms
   where 128 took 80 and 32 147; at m = 2,048 (one prompt) 32 to 128 rows cost about the
@@ -289,16 +289,94 @@ def moe_small(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
   return y.astype(x.dtype)
 
 
+LOOP_TILE = 64   # rows a tile in the undifferentiated tiled path (`_moe_tile_loop`)
+
+
 def _moe_tiled(x, weights, expert_ids, w_gate, w_up, w_down, activation, beta1, beta2,
                tile: int | None = None):
-  """`moe_dispatch` with `tiled_gmm`, laid out once: the token-expert pairs are sorted by
-  expert and written ONCE into a tile-padded buffer (one gather from x; padding rows read
-  a zero row), gate and up run as one matmul per tile against [Din, 2F] weights, down runs
-  in the same padded layout, and the combine gathers each pair's row back. The per-tile
-  expert weights are picked with a one-hot matmul (its backward is a matmul, not a
-  scatter-add). Same FLOPs on real rows as three `tiled_gmm` calls, one layout instead of
-  three scatters into padding and two un-pad / re-pad round trips.
+  """`moe_dispatch` with the tiled layout: the token-expert pairs sorted by expert and
+  written ONCE into a tile-padded buffer, every tile one expert's rows.
+
+  Two programs compute it, one result (to float rounding):
+  - called plainly (inference, the served steps): `_moe_tile_loop`, a loop over the tiles
+    that hold rows, each multiplying against its expert's weights where they lie;
+  - differentiated (training): `_moe_tiles_batched`, batched per-tile matmuls against
+    per-tile copies of the weights, whose backward is matmuls (a loop's backward adds each
+    tile's weight gradient into a whole [E, Din, F] carry, 2-4x slower).
+  On the served 15M Kimi-Linear's experts (E = 16, k = 4, Din = 256, F = 128) on 2 busy
+  CPU cores (`benchmarks/moe.py --tiles`) the loop took 7.3 ms at 512 tokens where the
+  batched form took 14.6 (each at its best tile), and 82-94 ms at 4,096 where it took 160:
+  the batched form copies each tile's weights and runs the static bound of tiles, padding
+  included (2x the rows at 512 tokens). The loop's tile: 32 to 256 rows are within the
+  noise of each other at 4,096 tokens, 16 and 256 slower at 512.
   x [N, Din]; weights, expert_ids [N, k]; w_gate, w_up [E, Din, F]; w_down [E, F, Din]."""
+  return _tiled_moe((activation, beta1, beta2, tile), x, weights, expert_ids, w_gate, w_up,
+                    w_down)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _tiled_moe(opts, x, weights, expert_ids, w_gate, w_up, w_down):
+  return _moe_tile_loop(x, weights, expert_ids, w_gate, w_up, w_down, *opts)
+
+
+def _tiled_moe_fwd(opts, x, weights, expert_ids, w_gate, w_up, w_down):
+  y, vjp = jax.vjp(lambda *a: _moe_tiles_batched(a[0], a[1], expert_ids, *a[2:], *opts),
+                   x, weights, w_gate, w_up, w_down)
+  return y, vjp
+
+
+def _tiled_moe_bwd(opts, vjp, ct):
+  dx, dweights, dgate, dup, ddown = vjp(ct)
+  return dx, dweights, None, dgate, dup, ddown
+
+
+_tiled_moe.defvjp(_tiled_moe_fwd, _tiled_moe_bwd)
+
+
+def _moe_tile_loop(x, weights, expert_ids, w_gate, w_up, w_down, activation, beta1, beta2,
+                   tile: int | None = None):
+  """The tiled layout run as a loop over the tiles that hold rows (`used`, known only at
+  run time: no padding tile beyond the last expert's is computed), each tile's three
+  matmuls against its expert's weights read in place. Not reverse-differentiable (a loop
+  of run-time length): `_moe_tiled` differentiates `_moe_tiles_batched` instead."""
+  n, k = expert_ids.shape
+  e, din, f = w_gate.shape
+  t = tile or LOOP_TILE
+  num_tiles = -(-(n * k + e * (t - 1)) // t)                             # static bound
+  rows = num_tiles * t
+  with jax.named_scope("dispatch"):
+    dest, src, onehot = _tiled_layout(expert_ids, n, k, e, t, num_tiles, rows, w_gate.dtype)
+    tile_expert = jnp.argmax(onehot, axis=-1)                            # [tiles]
+    sizes = expert_load(expert_ids, e)
+    used = jnp.sum((sizes + t - 1) // t)                                 # tiles holding rows
+    xe = jnp.concatenate([x, jnp.zeros((1, din), x.dtype)], axis=0)      # [N+1, Din]
+    xs = jnp.take(xe, src, axis=0).reshape(num_tiles, t, din)            # [tiles, t, Din]
+  f32 = jnp.float32
+
+  def one_tile(i, out):
+    j = tile_expert[i]
+    xt = xs[i]
+    h = glu(jnp.dot(xt, w_gate[j], preferred_element_type=f32),
+            jnp.dot(xt, w_up[j], preferred_element_type=f32),
+            activation, beta1=beta1, beta2=beta2).astype(x.dtype)
+    return out.at[i].set(jnp.dot(h, w_down[j], preferred_element_type=f32))
+
+  with jax.named_scope("experts"):
+    out = jax.lax.fori_loop(0, used, one_tile, jnp.zeros((num_tiles, t, din), f32))
+  with jax.named_scope("combine"):
+    pair_out = jnp.take(out.reshape(rows, din), dest, axis=0).reshape(n, k, din)
+    y = jnp.sum(pair_out * weights.astype(f32)[..., None], axis=1)      # [N, Din]
+  return y.astype(x.dtype)
+
+
+def _moe_tiles_batched(x, weights, expert_ids, w_gate, w_up, w_down, activation, beta1,
+                       beta2, tile: int | None = None):
+  """The tiled layout as batched matmuls (what `_moe_tiled` differentiates): gate and up
+  run as one matmul per tile against [Din, 2F] weights, down in the same padded layout,
+  and the combine gathers each pair's row back. The per-tile expert weights are picked
+  with a one-hot matmul (its backward is a matmul, not a scatter-add). Same FLOPs on real
+  rows as three `tiled_gmm` calls, one layout instead of three scatters into padding and
+  two un-pad / re-pad round trips."""
   n, k = expert_ids.shape
   e, din, f = w_gate.shape
   m = n * k
