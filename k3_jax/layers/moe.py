@@ -123,7 +123,7 @@ class MoE(nnx.Module):
       elif not train and xf.shape[0] <= moe_ops.SMALL_TOKENS and not self.qat \
           and not self._packed():           # a decode step: no training-sized layout
         kw.pop("gmm")
-        u = moe_ops.moe_small(*args, **kw)
+        u = moe_ops.moe_small(*args, pair_loop=par.platform == "cpu", **kw)
       else:
         u = moe_ops.moe_dispatch(*args, **kw)                          # [N, L]
     with jax.named_scope("latent_up"):

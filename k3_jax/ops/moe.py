@@ -252,19 +252,35 @@ SMALL_TOKENS = 64    # at most this many tokens (a decode step): moe_small, not 
 
 def moe_small(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
               w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
-              activation: str = "situ", beta1: float = 4.0, beta2: float = 25.0) -> jax.Array:
+              activation: str = "situ", beta1: float = 4.0, beta2: float = 25.0,
+              pair_loop: bool = False) -> jax.Array:
   """`moe_dispatch` for a handful of tokens (decode), with no sort, no group sizes and no
   tile padding: each row's result depends on that row alone (batch invariance).
 
   Fewer token-expert pairs than experts (N k < E: a decode batch of a big MoE): each pair's
-  expert weights are gathered and applied to its token, so a step reads the experts its
-  tokens chose and no other. Otherwise every expert runs on every token (E/k times the
-  FLOPs, but each expert's weights are read once, which is what a memory-bound step pays
-  for). Same arguments and result as `moe_dispatch`."""
+  expert is applied to its token, so a step reads the experts its tokens chose and no
+  other: with `pair_loop` (XLA:CPU) in a loop over the pairs reading each expert's weights
+  where they lie, otherwise (one fused program on an accelerator) with each pair's weights
+  gathered. At E = 16, k = 4, Din = 256, F = 128 on 2 CPU cores, seven such layers took
+  0.97 ms for 1 token and 2.3 for 2 with the loop, 1.5 and 4.6 gathered (weights copied).
+  Otherwise every expert runs on every token (E/k times the FLOPs, but each expert's weights
+  are read once, which is what a memory-bound step pays for). Same arguments and result
+  as `moe_dispatch`."""
   n, k = expert_ids.shape
   e = w_gate.shape[0]
   f32 = jnp.float32
-  if n * k < e:
+  if n * k < e and pair_loop:
+    with jax.named_scope("experts_loop"):
+      def one_pair(i, y):
+        tok, j = i // k, expert_ids[i // k, i % k]
+        xt = x[tok][None]                                                # [1, Din]
+        h = glu(jnp.dot(xt, w_gate[j], preferred_element_type=f32),
+                jnp.dot(xt, w_up[j], preferred_element_type=f32),
+                activation, beta1=beta1, beta2=beta2).astype(x.dtype)
+        out = jnp.dot(h, w_down[j], preferred_element_type=f32)[0]       # [Din]
+        return y.at[tok].add(out * weights[tok, i % k].astype(f32))
+      y = jax.lax.fori_loop(0, n * k, one_pair, jnp.zeros((n, x.shape[1]), f32))
+  elif n * k < e:
     with jax.named_scope("experts_gathered"):
       ids = expert_ids.reshape(-1)                                       # [M = N k]
       xs = jnp.repeat(x, k, axis=0)                                      # [M, Din]
@@ -368,9 +384,10 @@ def _moe_tile_loop(x, weights, expert_ids, w_gate, w_up, w_down, activation, bet
     out = jnp.dot(h, w_down[j], preferred_element_type=f32)              # [t, Din]
     return y.at[token[i]].add(out * row_weight[i][:, None])
 
-  with jax.named_scope("experts"):
+  with jax.named_scope("experts"):           # each tile's rows added into y as it goes
     y = jax.lax.fori_loop(0, used, one_tile, jnp.zeros((n + 1, din), f32))
-  return y[:n].astype(x.dtype)
+  with jax.named_scope("combine"):
+    return y[:n].astype(x.dtype)                                         # the spare row off
 
 
 def _moe_tiles_batched(x, weights, expert_ids, w_gate, w_up, w_down, activation, beta1,

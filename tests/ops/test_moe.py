@@ -252,6 +252,13 @@ def test_small_token_path_matches_dense(n, e, k):
   one = moe_ops.moe_small(3.0 * x[:1], weights[:1], ids[:1], *experts)
   if n * k < e:       # the gathered path: row 0 alone is bitwise row 0 in the batch
     assert np.array_equal(np.asarray(one[0]), np.asarray(y[0]))
+    # the same pairs as a loop over them (XLA:CPU's choice): the same values, and each
+    # row still its own (row 0 alone bitwise row 0 in the batch)
+    loop = jax.jit(functools.partial(moe_ops.moe_small, pair_loop=True))
+    y_loop = loop(3.0 * x, weights, ids, *experts)
+    np.testing.assert_allclose(np.asarray(y_loop), np.asarray(y_ref), rtol=1e-5, atol=1e-5)
+    one = loop(3.0 * x[:1], weights[:1], ids[:1], *experts)
+    assert np.array_equal(np.asarray(one[0]), np.asarray(y_loop[0]))
 
 
 def test_dispatch_matches_explicit_loop():
