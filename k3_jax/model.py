@@ -29,7 +29,7 @@ from k3_jax.layers.kda import KDA
 from k3_jax.layers.mla import MLA, page_slots
 from k3_jax.layers.moe import MoE
 from k3_jax.layers.norm import RMSNorm
-from k3_jax.ops import mx_gmm
+from k3_jax.ops import mx_gmm, rope_pages
 from k3_jax.ops.vision import scatter_features
 from k3_jax.partitioning import SINGLE, Parallel
 from k3_jax.vision.tower import VisionEncoder
@@ -217,7 +217,7 @@ def _write_latents(e: PagedMLACache, latents, pos) -> PagedMLACache:
   unit = jnp.broadcast_to(jnp.arange(reps)[:, None, None], (reps,) + page.shape)
   page, off = (jnp.broadcast_to(a, unit.shape) for a in (page, off))
   return PagedMLACache(c_kv=e.c_kv.at[unit, page, off].set(c_new.astype(e.c_kv.dtype)),
-                       k_r=e.k_r.at[unit, page, off].set(r_new.astype(e.k_r.dtype)),
+                       k_r=rope_pages.write(e.k_r, (unit, page), off, r_new),
                        page_table=e.page_table)
 
 
