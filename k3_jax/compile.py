@@ -220,7 +220,9 @@ def weights_by_output(params, mesh):
   (k3, 1,024 x 32K: ~270 GB per chip); split on its output the tokens travel instead (an
   all-gather of [B, D] in, an all-to-all of the [B, F / n] result). A weight that outputs
   the model dimension keeps it split (split on an input, the partitioner gathered those
-  whole too)."""
+  whole too). The router [D, E] is split on E like the others (the model constrains its
+  scores, the MoE latent projection's and the LM head's outputs to match:
+  Parallel.by_output)."""
   from jax.sharding import NamedSharding, PartitionSpec
   from sharding.rules import logical_to_spec
   default = tree_shardings(params, mesh)
@@ -230,12 +232,16 @@ def weights_by_output(params, mesh):
     if not isinstance(x, nnx.Variable) or not hasattr(x.get_raw_value(), "shape"):
       return sh
     axes = x.get_metadata().get("logical_axes")
-    if axes is None or len(axes) != len(x.shape) or "experts" in axes or len(axes) < 2:
+    if axes is None or len(axes) != len(x.shape) or len(axes) < 2:
+      return sh
+    router = axes[-1] == "experts" and "experts" not in axes[:-1]     # [(layers,) D, E]
+    if "experts" in axes and not router:                               # the routed experts
       return sh
     spec = list(logical_to_spec(tuple(x.shape), tuple(axes), mesh))
     split = [d for d, name in enumerate(axes) if name == "embed" and spec[d] is not None]
     last = len(axes) - 1
-    if not split or split[0] == last or axes[last] in keep or spec[last] is not None:
+    if (not split or split[0] == last or (axes[last] in keep and not router)
+        or spec[last] is not None):
       return sh
     mesh_axes = spec[split[0]] if isinstance(spec[split[0]], tuple) else (spec[split[0]],)
     if x.shape[last] % math.prod(mesh.shape[a] for a in mesh_axes):

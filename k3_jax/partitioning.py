@@ -115,6 +115,17 @@ class Parallel:
                        f"{x.ndim}")
     return jax.lax.with_sharding_constraint(x, self.resolver(x.shape, axes))
 
+  def by_output(self, y: jax.Array) -> jax.Array:
+    """A projection's output y [..., F] in the decode layout of a batch that fills the mesh
+    (`batch_fills_mesh`: the dense weights split on their output dimension over the model
+    dimension's axes, k3_jax/compile.py weights_by_output) constrained to its weight's split:
+    F over those axes, the rest whole, so the partitioner gathers the step's few tokens
+    instead of the weight (it gathered the MoE latent projection, the router and the LM head
+    whole, every step). Identity in any other layout."""
+    if not self.batch_fills_mesh:
+      return y
+    return self.constrain(y, (None,) * (y.ndim - 1) + ("embed",))
+
   def is_split(self, shape: tuple[int, ...], axes: tuple[str | None, ...], dim: int) -> bool:
     """Do the rules split dimension `dim` of an array of this shape and logical axes over
     the mesh? (False without rules.)"""

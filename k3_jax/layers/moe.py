@@ -109,10 +109,12 @@ class MoE(nnx.Module):
     xf = x.reshape(b * t, d)                                           # [N, D]
     with jax.named_scope("router"):
       scores = moe_ops.router_scores(xf, self.router[...])             # [N, E] f32
+      if par.batch_fills_mesh:      # node decode: computed split on E, then per token whole
+        scores = par.constrain(par.by_output(scores), ("batch", None))
       weights, ids = moe_ops.select_experts(scores, self.bias[...], m.top_k,
                                             m.routed_scaling_factor, m.n_group, m.topk_group)
     with jax.named_scope("latent_down"):
-      z = self.down(xf) if m.latent_dim else xf                        # [N, L]
+      z = par.by_output(self.down(xf)) if m.latent_dim else xf         # [N, L]
     ep = par.ops.moe_dispatch                                          # expert-parallel on a mesh
     args = (z.astype(self.dtype), weights, ids, *self._expert_weights())
     kw = dict(activation=self.kind, beta1=self.beta1, beta2=self.beta2,

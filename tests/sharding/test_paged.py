@@ -11,6 +11,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from k3_jax.layers.mla import paged_attention
+from k3_jax.ops.rope_pages import fold_pages
 from k3_jax.serve.kv_pages import PagePool
 from sharding import paged
 from sharding.mesh import make_mesh, parse_mesh
@@ -32,7 +33,7 @@ def test_sharded_paged_attention_matches_one_device(spec, stacked):
   k = jax.random.split(jax.random.key(0), 4)
   units = (2,) if stacked else ()
   pool_c = jax.random.normal(k[0], units + (n, page, r))
-  pool_r = jax.random.normal(k[1], units + (n, page, pr))
+  pool_r = fold_pages(jax.random.normal(k[1], units + (n, page, pr)))   # [.., n, 1, 16]
   q_lat, q_rope = jax.random.normal(k[2], (b, h, r)), jax.random.normal(k[3], (b, h, pr))
   unit = jnp.int32(1) if stacked else None
   want = paged_attention(q_lat, q_rope, pool_c, pool_r, unit, table, pos, 0.3)
@@ -61,7 +62,8 @@ def test_slot_split_paged_attention_matches_one_device():
     cols = -(-int(pos[i]) // page)
     table[i, :cols] = ids[:cols]
   k = jax.random.split(jax.random.key(1), 4)
-  pool_c, pool_r = jax.random.normal(k[0], (2, n, page, r)), jax.random.normal(k[1], (2, n, page, pr))
+  pool_c = jax.random.normal(k[0], (2, n, page, r))
+  pool_r = fold_pages(jax.random.normal(k[1], (2, n, page, pr)))
   q_lat, q_rope = jax.random.normal(k[2], (b, h, r)), jax.random.normal(k[3], (b, h, pr))
   unit = jnp.int32(1)
   want = paged_attention(q_lat, q_rope, pool_c, pool_r, unit, table, pos, 0.3)
