@@ -63,7 +63,7 @@ CASES = [
     ("train", "mesh larger than the devices", ["train", "--config=k3_tiny", "--mesh=fsdp:3",
      "--workdir={t}/w"], "needs 3 devices"),
     ("train", "negative ep_capacity", ["train", "--config=k3_tiny", "--ep_capacity=-1",
-     "--workdir={t}/w"], "moe.ep_capacity=-1.0"),
+     "--workdir={t}/w"], "ep_capacity=-1.0"),
     ("train", "profile_steps malformed", ["train", "--config=k3_tiny", "--profile_steps=5",
      "--workdir={t}/w"], "expected FIRST:LAST"),
     ("train", "profile_steps reversed", ["train", "--config=k3_tiny", "--profile_steps=5:2",

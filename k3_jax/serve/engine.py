@@ -46,7 +46,7 @@ log = logging.getLogger("k3_jax.serve")
 
 class Engine:
   def __init__(self, cfg: ModelConfig, graphdef, params, rest, serve: ServeConfig | None = None,
-               *, tokenizer=None, mesh=None, relay=None, **settings):
+               *, tokenizer=None, mesh=None, relay=None, kernels=None, **settings):
     """serve: the engine's settings (k3_jax/config.py ServeConfig, whose defaults are the
     server's), with `settings` (ServeConfig fields, e.g. max_batch=2) replacing some.
     max_len: tokens per sequence (prompt + generated), default the model's max_seq_len.
@@ -55,9 +55,9 @@ class Engine:
     prefix_match_unit: the grid (tokens, a power of two dividing 512) that hits end on; a
     hit inside a page continues in a copy of that page (steps.copy_page). mesh: the steps
     run under its parallel setup with params placed by their logical axes, the paged cache
-    split on its page axis (kv_pages.paged_cache_shardings); None: the single-device
-    program. relay: a multi-host job's step relay (relay.py): every process builds the
-    same engine over the global mesh and the leader's steps are replayed by the others."""
+    split on its page axis (kv_pages.paged_cache_shardings); None: one device. kernels: the
+    job's (execution.Kernels). relay: a multi-host job's step relay (relay.py): every process
+    builds the same engine over the global mesh and the leader's steps are replayed."""
     serve = self.serve = dataclasses.replace(serve or ServeConfig(), **settings)
     self.cfg, self.tokenizer, self.mesh, self.relay = cfg, tokenizer, mesh, relay
     self.max_batch, self.prefill_chunk = serve.max_batch, serve.prefill_chunk
@@ -69,7 +69,7 @@ class Engine:
     if self.max_len > cfg.max_seq_len:
       raise ValueError(f"max_len={self.max_len} exceeds the model's max_seq_len={cfg.max_seq_len}")
     self.pages_per_slot = math.ceil(self.max_len / PAGE)
-    self.runner = Runner(cfg, graphdef, params, rest, serve.max_batch, mesh, relay)
+    self.runner = Runner(cfg, graphdef, params, rest, serve.max_batch, mesh, relay, kernels)
     self.graphdef, self.params, self.rest = graphdef, self.runner.params, self.runner.rest
     self.page_bytes, self.ckpt_bytes = self.runner.page_bytes, self.runner.ckpt_bytes
     self.num_pages, self.pool_summary, prefix = self.runner.size_memory(

@@ -28,7 +28,7 @@ from flax import nnx
 
 from k3_jax.cache import PagedMLACache
 from k3_jax.config import ModelConfig, ServeConfig, UserError
-from k3_jax.partitioning import SINGLE
+from k3_jax.execution import DEFAULT_KERNELS, Kernels
 from k3_jax.serve import kv_manager
 from k3_jax.serve import kv_pages as kv
 from k3_jax.serve import steps
@@ -89,10 +89,12 @@ def bucket(tokens: int, pages_per_slot: int) -> int:
 
 class Runner:
   def __init__(self, cfg: ModelConfig, graphdef, params, rest, max_batch: int, mesh=None,
-               relay=None):
+               relay=None, kernels: Kernels | None = None):
     """The weights placed (by their logical axes on `mesh`; as given without one) and the
-    sizes of one MLA page and one slot's KDA state probed; `allocate` makes the rest."""
+    sizes of one MLA page and one slot's KDA state probed; `allocate` makes the rest.
+    kernels: the job's kernel choices (k3_jax/execution.py; None: the defaults)."""
     self.cfg, self.graphdef, self.mesh, self.relay = cfg, graphdef, mesh, relay
+    self.kernels = kernels or DEFAULT_KERNELS
     self.max_batch = max_batch
     if mesh is not None:
       from sharding.rules import tree_shardings   # jobs may use sharding
@@ -169,12 +171,9 @@ class Runner:
 
   def _build_steps(self):
     # The jitted steps (steps.py) belong to this runner and close over its parallel setup:
-    # another mesh is another engine, with its own compiles.
-    if self.mesh is None:
-      self.par = SINGLE
-    else:
-      from sharding.install import parallel_for
-      self.par = parallel_for(self.mesh)
+    # another mesh (or kernels) is another engine, with its own compiles.
+    from sharding.install import parallel_for
+    self.par = parallel_for(self.mesh, kernels=self.kernels)
     seen = self._compiled = set()
     (p_leaves, p_def), (r_leaves, r_def) = (jax.tree.flatten(t) for t in (self.params,
                                                                             self.rest))
