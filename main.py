@@ -167,6 +167,7 @@ flags.DEFINE_integer("num_shards", 8, "prepare: train shards (a multiple of the 
                      "that will read them)")
 # serve: the OpenAI-compatible server (k3_jax/serve/); every ServeConfig field, its default
 SERVE_CONFIG_FLAGS = _define_fields(ServeConfig, default_none=False)
+flags.DEFINE_alias("prefix_match_unit", "prefix_match_tokens")   # its former name (deprecated)
 flags.DEFINE_string("served_model_name", None, "model id in /v1/models (default: the config "
                     "name)")
 flags.DEFINE_boolean("random_weights", False, "serve random weights of --config instead of a "
@@ -635,6 +636,7 @@ def cmd_serve() -> None:
   serve = ServeConfig(**{n: getattr(FLAGS, n) for n in SERVE_CONFIG_FLAGS})
   _check_tokenizer(FLAGS.tokenizer)
   run_given = _exec_given()                      # over the checkpoint's (or preset's) own
+  ExecConfig().given(**run_given)                # each value's check, before the model loads
   if run_given.get("mesh"):
     from sharding.mesh import parse_mesh
     parse_mesh(run_given["mesh"])                # its syntax; the devices when it is built

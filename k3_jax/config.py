@@ -278,9 +278,10 @@ class ServeConfig:
   cache_decoded: bool = option(True, "a finished request's prompt + generated tokens join the "
                                "prefix cache (with a KDA checkpoint at the last grid boundary "
                                "the decode passed), so the next turn hits through its answer")
-  prefix_match_unit: int = option(SERVE_PAGE, "prefix-cache hit granularity in tokens (a "
-                                  f"power of two dividing {SERVE_PAGE}): hash entries and "
-                                  "KDA checkpoints lie on this grid, a hit ends on a multiple")
+  prefix_match_tokens: int = option(SERVE_PAGE, "prefix-cache hit granularity in tokens (a "
+                                    f"power of two dividing {SERVE_PAGE}): hash entries and "
+                                    "KDA checkpoints lie on this grid, a hit ends on a "
+                                    "multiple (--prefix_match_unit: its former name)")
   batch_invariant: bool = option(False, "every prefill call takes one prompt (one shape per "
                                  "piece size) and every decode step runs all max_batch slots, "
                                  "so a request's logits are bitwise the same whatever else "
@@ -333,9 +334,9 @@ class ServeConfig:
              "must be a byte count >= 0 (0: no host tier)")
     _require(self.disk_cache_bytes >= 0, "disk_cache_bytes", self.disk_cache_bytes,
              "must be a byte count >= 0")
-    u = self.prefix_match_unit
+    u = self.prefix_match_tokens
     _require(isinstance(u, int) and 1 <= u <= SERVE_PAGE and SERVE_PAGE % u == 0 and
-             u & (u - 1) == 0, "prefix_match_unit", u,
+             u & (u - 1) == 0, "prefix_match_tokens", u,
              f"must be a power of two dividing {SERVE_PAGE} (1, 2, ..., {SERVE_PAGE})")
     _require(self.max_queue >= 0, "max_queue", self.max_queue, "must be >= 0")
     _require(self.speculative in ("off", "ngram"), "speculative", self.speculative,

@@ -181,6 +181,11 @@ CASES = [
      "--num_processes=2", "--port=0"], "multi-host: give all of"),
     ("serve", "zero peer_timeout", ["serve", "--random_weights", "--config=k3_tiny",
      "--peer_timeout=0", "--port=0"], "peer_timeout=0"),
+    ("serve", "match grid not a power of two (by its former flag name)", ["serve",
+     "--random_weights", "--config=k3_tiny", "--prefix_match_unit=48", "--port=0"],
+     "prefix_match_tokens=48"),
+    ("serve", "negative KDA chunk (an execution setting)", ["serve", "--random_weights",
+     "--config=k3_tiny", "--kda_chunk_size=-16", "--port=0"], "kda_chunk_size=-16"),
 ]
 
 

@@ -113,12 +113,13 @@ class Runner:
     """The page pool and the prefix cache sized from their byte budgets, then allocated
     (`allocate`) -> (pool pages, a line saying so, the prefix cache's settings for
     kv_manager.KVManager or None without one)."""
-    budget, unit = serve.prefix_cache_bytes, serve.prefix_match_unit
+    budget, match_tokens = serve.prefix_cache_bytes, serve.prefix_match_tokens
     cache_pages = 0
     if budget > 0 and self.page_bytes:
       cache_pages = min(budget // self.page_bytes, 64 * self.max_batch * pages_per_slot)
-    # at most one checkpoint per cached block (PAGE // unit blocks per page)
-    num_ckpt = min(budget // max(self.ckpt_bytes, 1), max(cache_pages, 0) * (PAGE // unit))
+    # at most one checkpoint per cached block (PAGE // match_tokens blocks per page)
+    num_ckpt = min(budget // max(self.ckpt_bytes, 1),
+                   max(cache_pages, 0) * (PAGE // match_tokens))
     use_prefix = budget > 0 and num_ckpt > 0
     shards = kv.page_shards(self.mesh)
     # the most pages the engine could ever hold (every slot at max_len, the prefix cache full)
@@ -126,7 +127,8 @@ class Runner:
     n, msg = self._pool_pages(serve, shards, cap, num_ckpt if use_prefix else 0, max_len)
     self.allocate(n, num_ckpt if use_prefix else 0)
     return n, msg, (dict(num_ckpt_slots=num_ckpt, budget_bytes=budget,
-                         page_bytes=self.page_bytes, ckpt_bytes=self.ckpt_bytes, unit=unit)
+                         page_bytes=self.page_bytes, ckpt_bytes=self.ckpt_bytes,
+                         match_tokens=match_tokens)
                     if use_prefix else None)
 
   def _pool_pages(self, serve: ServeConfig, shards: int, cap: int, num_ckpt: int,
