@@ -14,8 +14,8 @@ Every layer, sublayer and op that shards, picks a kernel or calls a parallel op 
 `Parallel` as its `par` argument; the default `SINGLE` is the single-device program
 (`constrain` is the identity, kernels are called directly, the reference ops run). A
 `Parallel` is hashable and compared by what determines the traced program (the mesh, the
-target platform and an optional key), not by its callables, so it is a static value under
-jit: a step that takes it as a static argument, or is built per `Parallel` and closes over
+target platform, the kernel choices and an optional key), not by its callables, so it is a
+static value under jit: a step that takes it as a static argument, or is built per `Parallel` and closes over
 it, can never reuse a program traced for another setup, while an equal rebuilt setup reuses
 the compile; and a step built without one is the single-device program by construction.
 """
@@ -26,6 +26,8 @@ import dataclasses
 from typing import Any, Callable, Hashable
 
 import jax
+
+from k3_jax.execution import DEFAULT_KERNELS, Kernels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +69,9 @@ class Parallel:
 
   mesh: the mesh (hashable) or None; target: its platform ("tpu", "cpu", "gpu"; None = JAX's
   default backend); key: anything else that tells two setups apart (a hand-built Parallel
-  carrying its own ops needs one). These three are the identity of the value. The
+  carrying its own ops needs one); kernels: the job's kernel choices (grouped matmul,
+  expert-parallel capacity, KDA backend and chunk; k3_jax/execution.py), which layers read
+  here rather than from their config. These four are the identity of the value. The
   callables (ops, resolver: (shape, logical axes) -> Sharding, sharder: (fn, in_axes,
   out_axes) -> fn per shard) are carried alongside and not compared: two Parallels that
   compare equal must trace the same program, which `parallel_for` guarantees.
@@ -75,6 +79,7 @@ class Parallel:
   mesh: Any = None
   target: str | None = None
   key: Hashable = None
+  kernels: Kernels = DEFAULT_KERNELS
   ops: ParallelOps = dataclasses.field(default_factory=ParallelOps, compare=False)
   resolver: Callable | None = dataclasses.field(default=None, compare=False, repr=False)
   sharder: Callable | None = dataclasses.field(default=None, compare=False, repr=False)
@@ -82,6 +87,8 @@ class Parallel:
   def __post_init__(self):
     if not isinstance(self.ops, ParallelOps):
       raise TypeError(f"Parallel.ops takes a ParallelOps, got {type(self.ops).__name__}")
+    if not isinstance(self.kernels, Kernels):
+      raise TypeError(f"Parallel.kernels takes a Kernels, got {type(self.kernels).__name__}")
     carries = _callables(self.ops) or self.resolver is not None or self.sharder is not None
     if carries and self.mesh is None and self.key is None:
       raise ValueError("a Parallel carrying ops, rules or kernel sharding needs a mesh or a "

@@ -62,7 +62,8 @@ def window_call(layer, x: jax.Array, cache: KDAState, par: Parallel = SINGLE):
   state, outs = cache.state, []
   for i in range(t):                                     # the decode's one-step recurrence
     o, state = kda_ops.decode_step(q[:, i, 0], k[:, i, 0], v[:, i, 0], g[:, i, 0],
-                                   beta[:, i, 0], state, backend=layer.c.backend, par=par)
+                                   beta[:, i, 0], state, backend=par.kernels.kda_backend,
+                                   par=par)
     outs.append(o)
   o = jnp.stack(outs, axis=1).reshape((b * t, 1) + outs[0].shape[1:])   # [B T, 1, H, V]
   y = layer._output(o, gate)

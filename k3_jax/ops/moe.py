@@ -127,7 +127,7 @@ def tiled_gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
 def default_gmm(kind: str = "auto", platform: str | None = None,
                 kernel: bool = True) -> GroupedMatmul:
   """"ragged_dot" (native on TPU and GPU), "tiled" (plain JAX, for XLA:CPU), or "auto":
-  tiled when compiling for CPU and ragged_dot otherwise (the model passes moe.gmm).
+  tiled when compiling for CPU and ragged_dot otherwise (the model passes the job's Parallel.kernels.gmm).
   `platform` is the compile target (e.g. "tpu" for an ahead-of-time TPU compile from a CPU
   host); None = JAX's default backend. On TPU, where the call may run a Pallas kernel
   (`kernel`: on whole local arrays, no mesh or inside a shard_map), ragged_dot's weight

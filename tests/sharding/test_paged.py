@@ -94,15 +94,14 @@ def test_batch_filling_decode_layout_matches_one_device():
   from k3_jax.serve import kv_pages as kv
   from k3_jax.serve import steps
   from k3_jax.serve.kv_pages import PAGE
+  from k3_jax.execution import Kernels
   from sharding.install import parallel_for
   from sharding.rules import tree_shardings
   from tests.serve.test_engine import tiny_serving_config
-  import dataclasses
   mesh = make_mesh(parse_mesh("expert:8"))
   cfg = tiny_serving_config()
   b, per, m = 8, 3, 2
   cap = comp.decode_ep_capacity(b, mesh, cfg)
-  cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, ep_capacity=cap))
   g, p, r = train.split_model(create_model(cfg, seed=3))
   n = 8 * per
   rng = np.random.default_rng(2)
@@ -130,7 +129,8 @@ def test_batch_filling_decode_layout_matches_one_device():
   ps = jax.device_put(p, comp.weights_by_output(p, mesh))
   rs = jax.device_put(r, tree_shardings(r, mesh))
   cs = jax.device_put(fresh(), kv.paged_cache_shardings(shapes, mesh))
-  got = steps.jit_steps(g, parallel_for(mesh, "slot")).decode(ps, rs, cs, counts(), batch)
+  got = steps.jit_steps(g, parallel_for(mesh, "slot", Kernels(ep_capacity=cap))).decode(
+      ps, rs, cs, counts(), batch)
   np.testing.assert_allclose(np.asarray(got[0].logits), np.asarray(one), atol=1e-5, rtol=0)
   # each KDA layer kept the idle slots' state and windows exactly, and moved the others'
   old = kv.kda_states(fresh())
