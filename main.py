@@ -41,6 +41,7 @@ from absl import app, flags  # noqa: E402
 
 from k3_jax.config import (EXPERT_FORMATS, ServeConfig, TrainConfig,  # noqa: E402
                             flag_fields)            # (plain data: no jax import)
+from k3_jax.execution import TRAIN_ONLY, ExecConfig  # noqa: E402
 
 FLAGS = flags.FLAGS
 
@@ -78,9 +79,10 @@ flags.DEFINE_string("profile_steps", None, "A:B: write a jax.profiler trace of s
                     "to <workdir>/profile (TensorBoard / Perfetto)")
 flags.DEFINE_integer("caption_eval_images", 192, "--dataset=shapes: held-out images captioned "
                      "greedily after training to measure accuracy (0: skip)")
-flags.DEFINE_string("mesh", "", "mesh axes, e.g. data:2,fsdp:4 (default: fsdp over all devices)")
-flags.DEFINE_float("ep_capacity", None, "expert-parallel capacity factor c (rows per "
-                   "source-destination bounded at c*n*k/P; default dropless)")
+# execution (train, compile, serve): every ExecConfig field (k3_jax/execution.py), None = the
+# preset's value (compile: its pod layout's; serve from a checkpoint: the defaults)
+EXEC_CONFIG_FLAGS = _define_fields(ExecConfig, default_none=True)
+SERVE_EXEC_FLAGS = tuple(n for n in EXEC_CONFIG_FLAGS if n not in TRAIN_ONLY)
 # fault handling (train; generate reads --checkpoint_step too)
 flags.DEFINE_integer("max_bad_steps", 3, "stop after this many consecutive steps with a "
                      "non-finite loss, gradient norm or update (each is skipped: no update)")
@@ -147,8 +149,6 @@ flags.DEFINE_string("sweep", None, "compile --step=decode|prefill over a grid of
 flags.DEFINE_string("sweep_out", None, "compile --sweep: append each point (JSON lines) here "
                     "and skip the points already in it")
 flags.DEFINE_string("sweep_plot", None, "compile --sweep: write the frontier plot (PNG) here")
-flags.DEFINE_enum("gmm", "ragged_dot", ["ragged_dot", "tiled"], "MoE grouped matmul lowered "
-                  "for the target (ragged_dot on TPU); sets moe.gmm")
 
 # convert: Orbax workdir <-> Hugging Face safetensors
 flags.DEFINE_string("from", None, "SRC: an Orbax workdir (export) or a Hugging Face directory "
@@ -167,6 +167,7 @@ flags.DEFINE_integer("num_shards", 8, "prepare: train shards (a multiple of the 
                      "that will read them)")
 # serve: the OpenAI-compatible server (k3_jax/serve/); every ServeConfig field, its default
 SERVE_CONFIG_FLAGS = _define_fields(ServeConfig, default_none=False)
+flags.DEFINE_alias("prefix_match_unit", "prefix_match_tokens")   # its former name (deprecated)
 flags.DEFINE_string("served_model_name", None, "model id in /v1/models (default: the config "
                     "name)")
 flags.DEFINE_boolean("random_weights", False, "serve random weights of --config instead of a "
@@ -183,7 +184,28 @@ def _model_config(vision: bool = False):
   import configs
   from k3_jax.config import apply_overrides, validate
   base = configs.get_multimodal(FLAGS.config) if vision else configs.get(FLAGS.config)
-  return validate(apply_overrides(base, FLAGS.override))
+  return validate(apply_overrides(base, _model_overrides()))
+
+
+def _model_overrides() -> list[str]:
+  """--override items for the model: those naming a former model field that is an execution
+  setting now (kda.backend=...) go to `_exec_given` instead."""
+  from k3_jax.execution import split_overrides
+  return split_overrides(FLAGS.override)[0]
+
+
+def _exec_given() -> dict:
+  """The execution settings the command line gives, in one place: every ExecConfig flag
+  that was given (and an --override of a moved field, e.g. kda.backend=pallas, by its
+  ExecConfig name; a flag wins). Each job puts them over its base: the preset's
+  (configs.get_exec), compile's pod layout, or a checkpoint's."""
+  from k3_jax.execution import apply_run_overrides, split_overrides
+  given = {}
+  for item in split_overrides(FLAGS.override)[1]:
+    name = item.split("=", 1)[0]
+    given[name] = getattr(apply_run_overrides(ExecConfig(), [item]), name)
+  given.update({n: getattr(FLAGS, n) for n in EXEC_CONFIG_FLAGS if getattr(FLAGS, n) is not None})
+  return given
 
 
 def _vision_model_config():
@@ -195,25 +217,23 @@ def _vision_model_config():
     return None
 
 
-def _execution_overrides(cfg, gmm: str | None = None):
-  """cfg with the execution-only flags applied as config fields (moe.ep_capacity, moe.gmm):
-  jit sees them through the config, and a checkpoint resumes under other values."""
-  from k3_jax.config import apply_overrides, validate
-  over = [] if FLAGS.ep_capacity is None else [f"moe.ep_capacity={FLAGS.ep_capacity}"]
-  over += [] if gmm is None else [f"moe.gmm={gmm}"]
-  return validate(apply_overrides(cfg, over))
-
-
 def _hf_model_config(hf_dir: str):
   """The model config of a Hugging Face directory (its config.json), with --override."""
   from k3_jax.checkpoint.convert import read_hf_config
   from k3_jax.config import apply_overrides, validate
-  return validate(apply_overrides(read_hf_config(hf_dir)[1], FLAGS.override))
+  return validate(apply_overrides(read_hf_config(hf_dir)[1], _model_overrides()))
 
 
 def _expert_format() -> str:
   """generate / compile: --expert_format with auto = dense (the stored format)."""
   return "dense" if FLAGS.expert_format == "auto" else FLAGS.expert_format
+
+
+def _preset_exec() -> ExecConfig:
+  """The preset's execution settings (configs.get_exec); the defaults for a model read from
+  --init_from."""
+  import configs
+  return ExecConfig() if getattr(FLAGS, "init_from", None) else configs.get_exec(FLAGS.config)
 
 
 def _train_config(cfg, check: bool = True):
@@ -346,6 +366,7 @@ def _train_job(stop) -> None:
   from k3_jax.checkpoint.manager import CheckpointManager
   from k3_jax.checkpoint.resume import check_resume, save_train_config
   from k3_jax.data.datasets import train_data
+  from k3_jax.execution import check_batch
   from k3_jax.profiling import parse_steps
   from pod.distributed import maybe_initialize
   from sharding.mesh import make_mesh, parse_mesh, validate_mesh
@@ -354,15 +375,17 @@ def _train_job(stop) -> None:
   _check_train_flags()
   maybe_initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
   shapes_run = FLAGS.dataset == "shapes"     # the tower only when the data has images
-  cfg = _execution_overrides(_hf_model_config(FLAGS.init_from) if FLAGS.init_from
-                             else _model_config(vision=shapes_run))
+  cfg = (_hf_model_config(FLAGS.init_from) if FLAGS.init_from
+         else _model_config(vision=shapes_run))
   tc = _train_config(cfg)
+  run = _preset_exec().given(**_exec_given())
+  check_batch(run, tc.batch_size)
   if shapes_run and cfg.vision is not None:   # the data's own check, before the mesh
     from k3_jax.data import shapes, tokenizers
     shapes.check_seq_len(tc.seq_len, cfg.vision, tokenizers.get_tokenizer(tc.tokenizer))
   profile = parse_steps(FLAGS.profile_steps)
-  mesh = make_mesh(parse_mesh(FLAGS.mesh), slices=FLAGS.num_slices)
-  validate_mesh(cfg, mesh, tc.batch_size, tc.seq_len, grad_accum=tc.grad_accum)
+  mesh = make_mesh(parse_mesh(run.mesh), slices=FLAGS.num_slices)
+  validate_mesh(cfg, mesh, tc.batch_size, tc.seq_len, grad_accum=run.grad_accum)
   check_resume(FLAGS.workdir, cfg, tc)     # refuses a mismatch before anything is written
   train_iter, evals = train_data(cfg, tc, jax.process_index(), jax.process_count(),
                                  warn=lambda m: print(m, file=sys.stderr))
@@ -375,7 +398,7 @@ def _train_job(stop) -> None:
     init_state = lambda steps: train_state_from_hf(FLAGS.init_from, steps, tc)
   result = train.run(cfg, tc, FLAGS.workdir, mesh, train_iter, evals, ckpt=ckpt,
                      max_bad_steps=FLAGS.max_bad_steps, restore_step=FLAGS.checkpoint_step,
-                     init_state=init_state, stop=stop, profile_steps=profile)
+                     init_state=init_state, stop=stop, profile_steps=profile, run=run)
   print(train.summary_line(result, FLAGS.workdir))
   if shapes_run and FLAGS.caption_eval_images > 0 and not result.get("interrupted"):
     from k3_jax.data import tokenizers
@@ -496,7 +519,7 @@ def _print_param_groups(cfg) -> None:
 def cmd_compile() -> None:
   """Ahead-of-time compile one step for a TPU target and report per-chip memory."""
   import configs
-  from k3_jax.compile import LAYOUT_FLAGS, apply_pod_layout, compile_step, pod_layout
+  from k3_jax.compile import SHAPE_FLAGS, apply_pod_layout, compile_step, pod_layout
   from k3_jax.config import ConfigError
   from pod import aot
   from pod.topology import resolve_target
@@ -507,13 +530,14 @@ def cmd_compile() -> None:
       raise ConfigError(f"--{name}={getattr(FLAGS, name)}: must be positive")
   aot.limit_malloc_arenas()        # less host memory for the TPU compiler's threads
   target = resolve_target(FLAGS.topology, 1 if FLAGS.num_slices is None else FLAGS.num_slices)
-  cfg = _execution_overrides(_model_config(), gmm=FLAGS.gmm)
+  cfg = _model_config()
   # The preset's recommended layout for this target and step fills every flag not given.
   layout = pod_layout(configs.get_pod_layouts(FLAGS.config), target, FLAGS.step)
-  given = {n: getattr(FLAGS, n) if FLAGS[n].present else None for n in LAYOUT_FLAGS}
+  given = {n: getattr(FLAGS, n) if FLAGS[n].present else None for n in SHAPE_FLAGS}
   if given["expert_format"] is not None:
     given["expert_format"] = _expert_format()
-  cfg, tc, kw = apply_pod_layout(layout, cfg, _train_config(cfg, check=False), given)
+  kw = apply_pod_layout(layout, _preset_exec(), {**given, **_exec_given()})
+  tc = _train_config(cfg, check=False)
   if FLAGS.sweep:
     _compile_sweep(cfg, tc, target, kw)
     return
@@ -611,9 +635,11 @@ def cmd_serve() -> None:
   from k3_jax.serve.loader import ServeOptions, run_server
   serve = ServeConfig(**{n: getattr(FLAGS, n) for n in SERVE_CONFIG_FLAGS})
   _check_tokenizer(FLAGS.tokenizer)
-  if FLAGS.mesh:
+  run_given = _exec_given()                      # over the checkpoint's (or preset's) own
+  ExecConfig().given(**run_given)                # each value's check, before the model loads
+  if run_given.get("mesh"):
     from sharding.mesh import parse_mesh
-    parse_mesh(FLAGS.mesh)                       # its syntax; the devices when it is built
+    parse_mesh(run_given["mesh"])                # its syntax; the devices when it is built
   from pod.distributed import maybe_initialize
   _check_multihost_flags()
   maybe_initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
@@ -624,7 +650,7 @@ def cmd_serve() -> None:
       workdir=None if (FLAGS.random_weights or FLAGS.hf_dir) else FLAGS.workdir,
       hf_dir=FLAGS.hf_dir, config=FLAGS.config if FLAGS.random_weights else None,
       overrides=tuple(FLAGS.override), seed=FLAGS.seed or 0, tokenizer=FLAGS.tokenizer,
-      expert_format=_expert_format(), serve=serve, mesh=FLAGS.mesh,
+      expert_format=_expert_format(), serve=serve, run_given=tuple(run_given.items()),
       model_name=FLAGS.served_model_name))
 
 
@@ -655,8 +681,8 @@ class Command:
 COMMANDS: dict[str, Command] = {
     "train": Command(cmd_train, "train --config for --steps, resuming from the latest "
                      "checkpoint in --workdir",
-                     (*MODEL_FLAGS, "workdir", *TRAIN_CONFIG_FLAGS, "mesh", "num_slices",
-                      "ep_capacity", "max_bad_steps", "checkpoint_step", "init_from",
+                     (*MODEL_FLAGS, "workdir", *TRAIN_CONFIG_FLAGS, *EXEC_CONFIG_FLAGS,
+                      "num_slices", "max_bad_steps", "checkpoint_step", "init_from",
                       "caption_eval_images", "profile_steps", *MULTIHOST_FLAGS)),
     "generate": Command(cmd_generate, "load the latest checkpoint in --workdir and stream a "
                         "completion of --prompt",
@@ -668,10 +694,9 @@ COMMANDS: dict[str, Command] = {
                     (*MODEL_FLAGS, "json", "serving_bytes", "param_groups", "optimizer")),
     "compile": Command(cmd_compile, "ahead-of-time compile the train / prefill / decode / "
                        "verify step for a TPU target and report per-chip memory",
-                       (*MODEL_FLAGS, "topology", "num_slices", "step", "mesh", "global_batch",
-                        "seq_len", "cache_len", "gmm", "expert_format", "ep_capacity", "json",
-                        "num_speculative_tokens",
-                        "batch_size", "grad_accum", "optimizer", "remat")),
+                       (*MODEL_FLAGS, "topology", "num_slices", "step", *EXEC_CONFIG_FLAGS,
+                        "global_batch", "seq_len", "cache_len", "expert_format", "json",
+                        "num_speculative_tokens", "batch_size", "optimizer")),
     "convert": Command(cmd_convert, "convert an Orbax workdir to Hugging Face safetensors or "
                        "back (the direction from what --from holds)",
                        (*MODEL_FLAGS, "from", "to", "checkpoint_step", "max_shard_size",
@@ -682,7 +707,7 @@ COMMANDS: dict[str, Command] = {
     "serve": Command(cmd_serve, "serve --workdir's model (or --hf_dir's) behind an "
                      "OpenAI-compatible HTTP API with continuous batching and a prefix cache",
                      ("workdir", "hf_dir", "random_weights", *MODEL_FLAGS, "seed", "tokenizer",
-                      "expert_format", "mesh", *SERVE_CONFIG_FLAGS, "served_model_name",
+                      "expert_format", *SERVE_EXEC_FLAGS, *SERVE_CONFIG_FLAGS, "served_model_name",
                       *MULTIHOST_FLAGS)),
 }
 _OUR_FLAGS = {name for cmd in COMMANDS.values() for name in cmd.flags}

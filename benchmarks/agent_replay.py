@@ -68,7 +68,7 @@ from k3_jax.serve.engine import Engine, SamplingParams  # noqa: E402
 from k3_jax.serve.prefix_cache import block_hashes  # noqa: E402
 
 HIT_PRICE, MISS_PRICE = 0.30, 3.00         # $ per million input tokens
-UNIT = 64                                   # prefix match unit of every cached engine
+MATCH = 64                                   # prefix match grid of every cached engine
 SYSTEM = 1536                               # shared system prompt + tool declarations
 USER = 16                                   # a user message
 TOOL = (32, 256)                            # a tool result's tokens (uniform range)
@@ -117,11 +117,11 @@ def replay(eng: Engine, sessions: int, turns: int, seed: int, use_cache: bool
     now = time.monotonic() - t0
     for s in live:
       if s.req is None and now >= s.next_at:
-        hs = block_hashes(s.context, UNIT)
+        hs = block_hashes(s.context, MATCH)
         known = 0
         while known < len(hs) and hs[known] in seen:
           known += 1
-        ceiling += min(known * UNIT, s.context.size - 1)
+        ceiling += min(known * MATCH, s.context.size - 1)
         seen.update(hs)
         s.req = eng.submit(s.context, SamplingParams(max_tokens=ANSWER),
                            use_prefix_cache=use_cache)
@@ -135,7 +135,7 @@ def replay(eng: Engine, sessions: int, turns: int, seed: int, use_cache: bool
         assert not r.error, r.error
         done.append((r.prompt.size, r.cached_tokens, r.first_token_at - r.arrival))
         fed = np.concatenate([s.context, np.asarray(r.output_ids[:-1], np.int32)])
-        seen.update(block_hashes(fed, UNIT))      # (the decoded-turn cache registers these)
+        seen.update(block_hashes(fed, MATCH))      # (the decoded-turn cache registers these)
         last[s.k] = (s.context, list(r.output_ids))
         s.req = None
         s.turns_left -= 1
@@ -157,7 +157,7 @@ def restore_vs_prefill(eng: Engine, context: np.ndarray) -> dict:
   """Seconds to restore `context`'s cached blocks from the host tier and from disk (the
   promotion into device memory, waited for) against prefilling the same tokens."""
   t = eng.tiers
-  hs = block_hashes(context, UNIT)
+  hs = block_hashes(context, MATCH)
   out = {}
   for tier in ("host", "disk"):
     while eng.prefix._evict_one():          # everything off the device (demoted)
@@ -171,7 +171,7 @@ def restore_vs_prefill(eng: Engine, context: np.ndarray) -> dict:
     got = t.promote(hs, len(hs), step=-2)
     jax.block_until_ready((eng.cache, eng.ckpts))
     out[f"restore_{tier}_s"] = time.perf_counter() - t0
-    out[f"restore_{tier}_tokens"] = len(got) * UNIT
+    out[f"restore_{tier}_tokens"] = len(got) * MATCH
   n = out["restore_host_tokens"]
   best = []
   for _ in range(2):
@@ -212,13 +212,13 @@ def main():
   tiers["device+host+disk"]["disk_cache_dir"] = tmp
   steps, rows, engines = None, {}, {}
   print(f"{args.config}: {args.sessions} sessions x {args.turns} turns, 4 slots, "
-        f"max_len {max_len}, match unit {UNIT}; device prefix cache {device / 2**20:.1f} MiB, "
+        f"max_len {max_len}, match grid {MATCH}; device prefix cache {device / 2**20:.1f} MiB, "
         f"host tier {working // 4 / 2**20:.1f} MiB, sessions' working set ~{working / 2**20:.0f}"
         f" MiB")
   # warm-up: one replay on a throwaway engine compiles every shape the runs use
   for name, kw in [("warm-up", {})] + list(tiers.items()):
     eng = Engine(cfg, g, p, r, max_batch=4, max_len=max_len, prefix_cache_bytes=device,
-                 prefix_match_unit=UNIT, **kw)
+                 prefix_match_tokens=MATCH, **kw)
     if steps is not None:
       eng.runner.steps = steps
     steps = eng.runner.steps
@@ -250,7 +250,7 @@ def main():
   # server does), a new one on the same directory answers a returning session
   eng.tiers.persist()
   again = Engine(cfg, g, p, r, max_batch=4, max_len=max_len, prefix_cache_bytes=device,
-                 prefix_match_unit=UNIT, **tiers["device+host+disk"])
+                 prefix_match_tokens=MATCH, **tiers["device+host+disk"])
   again.runner.steps = steps
   context, answer = last[0]                 # session 0's next turn: + its answer, a user message
   back = np.concatenate([context, np.asarray(answer, np.int32),

@@ -66,18 +66,17 @@ def one(units: int, seq_split: int, remat: str, batch: int | None, seq_len: int,
   if units:
     n = 4 * units + 5          # k3's plan: 1 dense layer, `units` scanned units, 4 MoE layers
     cfg = dataclasses.replace(cfg, num_layers=n, mla_layers=tuple(range(4, n, 4)) + (n,))
-  if extra.get("ep_capacity"):
-    cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe,
-                                                           ep_capacity=extra["ep_capacity"]))
+  run = dataclasses.replace(configs.get_exec("k3"), remat=remat,
+                            ep_capacity=extra.get("ep_capacity") or 0.0,
+                            grad_accum=extra.get("grad_accum", 1))
   slices = extra.get("num_slices", 1)   # the data axis spans them (sharding/mesh.py)
-  tc = dataclasses.replace(configs.get_train("k3"), remat=remat,
-                           batch_size=batch or 2048 * slices // seq_split, seq_len=seq_len,
-                           grad_accum=extra.get("grad_accum", 1))
+  tc = dataclasses.replace(configs.get_train("k3"),
+                           batch_size=batch or 2048 * slices // seq_split, seq_len=seq_len)
   target = resolve_target(extra.get("topology", "v5p-4096"), slices)
   fsdp = target.chips // slices // 32 // seq_split
   spec = (f"data:{slices}," if slices > 1 else "") + f"fsdp:{fsdp},expert:32,sequence:{seq_split}"
   mesh = make_mesh(parse_mesh(spec), target_devices(target))
-  fn, args = train_program(cfg, tc, mesh)
+  fn, args = train_program(cfg, tc, mesh, dataclasses.replace(run, mesh=spec))
   t0 = time.time()
   lowered = fn.lower(*args)
   t1 = time.time()

@@ -3,10 +3,12 @@
   python -m benchmarks.moe [--quick] [--json out.json] [--runs N] [--tokens N]
   python -m benchmarks.moe --tiles 16,32,64,128,256
 
---tiles: the tile size of the tiled layout (`_moe_tiled`, what a prefill on XLA:CPU runs)
-on the served 15M Kimi-Linear's experts (E=16, k=4, Din=256, F=128) at 512 and 4,096
-tokens (one prompt; eight in one call), each tile timed in turns with the others (the best
-of 5 rounds of 3 calls), beside the size `_tile_rows` picks.
+--tiles: the tile size of the tiled layout's two programs on the served 15M Kimi-Linear's
+experts (E=16, k=4, Din=256, F=128) at 512 and 4,096 tokens (one prompt; eight in one
+call): `loop` (`_moe_tile_loop`, what a prefill on XLA:CPU runs; default tile
+`LOOP_TILE`) and `batched` (`_moe_tiles_batched`, what training differentiates; default
+`_tile_rows`), each (program, tile) timed in turns with the others (the best of 5 rounds
+of 3 calls).
 
 For E in {16, 64, 256} experts and k in {2, 8, 16} experts per token (--quick:
 E=16, k=2 only), N=2048 tokens, expert input width Din=256, intermediate F=512,
@@ -29,8 +31,9 @@ FLOPs of the k selected experts' forward pass:
 
   analytic = 2 * N * k * (3 * Din * F)     (gate, up, down matmuls; 2 flops per MAC)
 
-so 1.0 is ideal; the routing (top-k, sort, gather) and the GLU add a little,
-tiled padding adds up to E * (tile - 1) rows, and a dense all-experts method
+(for tiled, whose served program is a loop of run-time length that cost analysis counts
+once, the matmul FLOPs of the tiles it runs: `loop_flops`), so 1.0 is ideal; the routing
+(top-k, sort, gather) and the GLU add a little, tiled padding adds up to E * (tile - 1) rows, and a dense all-experts method
 reads about E / k. Targets: dispatch within 1.3x, dense near E / k.
 """
 
@@ -59,6 +62,15 @@ SLOW_WARMUP_S = 5.0
 
 def analytic_flops(n, k):
   return 2 * n * k * 3 * DIN * F
+
+
+def loop_flops(ids, e, tile=None):
+  """Matmul FLOPs the tiled loop (`moe._moe_tile_loop`) runs for this routing: every tile
+  that holds rows, padding rows included, times gate, up and down."""
+  from k3_jax.ops import moe
+  t = tile or moe.LOOP_TILE
+  sizes = np.bincount(np.asarray(ids).reshape(-1), minlength=e)
+  return float(2 * int(np.sum(-(-sizes // t))) * t * 3 * DIN * F)
 
 
 def compiled_cost(jitted, args):
@@ -94,30 +106,35 @@ METHODS = {
 
 
 def bench_tiles(tiles):
-  """ms of `_moe_tiled` at each tile size, 512 and 4,096 tokens (module docstring)."""
+  """ms of the tiled layout's two programs at each tile size, 512 and 4,096 tokens (module
+  docstring)."""
   import time
   from k3_jax.ops import moe
   e, k, din, f = 16, 4, 256, 128
   rng = np.random.default_rng(0)
   w = [jnp.asarray(rng.normal(size=shape) * 0.05, jnp.float32)
        for shape in ((e, din, f), (e, din, f), (e, f, din))]
+  programs = {"loop": moe._moe_tile_loop, "batched": moe._moe_tiles_batched}
   for n in (512, 4096):
     x = jnp.asarray(rng.normal(size=(n, din)), jnp.float32)
     ids = jnp.asarray(np.stack([rng.choice(e, k, replace=False) for _ in range(n)]), jnp.int32)
     p = jnp.asarray(rng.random((n, k)), jnp.float32)
-    fns = {t: jax.jit(lambda *a, t=t: moe._moe_tiled(*a, "situ", 4.0, 25.0, tile=t))
-           for t in tiles}
-    best = dict.fromkeys(tiles, float("inf"))
+    fns = {(name, t): jax.jit(lambda *a, t=t, prog=prog: prog(*a, "situ", 4.0, 25.0, tile=t))
+           for name, prog in programs.items() for t in tiles}
+    best = dict.fromkeys(fns, float("inf"))
     for fn in fns.values():
       fn(x, p, ids, *w).block_until_ready()
     for _ in range(5):
-      for t, fn in fns.items():
+      for key, fn in fns.items():
         t0 = time.perf_counter()
         for _ in range(3):
           fn(x, p, ids, *w).block_until_ready()
-        best[t] = min(best[t], (time.perf_counter() - t0) / 3)
-    print(f"N={n} (m={n * k} pairs; _tile_rows picks {moe._tile_rows(n * k, e)}): "
-          + ", ".join(f"tile {t}: {v * 1e3:.1f} ms" for t, v in best.items()), flush=True)
+        best[key] = min(best[key], (time.perf_counter() - t0) / 3)
+    print(f"N={n} (m={n * k} pairs; defaults: loop {moe.LOOP_TILE}, batched "
+          f"{moe._tile_rows(n * k, e)})", flush=True)
+    for name in programs:
+      print(f"  {name:8s} " + ", ".join(f"tile {t}: {best[name, t] * 1e3:.1f} ms"
+                                          for t in tiles), flush=True)
 
 
 def main():
@@ -148,6 +165,8 @@ def main():
     for name, fn in METHODS.items():
       jitted = jax.jit(fn)
       flops, temp = compiled_cost(jitted, inputs)
+      if name == "tiled":   # a loop of run-time length: cost analysis counts its body once
+        flops = loop_flops(inputs[2], e)
       ratio = flops / analytic_flops(n, k)
       row = {"E": e, "k": k, "method": name, "tokens": n, "din": DIN, "f": F,
              "ms": None, "tokens_per_s": None, "flops_ratio": ratio,

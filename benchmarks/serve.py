@@ -205,7 +205,7 @@ def kimi_pair(tmp):
   Hugging Face directory `tmp` -> (transformers model, our config, our model, the 8 distinct
   512-token prompts)."""
   from benchmarks.vs_transformers import build_pair
-  hf, cfg, ours = build_pair(tmp, [])
+  hf, cfg, ours = build_pair(tmp)
   hf.to(HF_DEVICE).eval()
   hf.generation_config.eos_token_id = None
   hf.generation_config.pad_token_id = 0

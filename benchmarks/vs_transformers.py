@@ -1,7 +1,7 @@
 """Train and prefill tokens/s of this project vs Hugging Face transformers, same model, same run.
 
   python -m benchmarks.vs_transformers [--steps N] [--batch B] [--seq T] [--prefill-runs N]
-                                        [--json out.json] [--set kda.chunk_size=16 ...]
+                                        [--json out.json] [--set kda_chunk_size=16 ...]
 
 The configuration is issue #17's 15.01M-parameter Kimi-Linear model: vocab 512, d 256,
 8 layers [KDA, KDA, KDA, MLA] x 2, a dense first layer of width 1024, KDA 4 heads x 64 with
@@ -22,8 +22,8 @@ of transformers is likewise a warm-up. tokens/s = B*T / median step time.
 Prefill: forward only (no gradients) on the same batch, median of --prefill-runs calls,
 again alternating.
 
-Extra --set overrides change only OUR execution (e.g. --set kda.chunk_size=16); they must
-not change the parameters.
+Extra --set items are OUR execution settings (k3_jax/execution.py ExecConfig fields, e.g.
+--set kda_chunk_size=16 or --set gmm=ragged_dot); they never change the parameters.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from k3_jax.checkpoint import convert  # noqa: E402
-from k3_jax.config import apply_overrides, validate  # noqa: E402
+from k3_jax.execution import ExecConfig, apply_run_overrides, split_overrides  # noqa: E402
+from k3_jax.partitioning import Parallel  # noqa: E402
 from tests.hf_reference import kimi_linear_config, redraw  # noqa: E402
 
 VOCAB = 512
@@ -61,7 +62,7 @@ def hf_config():
                             tie_word_embeddings=False)
 
 
-def build_pair(tmpdir, overrides, hf_experts="grouped_mm"):
+def build_pair(tmpdir, hf_experts="grouped_mm"):
   torch.manual_seed(0)
   hf = transformers.KimiLinearForCausalLM(hf_config())
   redraw(hf)
@@ -70,18 +71,16 @@ def build_pair(tmpdir, overrides, hf_experts="grouped_mm"):
     hf = transformers.KimiLinearForCausalLM.from_pretrained(
         tmpdir, experts_implementation=hf_experts)
   cfg, flat = convert.load_flat(tmpdir)
-  if overrides:
-    cfg = validate(apply_overrides(cfg, overrides))
   ours = convert.model_from_flat(cfg, flat)
   return hf.train(), cfg, ours
 
 
-def our_steps(ours):
+def our_steps(ours, par: Parallel):
   graphdef, params, rest = nnx.split(ours, nnx.Param, ...)
   opt = optax.adamw(LR, b1=B1, b2=B2, eps=EPS, weight_decay=WD)
 
   def loss_fn(p, inputs, targets):
-    logits, _, _ = nnx.merge(graphdef, p, rest)(inputs)
+    logits, _, _ = nnx.merge(graphdef, p, rest)(inputs, par=par)
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
   @jax.jit
@@ -92,7 +91,7 @@ def our_steps(ours):
 
   @jax.jit
   def prefill(p, inputs):
-    return nnx.merge(graphdef, p, rest)(inputs)[0]
+    return nnx.merge(graphdef, p, rest)(inputs, par=par)[0]
 
   return params, opt.init(params), train, prefill
 
@@ -122,7 +121,7 @@ def main(argv=None):
   ap.add_argument("--seq", type=int, default=512)
   ap.add_argument("--prefill-runs", type=int, default=3)
   ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                  help="override of OUR model config (execution choices only)")
+                  help="OUR execution setting (an ExecConfig field, e.g. kda_chunk_size=16)")
   ap.add_argument("--hf-experts", default="grouped_mm", choices=("grouped_mm", "eager"),
                   help="transformers' routed-expert implementation (its default: grouped_mm)")
   ap.add_argument("--json", default=None)
@@ -131,16 +130,20 @@ def main(argv=None):
     ap.error("--steps must be >= 2 (the first step is a warm-up)")
 
   with tempfile.TemporaryDirectory() as d:
-    hf, cfg, ours = build_pair(d, a.set, a.hf_experts)
+    hf, cfg, ours = build_pair(d, a.hf_experts)
+  model_over, run_over = split_overrides(a.set)
+  if model_over:
+    ap.error(f"--set {model_over}: not an execution setting (the model stays transformers')")
+  kernels = apply_run_overrides(ExecConfig(), run_over).kernels
   n_params = sum(p.numel() for p in hf.parameters())
   print(f"model: {n_params / 1e6:.2f}M parameters; batch {a.batch} x {a.seq}; "
         f"jax {jax.__version__} ({jax.devices()[0].platform}), torch {torch.__version__} "
-        f"({torch.get_num_threads()} threads); ours: kda.chunk_size={cfg.kda.chunk_size} "
-        f"moe.gmm={cfg.moe.gmm}")
+        f"({torch.get_num_threads()} threads); ours: kda_chunk_size={kernels.kda_chunk_size} "
+        f"gmm={kernels.gmm}")
 
   rng = np.random.RandomState(0)
   batches = [rng.randint(0, VOCAB, (a.batch, a.seq + 1)) for _ in range(a.steps)]
-  p, o, j_train, j_prefill = our_steps(ours)
+  p, o, j_train, j_prefill = our_steps(ours, Parallel(kernels=kernels))
   h_train, h_prefill = hf_steps(hf)
   tok = a.batch * a.seq
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import importlib
 
-from k3_jax.config import ConfigError, ModelConfig, PodLayout, TrainConfig, validate
+from k3_jax.config import ConfigError, ModelConfig, TrainConfig, validate
+from k3_jax.execution import ExecConfig, PodLayout
 
 PRESETS = ("k3", "k3_small", "k3_tiny", "kimi_linear_48b")
 
@@ -33,6 +34,15 @@ def get_train(name: str) -> TrainConfig:
     raise ConfigError(f"unknown config {name!r}; valid configs are: {', '.join(PRESETS)}")
   mod = importlib.import_module(f"configs.{name}")
   return mod.get_train_config() if hasattr(mod, "get_train_config") else TrainConfig()
+
+
+def get_exec(name: str) -> ExecConfig:
+  """The preset's default execution settings (ExecConfig defaults where it has none): what a
+  job on it runs with where no flag and no pod layout says otherwise."""
+  if name not in PRESETS:
+    raise ConfigError(f"unknown config {name!r}; valid configs are: {', '.join(PRESETS)}")
+  mod = importlib.import_module(f"configs.{name}")
+  return mod.get_exec_config() if hasattr(mod, "get_exec_config") else ExecConfig()
 
 
 def get_pod_layouts(name: str) -> tuple[PodLayout, ...]:

@@ -13,8 +13,11 @@ Never instantiated on a CPU; `main.py info` and ahead-of-time compilation use it
 The compile commands take the pod layouts below for every flag not given (docs/pod-scale.md).
 """
 
+import dataclasses
+
 from k3_jax.config import (AttnResConfig, KDAConfig, MLAConfig, ModelConfig, MoEConfig,
-                           PodLayout, TrainConfig)
+                           TrainConfig)
+from k3_jax.execution import ExecConfig, PodLayout
 
 
 def get_config() -> ModelConfig:
@@ -32,7 +35,7 @@ def get_config() -> ModelConfig:
       param_dtype="bfloat16",
       bos_id=163_584, eos_id=163_586, pad_id=163_839,
       kda=KDAConfig(num_heads=96, head_dim=128, conv_size=4, decay="lower_bound", g_min=-5.0,
-                    gate_rank=0, decay_rank=0, chunk_size=64),
+                    gate_rank=0, decay_rank=0),
       mla=MLAConfig(num_heads=96, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
                     qk_rope_head_dim=64, v_head_dim=128, output_gate=True),
       moe=MoEConfig(num_experts=896, top_k=16, num_shared_experts=2, expert_intermediate=3072,
@@ -43,6 +46,11 @@ def get_config() -> ModelConfig:
                     qb_bins=1000),
       attn_res=AttnResConfig(enabled=True, block_size=12),
   )
+
+
+def get_exec_config() -> ExecConfig:
+  """KDA in chunks of 64 (the TPU kernels' tile) on every backend."""
+  return ExecConfig(kda_chunk_size=64)
 
 
 def get_train_config() -> TrainConfig:
@@ -59,6 +67,7 @@ def get_vision_config():
 def get_pod_layouts():
   """The recommended layouts of k3's steps on v5p pods, applied by `main.py compile` where a
   flag is not given (docs/pod-scale.md has the measured per-chip memory)."""
+  run = lambda **kw: dataclasses.replace(get_exec_config(), **kw)
   return (
       # 2048 chips, 512 x 8192 tokens, 2048 per chip: the batch over fsdp x expert (one
       # sequence per group), each sequence split 4 ways (KDA / MLA context parallelism); the
@@ -68,33 +77,32 @@ def get_pod_layouts():
       # and FFN units, but every
       # chip of a tensor pair holds the pair's whole residual stream (4096 tokens).
       PodLayout(topology="v5p-4096", step="train",
-                mesh="fsdp:16,expert:32,sequence:4",
-                global_batch=512, seq_len=8192, remat="block", grad_accum=1,
-                ep_capacity=1.25),
+                run=run(mesh="fsdp:16,expert:32,sequence:4", remat="block", grad_accum=1,
+                        ep_capacity=1.25),
+                global_batch=512, seq_len=8192),
       # 2 slices (4096 chips, the data axis over DCN): the same 512 x 8192 a step, 1024
       # tokens per chip, each sequence split 8 ways. The one-slice mesh per slice at
       # 1024 x 8192 (2048 per chip) needs 100.5 GiB: over slices the compiler peels a
       # scanned unit out of its loops, 1.5x the layers' buffers (docs/pod-scale.md).
       PodLayout(topology="2*v5p-4096", step="train",
-                mesh="data:2,fsdp:8,expert:32,sequence:8",
-                global_batch=512, seq_len=8192, remat="block", grad_accum=1,
-                ep_capacity=1.25),
+                run=run(mesh="data:2,fsdp:8,expert:32,sequence:8", remat="block",
+                        grad_accum=1, ep_capacity=1.25),
+                global_batch=512, seq_len=8192),
       # 4 slices (8192 chips): the 2-slice layout with the data axis twice as long, 1024 x
       # 8192 a step, the same 1024 tokens per chip: 62.84 GiB per chip (docs/pod-scale.md).
       PodLayout(topology="4*v5p-4096", step="train",
-                mesh="data:4,fsdp:8,expert:32,sequence:8",
-                global_batch=1024, seq_len=8192, remat="block", grad_accum=1,
-                ep_capacity=1.25),
+                run=run(mesh="data:4,fsdp:8,expert:32,sequence:8", remat="block",
+                        grad_accum=1, ep_capacity=1.25),
+                global_batch=1024, seq_len=8192),
       # 64 chips, 8 sequences decoding against 1M-token caches: experts (MXFP4) and dense
       # weights over the 64 chips; the batch of 8 cannot fill the expert axis, so the MLA
       # latent caches are split over their length instead (rules "cache_seq").
-      PodLayout(topology="v5p-128", step="decode", mesh="expert:64", global_batch=8,
+      PodLayout(topology="v5p-128", step="decode", run=run(mesh="expert:64"), global_batch=8,
                 cache_len=1_048_576, expert_format="mxfp4"),
       # 64 chips, one 1M-token prompt: its tokens split over the 64 chips (rules "seq" takes
       # the expert axis the batch of one leaves): KDA context-parallel, MLA blockwise over
       # the gathered latent cache, experts (MXFP4) exchanging tokens over the same axis,
       # buffers bounded at 2x the balanced load.
-      PodLayout(topology="v5p-128", step="prefill", mesh="expert:64", global_batch=1,
-                seq_len=1_048_576, cache_len=1_048_576, expert_format="mxfp4",
-                ep_capacity=2.0),
+      PodLayout(topology="v5p-128", step="prefill", run=run(mesh="expert:64", ep_capacity=2.0),
+                global_batch=1, seq_len=1_048_576, cache_len=1_048_576, expert_format="mxfp4"),
   )

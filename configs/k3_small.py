@@ -29,8 +29,7 @@ def get_config() -> ModelConfig:
       dtype="float32",
       param_dtype="float32",
       eos_id=0,
-      kda=KDAConfig(num_heads=3, head_dim=64, conv_size=4, decay="lower_bound", g_min=-5.0,
-                    chunk_size=0),   # by backend: 16 on the CPU reference path, 64 Pallas
+      kda=KDAConfig(num_heads=3, head_dim=64, conv_size=4, decay="lower_bound", g_min=-5.0),
       mla=MLAConfig(num_heads=3, q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=64,
                     qk_rope_head_dim=32, v_head_dim=64, output_gate=True),
       moe=MoEConfig(num_experts=32, top_k=2, num_shared_experts=1, expert_intermediate=192,

@@ -12,6 +12,12 @@ Too large to train on a CPU; it exists so the released weights load (docs/checkp
 """
 
 from k3_jax.config import AttnResConfig, KDAConfig, MLAConfig, ModelConfig, MoEConfig
+from k3_jax.execution import ExecConfig
+
+
+def get_exec_config() -> ExecConfig:
+  """KDA in chunks of 64 (the TPU kernels' tile) on every backend."""
+  return ExecConfig(kda_chunk_size=64)
 
 
 def get_config() -> ModelConfig:
@@ -29,7 +35,7 @@ def get_config() -> ModelConfig:
       param_dtype="bfloat16",
       bos_id=163_584, eos_id=163_586, pad_id=163_839,
       kda=KDAConfig(num_heads=32, head_dim=128, conv_size=4, decay="softplus",
-                    gate_rank=128, decay_rank=128, chunk_size=64),
+                    gate_rank=128, decay_rank=128),
       mla=MLAConfig(num_heads=32, q_lora_rank=0, kv_lora_rank=512, qk_nope_head_dim=128,
                     qk_rope_head_dim=64, v_head_dim=128, output_gate=False),
       moe=MoEConfig(num_experts=256, top_k=8, num_shared_experts=1, expert_intermediate=1024,

@@ -20,7 +20,8 @@ One entry per decoder layer, by its mixer:
     PagedMLACache   MLA layer, serving (k3_jax/serve): a pool of N pages of P tokens shared
                     by all sequences, and the page table of the call
         c_kv              [N, P, R]
-        k_r               [N, P, Pr]
+        k_r               [N, P / f, f Pr]  (each page's rope keys folded to 128 lanes,
+                          f = 128 / Pr; k3_jax/ops/rope_pages.py)
         page_table        [B, M] int32, or None between calls (the engine attaches it):
                           row b lists sequence b's pages in order, so logical position s
                           lives in page page_table[b, s // P] at offset s % P
@@ -91,7 +92,7 @@ class MLACache:
 @_pytree
 class PagedMLACache:
   c_kv: jax.Array           # [N, P, R]
-  k_r: jax.Array            # [N, P, Pr]
+  k_r: jax.Array            # [N, P / f, f Pr] (ops/rope_pages.py)
   page_table: jax.Array | None = None   # [B, M] int32
   # Inside the scan over repeated units (model._run_units): c_kv / k_r are the whole
   # stacked pools [R, N, P, X], written and read in place at this unit index; deferred:

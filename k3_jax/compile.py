@@ -20,8 +20,9 @@ from flax import nnx
 
 from k3_jax import step_costs, train
 from k3_jax.cache import MLACache, ModelCache
-from k3_jax.config import (EXPERT_FORMATS, ConfigError, ModelConfig, PodLayout, TrainConfig,
+from k3_jax.config import (EXPERT_FORMATS, ConfigError, ModelConfig, TrainConfig,
                            validate, validate_train)
+from k3_jax.execution import DEFAULT_KERNELS, ExecConfig, Kernels, PodLayout
 from k3_jax.model import create_model, param_counts
 from k3_jax.ops.mx_gmm import EXPERT_WEIGHTS
 from k3_jax.serve import kv_pages as kv
@@ -36,9 +37,11 @@ from sharding.rules import RULES, tree_shardings
 
 STEPS = ("train", "prefill", "decode", "verify", "init")
 
-# The flags a preset's PodLayout fills in when they are not given.
-LAYOUT_FLAGS = ("mesh", "global_batch", "seq_len", "cache_len", "remat", "grad_accum",
-                "ep_capacity", "expert_format")
+# The flags a preset's PodLayout fills in when they are not given: every execution setting
+# (its run) and the operating point.
+EXEC_FLAGS = tuple(f.name for f in dataclasses.fields(ExecConfig))
+SHAPE_FLAGS = ("global_batch", "seq_len", "cache_len", "expert_format")
+LAYOUT_FLAGS = EXEC_FLAGS + SHAPE_FLAGS
 
 
 def pod_layout(layouts, target: Target, step: str) -> PodLayout | None:
@@ -63,46 +66,43 @@ def multi_slice_layout(layout: PodLayout, slices: int) -> PodLayout:
   """A one-slice layout on `slices` slices: every slice holds what one slice held (the same
   axes inside it, the same tokens per chip) and the data axis spans the slices (x slices),
   so only data parallelism crosses DCN; the global batch grows with it."""
-  mesh = dict(part.split(":") for part in layout.mesh.split(",") if part)
+  mesh = dict(part.split(":") for part in layout.run.mesh.split(",") if part)
   data = int(mesh.pop("data", 1)) * slices
   spec = ",".join([f"data:{data}", *(f"{a}:{n}" for a, n in mesh.items())])
-  return dataclasses.replace(layout, topology=f"{slices}*{layout.topology}", mesh=spec,
+  return dataclasses.replace(layout, topology=f"{slices}*{layout.topology}",
+                             run=dataclasses.replace(layout.run, mesh=spec),
                              global_batch=(layout.global_batch or 0) * slices)
 
 
-def apply_pod_layout(layout: PodLayout | None, cfg: ModelConfig, tc: TrainConfig,
-                     given: dict) -> tuple[ModelConfig, TrainConfig, dict]:
-  """Fill what the command line left unset from the preset's layout. `given`: LAYOUT_FLAGS
-  -> the flag's value, or None where it was not given (an explicit flag always wins).
-  -> (cfg with moe.ep_capacity, tc with remat / grad_accum, compile_step's keyword
-  arguments mesh_spec, global_batch, seq_len, cache_len, expert_format)."""
+def apply_pod_layout(layout: PodLayout | None, run: ExecConfig, given: dict) -> dict:
+  """Fill what the command line left unset from the preset's layout. `run`: the preset's
+  execution config (used where it has no layout); `given`: LAYOUT_FLAGS -> the flag's value,
+  or None where it was not given (an explicit flag always wins). -> compile_step's keyword
+  arguments: run (the layout's, else `run`, with the given flags put in), global_batch,
+  seq_len, cache_len, expert_format."""
   unknown = set(given) - set(LAYOUT_FLAGS)
   if unknown:
     raise ValueError(f"not layout flags: {sorted(unknown)}")
-  lay = {f: getattr(layout, f) for f in LAYOUT_FLAGS} if layout is not None else {}
+  run = (layout.run if layout is not None else run).given(
+      **{f: given.get(f) for f in EXEC_FLAGS})
+  lay = {f: getattr(layout, f) for f in SHAPE_FLAGS} if layout is not None else {}
   pick = lambda f, default: (given[f] if given.get(f) is not None
                              else lay.get(f) or default)
-  cap = pick("ep_capacity", cfg.moe.ep_capacity)
-  if cap != cfg.moe.ep_capacity:
-    cfg = validate(dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, ep_capacity=cap)))
-  tc = dataclasses.replace(tc, remat=pick("remat", tc.remat),
-                           grad_accum=pick("grad_accum", tc.grad_accum))
-  kw = {"mesh_spec": pick("mesh", ""), "global_batch": pick("global_batch", None),
-        "seq_len": pick("seq_len", None), "cache_len": pick("cache_len", None),
-        "expert_format": pick("expert_format", "dense")}
-  return cfg, tc, kw
+  return {"run": run, "global_batch": pick("global_batch", None),
+          "seq_len": pick("seq_len", None), "cache_len": pick("cache_len", None),
+          "expert_format": pick("expert_format", "dense")}
 
 
 def compile_step(cfg: ModelConfig, tc: TrainConfig, target: Target, step: str,
-                 mesh_spec: str = "", global_batch: int | None = None,
+                 run: ExecConfig = ExecConfig(), global_batch: int | None = None,
                  seq_len: int | None = None, cache_len: int | None = None,
                  expert_format: str = "dense", page_split: str = "auto",
                  draft_tokens: int = 4) -> dict:
   """Lower and compile the real `step` of `cfg` for `target` with abstract inputs (nothing
   is allocated); returns pod.aot.compile_report's per-chip memory report plus what was
-  compiled. global_batch / seq_len default to tc's; cache_len (prefill / decode) to seq_len.
-  The grouped-matmul kind and the expert-parallel capacity are cfg's execution-only fields
-  (moe.gmm, moe.ep_capacity). page_split (decode): how the paged cache's pages lie over the
+  compiled. run: the execution settings (mesh, remat, grad_accum, kernels; a decode that
+  exchanges tokens between expert shards and has no capacity gets `decode_ep_capacity`).
+  global_batch / seq_len default to tc's; cache_len (prefill / decode) to seq_len. page_split (decode): how the paged cache's pages lie over the
   mesh, "column" (by length), "slot" (by sequence) or "auto" (`decode_page_split`).
   step="verify": the speculative decoding's verify step (serve/verify.py) of every slot and
   `draft_tokens` drafts each, over the decode's paged cache: one step emits 1 to
@@ -113,30 +113,31 @@ def compile_step(cfg: ModelConfig, tc: TrainConfig, target: Target, step: str,
   if expert_format not in EXPERT_FORMATS:
     raise ConfigError(f"expert_format={expert_format!r}: expected one of "
                       f"{', '.join(EXPERT_FORMATS)}")
-  mesh = make_mesh(parse_mesh(mesh_spec), target_devices(target))
+  mesh = make_mesh(parse_mesh(run.mesh), target_devices(target))
   batch = global_batch or tc.batch_size
   seq = seq_len or tc.seq_len
   if step == "init":                     # no batch: the parameters' shardings alone
     validate_mesh(cfg, mesh)
-    return init_report(cfg, tc, target, mesh)
+    return init_report(cfg, tc, target, mesh, run)
   # Training splits its batch evenly over the batch axes; a serving step may take fewer
   # sequences than those axes (one 1M-token prompt, 8 long decodes): the batch is then
   # repeated there and the cache length split over them (rules "cache_seq").
   decoding = step in ("decode", "verify")
   validate_mesh(cfg, mesh, batch if step == "train" else None,
-                None if decoding else seq, grad_accum=tc.grad_accum)
+                None if decoding else seq, grad_accum=run.grad_accum)
   report = {"config": cfg.name, "step": step, "topology": target.topology,
             "target": target.name, "num_slices": target.num_slices, "chips": target.chips,
             "mesh": {k: int(v) for k, v in mesh.shape.items()}, "global_batch": batch,
-            "seq_len": seq, "ep_capacity": cfg.moe.ep_capacity or None, "gmm": cfg.moe.gmm}
+            "seq_len": seq, "ep_capacity": run.ep_capacity or None,
+            "gmm": "ragged_dot" if run.gmm == "auto" else run.gmm}     # auto, for a TPU
   if step == "train":
     tc = validate_train(dataclasses.replace(tc, batch_size=batch, seq_len=seq), cfg)
-    fn, args = train_program(cfg, tc, mesh)
-    report.update(remat=tc.remat, grad_accum=tc.grad_accum, optimizer=tc.optimizer)
+    fn, args = train_program(cfg, tc, mesh, run)
+    report.update(remat=run.remat, grad_accum=run.grad_accum, optimizer=tc.optimizer)
     _, rep = aot.compile_report(fn, args, target.chip_hbm_bytes, target.generation,
                                 model_flops(cfg, step, batch * seq, target.chips),
                                 scope_of=step_costs.scope_of)
-    add_train_parts(rep, cfg, tc, batch * seq, seq, target.chips)
+    add_train_parts(rep, cfg, run, batch * seq, seq, target.chips)
     return {**report, **_with_rates(rep, batch * seq, target.chips)}
   length = cache_len or seq
   if step == "prefill" and length < seq:
@@ -149,14 +150,14 @@ def compile_step(cfg: ModelConfig, tc: TrainConfig, target: Target, step: str,
   if decoding:
     page_split = decode_page_split(batch, mesh, page_split)
     exchange = expert_exchange(rows, mesh)
-    if exchange == "all_to_all" and not cfg.moe.ep_capacity:
+    if exchange == "all_to_all" and not run.ep_capacity:
       cap = decode_ep_capacity(rows, mesh, cfg)
-      cfg = validate(dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, ep_capacity=cap)))
+      run = dataclasses.replace(run, ep_capacity=cap)
       report["ep_capacity"] = cap
     report.update(page_split=page_split, expert_exchange=exchange,
                   weight_split="output" if page_split == "slot" else "model")
   fn, args = _serving_program(cfg, mesh, step, batch, seq, length, expert_format, page_split,
-                              draft_tokens)
+                              draft_tokens, run.kernels)
   report.update(cache_len=length, expert_format=expert_format,
                 step_function=(f"k3_jax.serve.verify.verify_step ({draft_tokens} drafts a slot, "
                                "the engine's paged cache)" if step == "verify" else
@@ -220,7 +221,9 @@ def weights_by_output(params, mesh):
   (k3, 1,024 x 32K: ~270 GB per chip); split on its output the tokens travel instead (an
   all-gather of [B, D] in, an all-to-all of the [B, F / n] result). A weight that outputs
   the model dimension keeps it split (split on an input, the partitioner gathered those
-  whole too)."""
+  whole too). The router [D, E] is split on E like the others (the model constrains its
+  scores, the MoE latent projection's and the LM head's outputs to match:
+  Parallel.by_output)."""
   from jax.sharding import NamedSharding, PartitionSpec
   from sharding.rules import logical_to_spec
   default = tree_shardings(params, mesh)
@@ -230,12 +233,16 @@ def weights_by_output(params, mesh):
     if not isinstance(x, nnx.Variable) or not hasattr(x.get_raw_value(), "shape"):
       return sh
     axes = x.get_metadata().get("logical_axes")
-    if axes is None or len(axes) != len(x.shape) or "experts" in axes or len(axes) < 2:
+    if axes is None or len(axes) != len(x.shape) or len(axes) < 2:
+      return sh
+    router = axes[-1] == "experts" and "experts" not in axes[:-1]     # [(layers,) D, E]
+    if "experts" in axes and not router:                               # the routed experts
       return sh
     spec = list(logical_to_spec(tuple(x.shape), tuple(axes), mesh))
     split = [d for d, name in enumerate(axes) if name == "embed" and spec[d] is not None]
     last = len(axes) - 1
-    if not split or split[0] == last or axes[last] in keep or spec[last] is not None:
+    if (not split or split[0] == last or (axes[last] in keep and not router)
+        or spec[last] is not None):
       return sh
     mesh_axes = spec[split[0]] if isinstance(spec[split[0]], tuple) else (spec[split[0]],)
     if x.shape[last] % math.prod(mesh.shape[a] for a in mesh_axes):
@@ -370,13 +377,14 @@ def _with_rates(rep: dict, tokens: int, chips: int) -> dict:
   return rep
 
 
-def init_report(cfg: ModelConfig, tc: TrainConfig, target: Target, mesh) -> dict:
+def init_report(cfg: ModelConfig, tc: TrainConfig, target: Target, mesh,
+                run: ExecConfig = ExecConfig()) -> dict:
   """Compile the sharded initialisation (train.sharded_init: seed -> train state, created
   in its shardings) for `target`; the report adds what the state's shards should take per
   chip, from the abstract state and its shardings (expected_*_bytes: parameters + the
   model's other variables, optimizer state, and their sum), beside the compiler's numbers
   (its outputs are the state)."""
-  steps = train.build_steps(cfg, tc, mesh)
+  steps = train.build_steps(cfg, tc, mesh, run)
   per_chip = lambda part: arrays.shard_bytes(steps.abstract_state[part],
                                           steps.state_shardings[part])
   params = per_chip("params") + per_chip("rest") + per_chip("step")
@@ -427,7 +435,7 @@ def init_lines(rep: dict) -> str:
           f"compiled outputs {size(out) if out is not None else 'unknown'}")
 
 
-def add_train_parts(rep: dict, cfg: ModelConfig, tc: TrainConfig, tokens: int, seq: int,
+def add_train_parts(rep: dict, cfg: ModelConfig, run: ExecConfig, tokens: int, seq: int,
                     chips: int) -> None:
   """The train step's roofline by part of the model (k3_jax/step_costs.py): `parts`, each
   part's counted FLOPs, HBM and wire bytes per chip (and per phase: forward, backward,
@@ -436,7 +444,8 @@ def add_train_parts(rep: dict, cfg: ModelConfig, tc: TrainConfig, tokens: int, s
   if not r or "scopes" not in r:
     return
   r["parts"] = step_costs.by_part(r.pop("scopes"))
-  r["analytic_flops"] = step_costs.analytic_flops(cfg, tokens, seq, chips, tc.remat)
+  r["analytic_flops"] = step_costs.analytic_flops(cfg, tokens, seq, chips, run.remat,
+                                                  run.kda_chunk_size)
   if r.get("model_flops_per_chip"):
     r["flops_vs_useful"] = r["flops_per_chip"] / r["model_flops_per_chip"]
 
@@ -450,10 +459,11 @@ def train_lines(rep: dict) -> str:
                                                         r.get("model_flops_per_chip"))
 
 
-def train_program(cfg: ModelConfig, tc: TrainConfig, mesh):
-  """(jitted train step, abstract sharded args) of `cfg` on `mesh` at tc's batch x seq_len:
-  the state and a batch as ShapeDtypeStructs carrying their shardings (nothing allocated)."""
-  steps = train.build_steps(cfg, tc, mesh)
+def train_program(cfg: ModelConfig, tc: TrainConfig, mesh, run: ExecConfig = ExecConfig()):
+  """(jitted train step, abstract sharded args) of `cfg` on `mesh` at tc's batch x seq_len,
+  run as `run` says: the state and a batch as ShapeDtypeStructs carrying their shardings
+  (nothing allocated)."""
+  steps = train.build_steps(cfg, tc, mesh, run)
   state = arrays.with_shardings(steps.abstract_state, steps.state_shardings)
   shape = (tc.batch_size, tc.seq_len)
   tokens = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=steps.batch_sharding)
@@ -463,7 +473,8 @@ def train_program(cfg: ModelConfig, tc: TrainConfig, mesh):
 
 
 def _serving_program(cfg: ModelConfig, mesh, step: str, batch: int, seq: int, length: int,
-                     expert_format: str, page_split: str = "column", draft_tokens: int = 4):
+                     expert_format: str, page_split: str = "column", draft_tokens: int = 4,
+                     kernels: Kernels = DEFAULT_KERNELS):
   """(jitted fn, abstract sharded args) of the engine's prefill, decode or verify step
   (serve/steps.py, serve/verify.py) over its paged cache: parameters in their served
   format, the cache donated."""
@@ -474,11 +485,11 @@ def _serving_program(cfg: ModelConfig, mesh, step: str, batch: int, seq: int, le
     p_sh = weights_by_output(params, mesh)
   p_args = (arrays.with_shardings(params, p_sh), arrays.with_shardings(rest, r_sh))
   if decoding:
-    return _paged_decode_program(cfg, mesh, graphdef, parallel_for(mesh, page_split), p_args,
-                                 (p_sh, r_sh), batch, length, page_split,
+    return _paged_decode_program(cfg, mesh, graphdef, parallel_for(mesh, page_split, kernels),
+                                 p_args, (p_sh, r_sh), batch, length, page_split,
                                  draft_tokens if step == "verify" else 0)
-  return _paged_prefill_program(cfg, mesh, graphdef, parallel_for(mesh), p_args,
-                                (p_sh, r_sh), batch, seq, length)
+  return _paged_prefill_program(cfg, mesh, graphdef, parallel_for(mesh, kernels=kernels),
+                                p_args, (p_sh, r_sh), batch, seq, length)
 
 
 def _paged_cache(cfg: ModelConfig, mesh, slots: int, pages: int):

@@ -36,11 +36,6 @@ class KDAConfig:
   g_min: float = -5.0
   gate_rank: int = 0            # output gate: 0 = full rank (K3); r > 0 = low rank d -> r -> H*V
   decay_rank: int = 0           # rank of the decay logit projection; 0 = head_dim
-  chunk_size: int = 0           # 0: by backend (16 on the XLA reference path, 64 for Pallas;
-                                # k3_jax.ops.kda.CHUNK_BY_BACKEND); results equal up to rounding
-  backend: str = "auto"         # execution only: "reference" (k3_jax.ops) | "pallas"
-                                # (pallas_kernels) | "auto": pallas when compiling for TPU,
-                                # else reference (k3_jax.ops.kda.resolve_backend)
 
 
 @dataclass(frozen=True)
@@ -70,12 +65,6 @@ class MoEConfig:
                                     # Balancing), "sign" (DeepSeek-V3 fixed step), "none"
   balance_rate: float = 1e-3        # step of the "sign" update
   qb_bins: int = 0                  # 0: exact quantiles; > 0: pooled histogram of this many bins
-  gmm: str = "auto"                 # execution only: routed-expert grouped matmul, "ragged_dot"
-                                    # (TPU/GPU) | "tiled" (plain JAX) | "auto" (by the compile
-                                    # target: tiled for CPU, else ragged_dot)
-  ep_capacity: float = 0.0          # execution only: expert-parallel capacity factor c (at most
-                                    # ceil(c n k / P) rows per device pair, the rest dropped;
-                                    # sharding/expert.py); 0 = dropless
 
 
 @dataclass(frozen=True)
@@ -94,10 +83,12 @@ QAT_MODES = ("none", "mxfp4_mxfp8")
 KDA_BACKENDS = ("auto", "reference", "pallas")
 GMM_KINDS = ("auto", "ragged_dot", "tiled")
 
-# Fields that choose how the model executes (kernels, buffer bounds), not what it computes
-# up to numerics: changing one changes the traced program but never the parameters, so a
-# checkpoint made with one value resumes with another (k3_jax/checkpoint/manager.py).
-EXECUTION_FIELDS = ("kda.backend", "kda.chunk_size", "moe.gmm", "moe.ep_capacity")
+# Former model fields that choose how the model executes (kernels, buffer bounds), not what
+# it computes: they are execution settings now (k3_jax/execution.py ExecConfig, by the
+# names here). An old model_config.json that holds them still loads (`from_dict` drops
+# them; execution.moved_from reads them) and matches a checkpoint of the same model.
+MOVED_FIELDS = {"kda.backend": "kda_backend", "kda.chunk_size": "kda_chunk_size",
+                "moe.gmm": "gmm", "moe.ep_capacity": "ep_capacity"}
 
 
 @dataclass(frozen=True)
@@ -199,15 +190,16 @@ INIT_MODES = ("auto", "host", "sharded")     # TrainConfig.init
 
 
 def option(default, help: str, *, step: bool = True, choices: tuple[str, ...] | None = None):
-  """A field of TrainConfig / ServeConfig with its declaration: the command line defines a
-  flag --<field name> from it (type from the default, an enum when `choices`, `help` as its
-  help), and `step` says whether the value shapes the compiled train / eval steps (part of
+  """A field of TrainConfig / ServeConfig / execution.ExecConfig with its declaration: the
+  command line defines a flag --<field name> from it (type from the default, an enum when
+  `choices`, `help` as its help), and `step` says whether the value shapes the compiled train / eval steps (part of
   their cache key, k3_jax/train.py build_steps: a False field never recompiles them)."""
   return field(default=default, metadata={"help": help, "step": step, "choices": choices})
 
 
 def flag_fields(cls) -> tuple[dataclasses.Field, ...]:
-  """The fields of TrainConfig / ServeConfig, each with its `option` declaration."""
+  """The fields of TrainConfig / ServeConfig / ExecConfig, each with its `option`
+  declaration."""
   return dataclasses.fields(cls)
 
 
@@ -217,7 +209,6 @@ class TrainConfig:
   steps: int = option(300, "training steps (default: the preset's)")
   batch_size: int = option(8, "global batch size in sequences")
   seq_len: int = option(256, "sequence length in tokens")
-  grad_accum: int = option(1, "micro-batches per step")
   optimizer: str = option("adamw", "muon (Per-Head Muon on matrices + AdamW on the rest) | "
                           "adamw (default: the preset's)", choices=("muon", "adamw"))
   learning_rate: float = option(3e-3, "peak AdamW learning rate (the whole model with "
@@ -236,9 +227,6 @@ class TrainConfig:
   b1: float = option(0.9, "Adam / Muon first-moment decay")
   b2: float = option(0.95, "Adam second-moment decay")
   grad_clip: float = option(1.0, "clip gradients to this global norm")
-  remat: str = option("none", "none | block (recompute each scanned unit) | layer (block, and "
-                      "each layer on its own within it) | dots (keep matmuls)",
-                      choices=("none", "block", "layer", "dots"))
   # the step's host init (k3_jax/train.py Steps.init) draws with the seed
   seed: int = option(0, "random seed (train: init and data order; generate: sampling, "
                      "default 0)")
@@ -290,9 +278,10 @@ class ServeConfig:
   cache_decoded: bool = option(True, "a finished request's prompt + generated tokens join the "
                                "prefix cache (with a KDA checkpoint at the last grid boundary "
                                "the decode passed), so the next turn hits through its answer")
-  prefix_match_unit: int = option(SERVE_PAGE, "prefix-cache hit granularity in tokens (a "
-                                  f"power of two dividing {SERVE_PAGE}): hash entries and "
-                                  "KDA checkpoints lie on this grid, a hit ends on a multiple")
+  prefix_match_tokens: int = option(SERVE_PAGE, "prefix-cache hit granularity in tokens (a "
+                                    f"power of two dividing {SERVE_PAGE}): hash entries and "
+                                    "KDA checkpoints lie on this grid, a hit ends on a "
+                                    "multiple (--prefix_match_unit: its former name)")
   batch_invariant: bool = option(False, "every prefill call takes one prompt (one shape per "
                                  "piece size) and every decode step runs all max_batch slots, "
                                  "so a request's logits are bitwise the same whatever else "
@@ -348,9 +337,9 @@ class ServeConfig:
              "must be a byte count >= 0 (0: no host tier)")
     _require(self.disk_cache_bytes >= 0, "disk_cache_bytes", self.disk_cache_bytes,
              "must be a byte count >= 0")
-    u = self.prefix_match_unit
+    u = self.prefix_match_tokens
     _require(isinstance(u, int) and 1 <= u <= SERVE_PAGE and SERVE_PAGE % u == 0 and
-             u & (u - 1) == 0, "prefix_match_unit", u,
+             u & (u - 1) == 0, "prefix_match_tokens", u,
              f"must be a power of two dividing {SERVE_PAGE} (1, 2, ..., {SERVE_PAGE})")
     _require(self.max_queue >= 0, "max_queue", self.max_queue, "must be >= 0")
     _require(self.speculative in ("off", "ngram", "draft"), "speculative", self.speculative,
@@ -369,23 +358,6 @@ class MeshConfig:
   expert: int = 1
   sequence: int = 1
   tensor: int = 1
-
-
-@dataclass(frozen=True)
-class PodLayout:
-  """A preset's recommended layout of one step on one TPU target: what `compile` uses for
-  every flag that is not given (an explicit flag always wins). Zero / "" = not set (the
-  command's own default then applies)."""
-  topology: str                     # Cloud TPU name or explicit grid, e.g. "v5p-4096"
-  step: str = "train"               # "train" | "prefill" | "decode"
-  mesh: str = ""                    # --mesh, e.g. "fsdp:16,expert:32,sequence:4"
-  global_batch: int = 0
-  seq_len: int = 0
-  cache_len: int = 0                # prefill / decode
-  remat: str = ""                   # train
-  grad_accum: int = 0               # train
-  ep_capacity: float = 0.0          # moe.ep_capacity
-  expert_format: str = ""           # prefill / decode: "dense" | "mxfp4"
 
 
 # ----- validation ---------------------------------------------------------
@@ -412,14 +384,11 @@ def validate(cfg: ModelConfig) -> ModelConfig:
   k = cfg.kda
   for f in ("num_heads", "head_dim", "conv_size"):
     _require(getattr(k, f) > 0, f"kda.{f}", getattr(k, f), "must be positive")
-  _require(k.chunk_size >= 0, "kda.chunk_size", k.chunk_size, "must be >= 0 (0 = by backend)")
   _require(k.decay in ("lower_bound", "softplus"), "kda.decay", k.decay,
            "must be 'lower_bound' (K3) or 'softplus' (Kimi Linear)")
   _require(k.g_min < 0, "kda.g_min", k.g_min, "must be negative (log of the smallest decay)")
   _require(k.gate_rank >= 0 and k.decay_rank >= 0, "kda.gate_rank/decay_rank",
            (k.gate_rank, k.decay_rank), "must be >= 0")
-  _require(k.backend in KDA_BACKENDS, "kda.backend", k.backend,
-           f"must be one of {', '.join(map(repr, KDA_BACKENDS))}")
   m = cfg.mla
   for f in ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
     _require(getattr(m, f) > 0, f"mla.{f}", getattr(m, f), "must be positive")
@@ -443,10 +412,6 @@ def validate(cfg: ModelConfig) -> ModelConfig:
   _require(e.balance != "qb" or e.top_k < e.num_experts, "moe.top_k", e.top_k,
            "Quantile Balancing needs top_k < num_experts (its cutoff is the (k+1)-th expert)")
   _require(e.qb_bins >= 0, "moe.qb_bins", e.qb_bins, "must be >= 0 (0 = exact)")
-  _require(e.gmm in GMM_KINDS, "moe.gmm", e.gmm,
-           f"must be one of {', '.join(map(repr, GMM_KINDS))}")
-  _require(e.ep_capacity >= 0, "moe.ep_capacity", e.ep_capacity,
-           "must be >= 0 (0 = dropless; c > 0 bounds the expert-parallel buffers)")
   _require(cfg.quant.qat in QAT_MODES, "quant.qat", cfg.quant.qat,
            f"must be one of {', '.join(map(repr, QAT_MODES))}")
   if cfg.quant.qat != "none":
@@ -481,11 +446,8 @@ def validate_vision(v: VisionConfig, vocab_size: int) -> VisionConfig:
 
 
 def validate_train(tc: TrainConfig, cfg: ModelConfig) -> TrainConfig:
-  for f in ("steps", "batch_size", "seq_len", "grad_accum", "eval_every", "checkpoint_every",
-            "log_every"):
+  for f in ("steps", "batch_size", "seq_len", "eval_every", "checkpoint_every", "log_every"):
     _require(getattr(tc, f) > 0, f, getattr(tc, f), "must be positive")
-  _require(tc.batch_size % tc.grad_accum == 0, "batch_size", tc.batch_size,
-           f"must be divisible by grad_accum={tc.grad_accum}")
   _require(tc.seq_len <= cfg.max_seq_len, "seq_len", tc.seq_len,
            f"must not exceed the model's max_seq_len={cfg.max_seq_len}")
   _require(tc.optimizer in ("muon", "adamw"), "optimizer", tc.optimizer,
@@ -494,8 +456,6 @@ def validate_train(tc: TrainConfig, cfg: ModelConfig) -> TrainConfig:
   _require(tc.muon_placement in ("owned", "sharded"), "muon_placement", tc.muon_placement,
            "must be 'owned' (each Newton-Schulz block on one chip) or 'sharded'")
   _require(tc.qk_clip_tau >= 0, "qk_clip_tau", tc.qk_clip_tau, "must be >= 0 (0 disables)")
-  _require(tc.remat in ("none", "block", "layer", "dots"), "remat", tc.remat,
-           "must be one of 'none', 'block', 'layer', 'dots'")
   _require(tc.init in INIT_MODES, "init", tc.init, f"must be one of {', '.join(INIT_MODES)}")
   _require(tc.learning_rate > 0, "learning_rate", tc.learning_rate, "must be positive")
   _require(0 <= tc.warmup_frac < 1, "warmup_frac", tc.warmup_frac, "must lie in [0, 1)")
@@ -562,15 +522,19 @@ def to_dict(obj: Any) -> dict:
 
 
 def without_execution_fields(d: dict) -> dict:
-  """A config dict (`to_dict`) without its EXECUTION_FIELDS: what identifies the model."""
+  """A config dict (`to_dict`, or an old model_config.json) without the MOVED_FIELDS an old
+  one may hold: what identifies the model."""
   out = {k: dict(v) if isinstance(v, dict) else v for k, v in d.items()}
-  for path in EXECUTION_FIELDS:
+  for path in MOVED_FIELDS:
     group, name = path.split(".")
     out.get(group, {}).pop(name, None)
   return out
 
 
 def from_dict(d: dict) -> ModelConfig:
+  """The ModelConfig of a `to_dict` dict; the execution settings an old one holds
+  (MOVED_FIELDS) are dropped (execution.moved_from reads them)."""
+  d = without_execution_fields(d)
   sub = {"kda": KDAConfig, "mla": MLAConfig, "moe": MoEConfig, "attn_res": AttnResConfig,
          "quant": QuantConfig, "vision": VisionConfig}
   kw = {}
@@ -591,8 +555,8 @@ def jnp_dtype(name: str):
   return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
 
 
-__all__ = ["ConfigError", "KDAConfig", "MLAConfig", "MoEConfig", "AttnResConfig", "PodLayout", "QuantConfig",
-           "QAT_MODES", "KDA_BACKENDS", "GMM_KINDS", "EXECUTION_FIELDS", "ModelConfig",
+__all__ = ["ConfigError", "KDAConfig", "MLAConfig", "MoEConfig", "AttnResConfig", "QuantConfig",
+           "QAT_MODES", "KDA_BACKENDS", "GMM_KINDS", "MOVED_FIELDS", "ModelConfig",
            "VisionConfig", "validate_vision",
            "TrainConfig", "ServeConfig", "SINGLE_STREAM", "SERVE_PAGE", "option", "flag_fields",
            "MeshConfig", "validate", "validate_train", "apply_overrides",

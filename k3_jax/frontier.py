@@ -25,7 +25,7 @@ from k3_jax.config import ConfigError
 from sharding import arrays
 
 _SUFFIX = {"": 1, "K": 1024, "M": 1024 ** 2}
-SWEEP_AXES = ("batch", "cache_len")
+SWEEP_AXES = ("batch", "cache_len", "piece")   # piece: prefill only
 
 
 def parse_count(text: str) -> int:
@@ -39,7 +39,9 @@ def parse_count(text: str) -> int:
 
 def parse_sweep(spec: str) -> dict[str, list[int]]:
   """'batch:8,64;cache_len:8K,1M' -> {"batch": [8, 64], "cache_len": [8192, 1048576]}.
-  An axis not given takes the single value of its flag (the caller's default)."""
+  An axis not given takes the single value of its flag (the caller's default). piece
+  (prefill): the tokens of each prompt one step takes (the engine's prefill chunk), the
+  prompt being cache_len long; without it the whole prompt in one step."""
   grid: dict[str, list[int]] = {}
   for part in filter(None, (p.strip() for p in spec.split(";"))):
     name, colon, values = part.partition(":")
@@ -117,15 +119,20 @@ def run_sweep(cfg, tc, target, step: str, kw: dict, grid: dict[str, list[int]],
   from k3_jax import compile as comp
   if step not in ("decode", "prefill"):
     raise ConfigError(f"--sweep is for --step=decode or prefill, not {step}")
+  if "piece" in grid and step != "prefill":
+    raise ConfigError("--sweep piece: is for --step=prefill (the tokens of a prompt a step)")
   done = {}
   if out_path and os.path.exists(out_path):
     with open(out_path) as f:
       for line in f:
         p = json.loads(line)
-        done[(p["step"], p["batch"], p["cache_len"])] = p
+        done[(p["step"], p["batch"], p["cache_len"], p.get("piece"))] = p
   results = []
-  for batch, length in points(grid, kw.get("global_batch"), kw.get("cache_len")):
-    key = (step, batch, length)
+  grid_points = [(b, n, piece) for b, n in points(grid, kw.get("global_batch"),
+                                                  kw.get("cache_len"))
+                 for piece in grid.get("piece") or [None]]
+  for batch, length, piece in grid_points:
+    key = (step, batch, length, piece)
     if key in done:
       results.append(done[key])
       continue
@@ -138,7 +145,7 @@ def run_sweep(cfg, tc, target, step: str, kw: dict, grid: dict[str, list[int]],
     else:
       args = dict(kw, global_batch=batch, cache_len=length)
       if step == "prefill":
-        args["seq_len"] = length
+        args["seq_len"] = piece or length
       else:
         args["page_split"] = page_split
       try:
@@ -147,6 +154,10 @@ def run_sweep(cfg, tc, target, step: str, kw: dict, grid: dict[str, list[int]],
         rep = {"step": step, "global_batch": batch, "cache_len": length, "mesh": {},
                "fits": False, "per_chip_total_bytes": 0, "skipped": str(e)}
     p = point_summary(rep)
+    if piece:
+      p["piece"] = piece
+      if "ttft_s" in p:                 # every piece's step gathers the prompt's whole table
+        p["ttft_s"] = p["step_time_s"] * -(-length // piece)
     p["wall_seconds"] = round(time.time() - t0, 1)
     results.append(p)
     log(point_line(p))
@@ -174,9 +185,13 @@ def _len(n: int) -> str:
   return f"{n // 2 ** 20}M" if n % 2 ** 20 == 0 else (f"{n // 1024}K" if n % 1024 == 0 else str(n))
 
 
+def _piece(p: dict) -> str:
+  return f" ({_len(p['piece'])} a step)" if p.get("piece") else ""
+
+
 def point_line(p: dict) -> str:
   """One point as a line of text."""
-  head = f"{p['step']} {p['batch']} x {_len(p['cache_len'])}"
+  head = f"{p['step']} {p['batch']} x {_len(p['cache_len'])}" + _piece(p)
   if p.get("skipped"):
     return f"{head}: not compiled, {p['skipped']} ({p['gib_per_chip']:.1f} GiB per chip)"
   fit = f"{'fits' if p['fits'] else 'DOES NOT FIT'} {p['gib_per_chip']:.2f} GiB"
@@ -190,6 +205,8 @@ def point_line(p: dict) -> str:
   s += f"{p['tokens_per_s']:,.0f} tok/s node"
   if p["step"] == "prefill" and p.get("mfu") is not None:
     s += f", MFU {100 * p['mfu']:.1f}%"
+  if p.get("piece") and p.get("ttft_s"):
+    s += f", TTFT {p['ttft_s'] * 1e3:,.0f} ms"
   return s
 
 
@@ -201,7 +218,7 @@ def markdown_table(pts: list[dict]) -> str:
           "| bound | step ms (TPOT / TTFT) | node tok/s | MFU | frontier |",
           "|---|---|---|---|---|---|---|---|---|---|"]
   for p in pts:
-    what = f"{p['batch']:,} x {_len(p['cache_len'])}"
+    what = f"{p['batch']:,} x {_len(p['cache_len'])}" + _piece(p)
     if p.get("skipped") or "step_time_s" not in p:
       why = p.get("skipped", "no roofline")
       rows.append(f"| {p['step']} | {what} | - | {p['gib_per_chip']:.1f} (does not fit) "

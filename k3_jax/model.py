@@ -29,7 +29,7 @@ from k3_jax.layers.kda import KDA
 from k3_jax.layers.mla import MLA, page_slots
 from k3_jax.layers.moe import MoE
 from k3_jax.layers.norm import RMSNorm
-from k3_jax.ops import mx_gmm
+from k3_jax.ops import mx_gmm, rope_pages
 from k3_jax.ops.vision import scatter_features
 from k3_jax.partitioning import SINGLE, Parallel
 from k3_jax.vision.tower import VisionEncoder
@@ -217,7 +217,7 @@ def _write_latents(e: PagedMLACache, latents, pos) -> PagedMLACache:
   unit = jnp.broadcast_to(jnp.arange(reps)[:, None, None], (reps,) + page.shape)
   page, off = (jnp.broadcast_to(a, unit.shape) for a in (page, off))
   return PagedMLACache(c_kv=e.c_kv.at[unit, page, off].set(c_new.astype(e.c_kv.dtype)),
-                       k_r=e.k_r.at[unit, page, off].set(r_new.astype(e.k_r.dtype)),
+                       k_r=rope_pages.write(e.k_r, (unit, page), off, r_new),
                        page_table=e.page_table)
 
 
@@ -442,7 +442,7 @@ class K3Model(nnx.Module):
     if self.cfg.attn_res.enabled:
       x = self.final_query(x, self.cfg.norm_eps)
     with jax.named_scope("lm_head"):
-      logits = self.lm_head(self.final_norm(x))
+      logits = par.by_output(self.lm_head(self.final_norm(x)))
     aux = {k: jnp.concatenate([a[k] for a in auxes if k in a], axis=0)
            for k in ("expert_load", "max_logit", "new_bias") if any(k in a for a in auxes)}
     return logits, new_cache, aux

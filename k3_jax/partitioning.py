@@ -14,8 +14,8 @@ Every layer, sublayer and op that shards, picks a kernel or calls a parallel op 
 `Parallel` as its `par` argument; the default `SINGLE` is the single-device program
 (`constrain` is the identity, kernels are called directly, the reference ops run). A
 `Parallel` is hashable and compared by what determines the traced program (the mesh, the
-target platform and an optional key), not by its callables, so it is a static value under
-jit: a step that takes it as a static argument, or is built per `Parallel` and closes over
+target platform, the kernel choices and an optional key), not by its callables, so it is a
+static value under jit: a step that takes it as a static argument, or is built per `Parallel` and closes over
 it, can never reuse a program traced for another setup, while an equal rebuilt setup reuses
 the compile; and a step built without one is the single-device program by construction.
 """
@@ -26,6 +26,8 @@ import dataclasses
 from typing import Any, Callable, Hashable
 
 import jax
+
+from k3_jax.execution import DEFAULT_KERNELS, Kernels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +69,9 @@ class Parallel:
 
   mesh: the mesh (hashable) or None; target: its platform ("tpu", "cpu", "gpu"; None = JAX's
   default backend); key: anything else that tells two setups apart (a hand-built Parallel
-  carrying its own ops needs one). These three are the identity of the value. The
+  carrying its own ops needs one); kernels: the job's kernel choices (grouped matmul,
+  expert-parallel capacity, KDA backend and chunk; k3_jax/execution.py), which layers read
+  here rather than from their config. These four are the identity of the value. The
   callables (ops, resolver: (shape, logical axes) -> Sharding, sharder: (fn, in_axes,
   out_axes) -> fn per shard) are carried alongside and not compared: two Parallels that
   compare equal must trace the same program, which `parallel_for` guarantees.
@@ -75,6 +79,7 @@ class Parallel:
   mesh: Any = None
   target: str | None = None
   key: Hashable = None
+  kernels: Kernels = DEFAULT_KERNELS
   ops: ParallelOps = dataclasses.field(default_factory=ParallelOps, compare=False)
   resolver: Callable | None = dataclasses.field(default=None, compare=False, repr=False)
   sharder: Callable | None = dataclasses.field(default=None, compare=False, repr=False)
@@ -82,6 +87,8 @@ class Parallel:
   def __post_init__(self):
     if not isinstance(self.ops, ParallelOps):
       raise TypeError(f"Parallel.ops takes a ParallelOps, got {type(self.ops).__name__}")
+    if not isinstance(self.kernels, Kernels):
+      raise TypeError(f"Parallel.kernels takes a Kernels, got {type(self.kernels).__name__}")
     carries = _callables(self.ops) or self.resolver is not None or self.sharder is not None
     if carries and self.mesh is None and self.key is None:
       raise ValueError("a Parallel carrying ops, rules or kernel sharding needs a mesh or a "
@@ -114,6 +121,17 @@ class Parallel:
       raise ValueError(f"constrain: {len(axes)} logical axes {axes} for an array of rank "
                        f"{x.ndim}")
     return jax.lax.with_sharding_constraint(x, self.resolver(x.shape, axes))
+
+  def by_output(self, y: jax.Array) -> jax.Array:
+    """A projection's output y [..., F] in the decode layout of a batch that fills the mesh
+    (`batch_fills_mesh`: the dense weights split on their output dimension over the model
+    dimension's axes, k3_jax/compile.py weights_by_output) constrained to its weight's split:
+    F over those axes, the rest whole, so the partitioner gathers the step's few tokens
+    instead of the weight (it gathered the MoE latent projection, the router and the LM head
+    whole, every step). Identity in any other layout."""
+    if not self.batch_fills_mesh:
+      return y
+    return self.constrain(y, (None,) * (y.ndim - 1) + ("embed",))
 
   def is_split(self, shape: tuple[int, ...], axes: tuple[str | None, ...], dim: int) -> bool:
     """Do the rules split dimension `dim` of an array of this shape and logical axes over

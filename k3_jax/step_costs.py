@@ -76,11 +76,12 @@ def by_part(scopes: dict) -> dict:
 
 
 def analytic_flops(cfg: ModelConfig, tokens: int, seq_len: int, chips: int,
-                   remat: str = "none") -> dict:
+                   remat: str = "none", kda_chunk: int = 0) -> dict:
   """Useful FLOPs per chip of a train step by part: 2 per weight per token forward, x3 with
   the backward (x4 with remat's second forward, block or layer), the routed experts at
-  top_k of num_experts, attention cores at the causal half of seq_len. Newton-Schulz and
-  other optimizer work are not useful FLOPs (0 here)."""
+  top_k of num_experts, attention cores at the causal half of seq_len (KDA's at chunks of
+  `kda_chunk`, 0: the TPU kernels' 64). Newton-Schulz and other optimizer work are not
+  useful FLOPs (0 here)."""
   c = cfg
   d = c.d_model
   passes = 4 if remat in ("block", "layer") else 3
@@ -114,7 +115,7 @@ def analytic_flops(cfg: ModelConfig, tokens: int, seq_len: int, chips: int,
       # the chunked delta rule: about 4 matmuls of [chunk, head_dim] x [head_dim, head_dim]
       # per chunk and head, and the intra-chunk [chunk, chunk] products
       "kda_core": (2.0 * k.num_heads * (4 * k.head_dim * k.head_dim
-                                        + 2 * (k.chunk_size or 64) * k.head_dim)
+                                        + 2 * (kda_chunk or 64) * k.head_dim)
                    * n_kda * tokens / chips * passes),
   }
   return out

@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from k3_jax import faults, goodput, profiling
 from k3_jax.config import ModelConfig, TrainConfig, validate, validate_train
+from k3_jax.execution import ExecConfig, check_batch
 from k3_jax.model import create_model
 from k3_jax.ops.balance import load_stats
 from k3_jax.optim.qk_clip import qk_clip
@@ -132,9 +133,10 @@ def _microbatches(batch: dict, n: int, par: Parallel = SINGLE) -> dict:
 
 
 def train_step(graphdef, optimizer, cfg: ModelConfig, tc: TrainConfig, state: dict,
-               batch: dict, *, par: Parallel = SINGLE, grad_shardings=None):
-  """One optimizer step over `batch` (split into tc.grad_accum micro-batches), the model
-  run under `par` (SINGLE = one device). grad_shardings: the parameters' shardings (None on
+               batch: dict, *, par: Parallel = SINGLE, grad_shardings=None,
+               run: ExecConfig = ExecConfig()):
+  """One optimizer step over `batch` (split into run.grad_accum micro-batches, each
+  rematerialised as run.remat says), the model run under `par` (SINGLE = one device). grad_shardings: the parameters' shardings (None on
   one device); the accumulated gradients are held in them.
 
   The MoE balancing biases are updated from this step's router outputs (averaged over
@@ -144,7 +146,7 @@ def train_step(graphdef, optimizer, cfg: ModelConfig, tc: TrainConfig, state: di
   """
 
   def loss_fn(params, mb):
-    loss_sum, n, aux = loss_terms(graphdef, params, state["rest"], mb, tc.remat, train=True,
+    loss_sum, n, aux = loss_terms(graphdef, params, state["rest"], mb, run.remat, train=True,
                                   par=par)
     return loss_sum, (n, aux)
 
@@ -177,8 +179,8 @@ def train_step(graphdef, optimizer, cfg: ModelConfig, tc: TrainConfig, state: di
            jnp.zeros((), jnp.float32), jnp.zeros((n_moe, e), jnp.int32),
            jnp.zeros((n_moe, e), jnp.float32),
            jnp.full((n_mla, cfg.mla.num_heads), -jnp.inf, jnp.float32))
-  mbs = _microbatches(batch, tc.grad_accum, par)
-  if tc.grad_accum == 1:      # no loop: a simpler program, faster to compile
+  mbs = _microbatches(batch, run.grad_accum, par)
+  if run.grad_accum == 1:      # no loop: a simpler program, faster to compile
     carry, _ = micro(zeros, jax.tree.map(lambda x: x[0], mbs))
   else:
     carry, _ = jax.lax.scan(micro, zeros, mbs)
@@ -196,7 +198,7 @@ def train_step(graphdef, optimizer, cfg: ModelConfig, tc: TrainConfig, state: di
   if n_moe or clip:
     model = nnx.merge(graphdef, params, rest)
     if n_moe:
-      model.set_router_biases(bias_sum / tc.grad_accum)
+      model.set_router_biases(bias_sum / run.grad_accum)
     if clip:
       clipped = qk_clip(model, max_logit, tc.qk_clip_tau)
     _, params, rest = nnx.split(model, nnx.Param, ...)
@@ -242,7 +244,7 @@ def eval_step(graphdef, state: dict, batch: dict, *, par: Parallel = SINGLE):
 
 @dataclasses.dataclass
 class Steps:
-  """The jit-compiled steps for one (model, train config, mesh)."""
+  """The jit-compiled steps for one (model, train config, mesh, execution config)."""
   graphdef: Any
   mesh: Mesh
   abstract_state: Any          # ShapeDtypeStructs of the train state (e.g. to restore into)
@@ -255,10 +257,12 @@ class Steps:
   par: Parallel = SINGLE       # the parallel setup train and eval were traced under
 
 
-def build_steps(cfg: ModelConfig, tc: TrainConfig, mesh: Mesh) -> Steps:
-  """The compiled steps; cached, so runs that differ only in logging, evaluation or
+def build_steps(cfg: ModelConfig, tc: TrainConfig, mesh: Mesh,
+                run: ExecConfig = ExecConfig()) -> Steps:
+  """The compiled steps of `cfg` on `mesh`, run as `run` says (remat, grad_accum, kernels;
+  its mesh spec is `mesh`'s); cached, so runs that differ only in logging, evaluation or
   checkpoint cadence (or data source) reuse one compilation."""
-  return _build_steps(cfg, _step_relevant(tc), mesh)
+  return _build_steps(cfg, _step_relevant(tc), mesh, run)
 
 
 def _step_relevant(tc: TrainConfig) -> TrainConfig:
@@ -269,7 +273,7 @@ def _step_relevant(tc: TrainConfig) -> TrainConfig:
 
 
 @functools.lru_cache(maxsize=8)
-def _build_steps(cfg: ModelConfig, tc: TrainConfig, mesh: Mesh) -> Steps:
+def _build_steps(cfg: ModelConfig, tc: TrainConfig, mesh: Mesh, run: ExecConfig) -> Steps:
   optimizer = make_optimizer(tc, mesh)
   graphdef, abstract = abstract_state(cfg, tc, optimizer)
   state_sh = tree_shardings(abstract, mesh)
@@ -279,9 +283,9 @@ def _build_steps(cfg: ModelConfig, tc: TrainConfig, mesh: Mesh) -> Steps:
   if cfg.vision is not None:       # multimodal batches: the packed images are replicated
     batch_sh = multimodal_batch_sharding(batch_sh, mesh)
 
-  # The steps are built per mesh (this cache's key) and close over its parallel setup, so a
-  # step traced for one mesh is never reused for another.
-  par = parallel_for(mesh)
+  # The steps are built per mesh and kernels (this cache's key) and close over their parallel
+  # setup, so a step traced for one mesh is never reused for another.
+  par = parallel_for(mesh, kernels=run.kernels)
 
   def init():
     _, params, rest = split_model(create_model(cfg, seed=tc.seed))
@@ -292,7 +296,7 @@ def _build_steps(cfg: ModelConfig, tc: TrainConfig, mesh: Mesh) -> Steps:
             "params": params, "rest": rest, "opt_state": opt_state}
 
   train = jax.jit(functools.partial(train_step, graphdef, optimizer, cfg, tc, par=par,
-                                    grad_shardings=state_sh["params"]),
+                                    grad_shardings=state_sh["params"], run=run),
                   in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None),
                   donate_argnums=(0,))
   evaluate = jax.jit(functools.partial(eval_step, graphdef, par=par),
@@ -390,7 +394,8 @@ def run(cfg: ModelConfig, tc: TrainConfig, workdir: str, mesh: Mesh,
         stop_after: int | None = None, max_bad_steps: int = 3,
         restore_step: int | None = None, init_state: Callable | None = None,
         stop: faults.StopRequest | None = None,
-        profile_steps: tuple[int, int] | None = None) -> dict:
+        profile_steps: tuple[int, int] | None = None,
+        run: ExecConfig = ExecConfig()) -> dict:
   """Trains for tc.steps steps (resuming from `ckpt` if it holds a checkpoint).
 
   stop_after: leave the loop after this step (as an interruption would; the schedule is
@@ -410,6 +415,7 @@ def run(cfg: ModelConfig, tc: TrainConfig, workdir: str, mesh: Mesh,
   (default: a fresh init; `train --init_from` passes released weights loaded sharded).
   profile_steps: (A, B): a jax.profiler trace of steps A..B under <workdir>/profile
   (k3_jax/profiling.py).
+  run: how the steps run (remat, grad_accum, kernels; k3_jax/execution.py).
   Every metrics line carries the goodput fields of k3_jax/goodput.py (cumulative time in
   compile, data, steps, eval, checkpoint, init; wall_time; goodput), and the run ends
   with a one-line goodput summary.
@@ -417,9 +423,10 @@ def run(cfg: ModelConfig, tc: TrainConfig, workdir: str, mesh: Mesh,
   """
   validate(cfg)
   validate_train(tc, cfg)
+  check_batch(run, tc.batch_size)
   bad = faults.BadSteps(max_bad_steps)
   os.makedirs(workdir, exist_ok=True)
-  steps = build_steps(cfg, tc, mesh)
+  steps = build_steps(cfg, tc, mesh, run)
   t0 = time.time()
   clock = goodput.Goodput()
   trace = profiling.StepTrace(profile_steps, os.path.join(workdir, "profile"), log)

@@ -25,7 +25,7 @@ that `ragged_dot` skips (the tiled CPU gmm computes and discards them).
 
 Memory: the dropless worst case is P times the expected n k rows per device, and every
 [rows, F] intermediate of the local FFN scales with it. `capacity_factor` c (an argument:
-the MoE layer passes the config's moe.ep_capacity, a static part of the traced program)
+the MoE layer passes the job's Parallel.kernels.ep_capacity, static in the traced program)
 bounds the rows per (source, destination) at
 ceil(c n k / P), so the buffer holds c times the balanced load; a source's rows for one
 destination beyond that (its highest-numbered experts' rows, deterministically) are dropped:

@@ -14,7 +14,9 @@ import functools
 from jax.sharding import Mesh
 
 from k3_jax import partitioning
-from sharding import context, expert, kernels, paged
+from k3_jax.execution import DEFAULT_KERNELS, Kernels
+from sharding import context, expert, paged
+from sharding import kernels as mesh_kernels
 from sharding.rules import named_sharding
 
 
@@ -26,21 +28,25 @@ def mesh_parallel_ops(mesh: Mesh, page_split: str = "column") -> partitioning.Pa
 
 
 @functools.lru_cache(maxsize=64)
-def parallel_for(mesh: Mesh | None, page_split: str = "column") -> partitioning.Parallel:
-  """The program's parallel setup on `mesh` (`partitioning.SINGLE` for None): model code
-  called with it shards activations by the rules table, runs kernels per shard and takes
-  the mesh's explicit-collective ops. Memoised per mesh, and equal for equal meshes in any
+def parallel_for(mesh: Mesh | None, page_split: str = "column",
+                 kernels: Kernels = DEFAULT_KERNELS) -> partitioning.Parallel:
+  """The program's parallel setup on `mesh` (`partitioning.SINGLE` for None and the default
+  kernels; one device with `kernels` otherwise): model code called with it shards
+  activations by the rules table, runs kernels per shard and takes the mesh's
+  explicit-collective ops. Memoised per mesh, and equal for equal meshes in any
   case (compared by the mesh and its platform), so a jitted step keyed on it recompiles for
   a different mesh only. page_split="slot": the paged decode attention for pages laid out
-  by sequence (paged.PAGE_SPLITS; part of the value's key)."""
+  by sequence (paged.PAGE_SPLITS; part of the value's key). kernels: the job's kernel
+  choices (k3_jax/execution.py), read by the layers from the value."""
   if mesh is None:
-    return partitioning.SINGLE
+    return (partitioning.SINGLE if kernels == DEFAULT_KERNELS
+            else partitioning.Parallel(kernels=kernels))
   return partitioning.Parallel(
-      mesh=mesh, target=kernels.mesh_platform(mesh),
+      mesh=mesh, target=mesh_kernels.mesh_platform(mesh), kernels=kernels,
       key=None if page_split == "column" else ("page_split", page_split),  # slot: SLOT_KEY
       ops=mesh_parallel_ops(mesh, page_split),
       resolver=functools.partial(named_sharding, mesh),
-      sharder=functools.partial(kernels.shard_map_kernel, mesh))
+      sharder=functools.partial(mesh_kernels.shard_map_kernel, mesh))
 
 
 __all__ = ["mesh_parallel_ops", "parallel_for"]

@@ -63,7 +63,7 @@ CASES = [
     ("train", "mesh larger than the devices", ["train", "--config=k3_tiny", "--mesh=fsdp:3",
      "--workdir={t}/w"], "needs 3 devices"),
     ("train", "negative ep_capacity", ["train", "--config=k3_tiny", "--ep_capacity=-1",
-     "--workdir={t}/w"], "moe.ep_capacity=-1.0"),
+     "--workdir={t}/w"], "ep_capacity=-1.0"),
     ("train", "profile_steps malformed", ["train", "--config=k3_tiny", "--profile_steps=5",
      "--workdir={t}/w"], "expected FIRST:LAST"),
     ("train", "profile_steps reversed", ["train", "--config=k3_tiny", "--profile_steps=5:2",
@@ -181,6 +181,11 @@ CASES = [
      "--num_processes=2", "--port=0"], "multi-host: give all of"),
     ("serve", "zero peer_timeout", ["serve", "--random_weights", "--config=k3_tiny",
      "--peer_timeout=0", "--port=0"], "peer_timeout=0"),
+    ("serve", "match grid not a power of two (by its former flag name)", ["serve",
+     "--random_weights", "--config=k3_tiny", "--prefix_match_unit=48", "--port=0"],
+     "prefix_match_tokens=48"),
+    ("serve", "negative KDA chunk (an execution setting)", ["serve", "--random_weights",
+     "--config=k3_tiny", "--kda_chunk_size=-16", "--port=0"], "kda_chunk_size=-16"),
 ]
 
 

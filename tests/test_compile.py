@@ -91,26 +91,29 @@ def test_compile_reports_a_config_that_does_not_fit():
 def test_k3_pod_layout_fills_what_is_not_given():
   """k3's recommended v5p-4096 train layout (however the topology is spelled) fills every
   unset flag; explicit values win; a target without a layout changes nothing."""
+  import dataclasses
   import configs
   from k3_jax.compile import LAYOUT_FLAGS, apply_pod_layout, pod_layout
   from pod.topology import resolve_target
   layouts = configs.get_pod_layouts("k3")
   lay = pod_layout(layouts, resolve_target("v5p:8x16x16"), "train")
   assert lay is pod_layout(layouts, resolve_target("v5p-4096"), "train") is not None
-  assert pod_layout(layouts, resolve_target("v5p-4096", 2), "train").mesh.startswith("data:2")
+  assert pod_layout(layouts, resolve_target("v5p-4096", 2), "train").run.mesh.startswith(
+      "data:2")
   assert pod_layout(layouts, resolve_target("v5p-128", 2), "train") is None
-  cfg, tc = configs.get("k3"), configs.get_train("k3")
+  base = configs.get_exec("k3")
   none = dict.fromkeys(LAYOUT_FLAGS)
-  c2, t2, kw = apply_pod_layout(lay, cfg, tc, none)
-  assert kw["mesh_spec"] == lay.mesh and kw["global_batch"] == lay.global_batch
+  kw = apply_pod_layout(lay, base, none)
+  assert kw["run"] == lay.run and kw["global_batch"] == lay.global_batch
   assert kw["seq_len"] == lay.seq_len == 8192
-  assert t2.remat == lay.remat and c2.moe.ep_capacity == lay.ep_capacity > 0
-  c3, t3, kw = apply_pod_layout(lay, cfg, tc, {**none, "mesh": "fsdp:64,expert:32",
-                                               "remat": "layer", "ep_capacity": 2.0})
-  assert kw["mesh_spec"] == "fsdp:64,expert:32" and t3.remat == "layer"
-  assert c3.moe.ep_capacity == 2.0 and kw["global_batch"] == lay.global_batch
-  c4, t4, kw = apply_pod_layout(None, cfg, tc, none)
-  assert (c4, t4) == (cfg, tc) and kw["mesh_spec"] == "" and kw["global_batch"] is None
+  assert kw["run"].remat == "block" and kw["run"].ep_capacity == 1.25
+  kw = apply_pod_layout(lay, base, {**none, "mesh": "fsdp:64,expert:32", "remat": "layer",
+                                    "ep_capacity": 2.0})
+  assert kw["run"] == dataclasses.replace(lay.run, mesh="fsdp:64,expert:32", remat="layer",
+                                          ep_capacity=2.0)
+  assert kw["global_batch"] == lay.global_batch
+  kw = apply_pod_layout(None, base, none)
+  assert kw["run"] == base and base.mesh == "" and kw["global_batch"] is None
 
 
 def test_malloc_arena_cap_yields_to_the_environment(monkeypatch):
@@ -167,12 +170,12 @@ def test_lowered_train_step_does_not_grow_with_the_sequence_split():
   from k3_jax.compile import train_program
   from sharding.mesh import make_mesh, parse_mesh
   cfg = configs.get("k3_tiny")
-  tc = dataclasses.replace(configs.get_train("k3_tiny"), batch_size=8, seq_len=64,
-                           remat="block")
+  from k3_jax.execution import ExecConfig
+  tc = dataclasses.replace(configs.get_train("k3_tiny"), batch_size=8, seq_len=64)
   stats = {}
   for p in (2, 4):
     mesh = make_mesh(parse_mesh(f"fsdp:{8 // p},sequence:{p}"), jax.devices()[:8])
-    fn, args = train_program(cfg, tc, mesh)
+    fn, args = train_program(cfg, tc, mesh, ExecConfig(remat="block"))
     text = fn.lower(*args).as_text()
     stats[p] = (len(text), len(re.findall(r"stablehlo\.all_gather\b", text)),
                 len(re.findall(r"stablehlo\.collective_permute\b", text)))

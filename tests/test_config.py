@@ -45,8 +45,10 @@ def test_train_validation():
   cfg = configs.get("k3_tiny")
   with pytest.raises(ConfigError, match="seq_len"):
     validate_train(TrainConfig(seq_len=100_000), cfg)
+  from k3_jax.execution import ExecConfig, check_batch      # grad_accum: an execution setting
   with pytest.raises(ConfigError, match="grad_accum"):
-    validate_train(TrainConfig(batch_size=6, grad_accum=4, seq_len=32), cfg)
+    check_batch(ExecConfig(grad_accum=4), validate_train(TrainConfig(batch_size=6, seq_len=32),
+                                                         cfg).batch_size)
 
 
 def test_stack_plan_scans_the_repeating_blocks():

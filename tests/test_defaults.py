@@ -73,6 +73,31 @@ def test_serve_defaults_have_one_home():
       default, max_batch=2, prefix_cache_bytes=0)
 
 
+def test_execution_settings_have_one_home():
+  """Every ExecConfig field is declared once (k3_jax/execution.py) and is the one flag of
+  train and compile (serve: all but the train-only ones), default None = the base's value;
+  no ModelConfig, TrainConfig or ServeConfig field repeats one; the kernels' defaults are
+  ExecConfig's, the single-device Parallel's and a bare Engine's."""
+  from k3_jax import partitioning
+  from k3_jax.execution import DEFAULT_KERNELS, TRAIN_ONLY, ExecConfig, Kernels, PodLayout
+  names = tuple(f.name for f in flag_fields(ExecConfig))
+  assert main.EXEC_CONFIG_FLAGS == names
+  for f in flag_fields(ExecConfig):
+    assert f.metadata["help"] and main.FLAGS[f.name].default is None, f.name
+    for command in ("train", "compile"):
+      assert f.name in main.COMMANDS[command].flags, (command, f.name)
+    assert (f.name in main.COMMANDS["serve"].flags) is (f.name not in TRAIN_ONLY), f.name
+  others = [f.name for cls in (TrainConfig, ServeConfig) for f in dataclasses.fields(cls)]
+  cfg = configs.get("k3_tiny")
+  others += [f"{g}.{f.name}" for g in ("kda", "moe") for f in dataclasses.fields(getattr(cfg, g))]
+  assert not set(names) & set(others)
+  assert not {"kda.backend", "kda.chunk_size", "moe.gmm", "moe.ep_capacity"} & set(others)
+  kernels = {f.name for f in dataclasses.fields(Kernels)}
+  assert ExecConfig().kernels == DEFAULT_KERNELS == Kernels() == partitioning.SINGLE.kernels
+  assert {n: getattr(ExecConfig(), n) for n in kernels} == dataclasses.asdict(Kernels())
+  assert PodLayout("v5p-8").run == ExecConfig()
+
+
 @pytest.mark.parametrize("bad", [dict(max_batch=0), dict(prefill_chunk=768),
                                  dict(prefill_chunk=0), dict(prefix_cache_bytes=-1),
                                  dict(max_len=0), dict(port=70000),

@@ -26,6 +26,13 @@ def test_parse_sweep_accepts_k_and_m_suffixes():
       frontier.parse_sweep(bad)
   with pytest.raises(ConfigError, match="cache_len"):
     frontier.points({"batch": [8]}, None, None)
+  assert frontier.parse_sweep("batch:64;cache_len:32K;piece:16K")["piece"] == [16384]
+  with pytest.raises(ConfigError, match="prefill"):               # piece: prefill only
+    frontier.run_sweep(None, None, None, "decode", {}, {"batch": [8], "piece": [512]})
+  p = {"step": "prefill", "batch": 64, "cache_len": 32768, "piece": 16384, "fits": True,
+       "gib_per_chip": 80.0, "mesh": "expert:64", "hbm_bytes_per_chip": 1e12, "bound": "flops",
+       "step_time_s": 2.0, "tokens_per_s": 524288.0, "mfu": 0.5, "ttft_s": 4.0}
+  assert "(16K a step)" in frontier.point_line(p) and "TTFT 4,000 ms" in frontier.point_line(p)
 
 
 def test_decode_layout_rule():

@@ -30,8 +30,8 @@ GROUPS = (
     ("optim", ("k3_jax/optim/",)),
     ("layers", ("k3_jax/layers/", "k3_jax/vision/")),
     ("ops", ("k3_jax/ops/", "pallas_kernels/")),
-    ("base", ("k3_jax/config.py", "k3_jax/partitioning.py", "k3_jax/__init__.py",
-              "k3_jax/stack.py", "k3_jax/cache.py", "configs/")),
+    ("base", ("k3_jax/config.py", "k3_jax/execution.py", "k3_jax/partitioning.py",
+              "k3_jax/__init__.py", "k3_jax/stack.py", "k3_jax/cache.py", "configs/")),
 )
 
 # Which groups each group may import (besides its own). DESIGN.md:

@@ -128,7 +128,8 @@ def test_init_values_do_not_depend_on_the_devices(built):
 
 def test_compile_init_for_tpu_reports_the_state_shards():
   """`compile --step=init`: the TPU compiler's per-chip outputs are the state's shards."""
-  rep = compile_step(CFG, TC, resolve_target("v5p-8"), "init", "fsdp:2,expert:2")
+  from k3_jax.execution import ExecConfig
+  rep = compile_step(CFG, TC, resolve_target("v5p-8"), "init", ExecConfig(mesh="fsdp:2,expert:2"))
   # The only argument is the int32 seed (the TPU pads a scalar to a 512-byte tile).
   assert rep["step"] == "init" and rep["fits"] and rep["argument_bytes"] <= 512
   assert rep["expected_state_bytes_per_chip"] == (rep["expected_params_bytes_per_chip"]

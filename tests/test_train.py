@@ -15,6 +15,7 @@ import configs
 from k3_jax import train
 from k3_jax.checkpoint.manager import CheckpointManager, CheckpointMismatch
 from k3_jax.config import apply_overrides
+from k3_jax.execution import ExecConfig
 from k3_jax.data import mqar
 from sharding.mesh import make_mesh, parse_mesh
 
@@ -37,7 +38,7 @@ def _batches(n, seed=0):
 def _steps(mesh_spec: str, grad_accum: int = 1):
   devices = jax.devices()[:1] if mesh_spec == "single" else jax.devices()
   mesh = make_mesh(parse_mesh("" if mesh_spec == "single" else mesh_spec), devices=devices)
-  return train.build_steps(STEP_CFG, dataclasses.replace(TC, grad_accum=grad_accum), mesh)
+  return train.build_steps(STEP_CFG, TC, mesh, ExecConfig(grad_accum=grad_accum))
 
 
 def _run(steps, batches):

@@ -21,9 +21,11 @@ Layout: <workdir>/checkpoints/<step>/{state,data} and <workdir>/checkpoints/mode
 - `restore_params` reads only what inference needs (parameters and balancing biases), never
   the optimizer state.
 - A workdir whose checkpoints were made for a different model config is refused, never
-  overwritten (see also resume.check_resume, which runs before anything is written);
-  execution-only fields (config.EXECUTION_FIELDS: kernel backend, grouped matmul,
-  expert-parallel capacity) may differ, since they do not change the parameters.
+  overwritten (see also resume.check_resume, which runs before anything is written). The
+  model config holds what identifies the model only; how a job runs it (kernels, capacity:
+  k3_jax/execution.py) is not saved with it, so a checkpoint resumes or serves under any.
+  An old model_config.json that still holds the former execution fields (config.MOVED_FIELDS)
+  matches the same model, and `saved_execution` reads those fields.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from absl import logging as absl_logging
 
 from k3_jax.checkpoint import integrity, streaming
 from k3_jax.config import ModelConfig, UserError, from_dict, to_dict, without_execution_fields
+from k3_jax.execution import moved_from
 
 
 TMP_MARK = ".orbax-checkpoint-tmp"     # Orbax's suffix of a step directory being written
@@ -76,6 +79,16 @@ def saved_config(workdir: str) -> ModelConfig | None:
     return None
   with open(path) as f:
     return from_dict(json.load(f))
+
+
+def saved_execution(workdir: str) -> dict:
+  """The execution settings an old model_config.json of the workdir held as model fields,
+  by their ExecConfig names (execution.moved_from); {} for a new one, or none."""
+  path = os.path.join(checkpoint_dir(workdir), "model_config.json")
+  if not os.path.exists(path):
+    return {}
+  with open(path) as f:
+    return moved_from(json.load(f))
 
 
 def step_dirs(workdir: str) -> list[int]:

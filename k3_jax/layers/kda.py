@@ -164,14 +164,14 @@ class KDA(nnx.Module):
       # idle rows keep their state inside the step (the kernel selects as it writes)
       # (a scanned layer's: the whole stacked state, updated in place at its unit)
       o, state = kda_ops.decode_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
-                                     cache.state, backend=self.c.backend, par=par,
+                                     cache.state, backend=par.kernels.kda_backend, par=par,
                                      active=cache.active, layer=cache.unit)
       o = o[:, None]
     else:
-      o, state = kda_ops.chunk_kda(q, k, v, g, beta, chunk_size=self.c.chunk_size,
+      o, state = kda_ops.chunk_kda(q, k, v, g, beta, chunk_size=par.kernels.kda_chunk_size,
                                    initial_state=None if cache is None else cache.state,
                                    output_final_state=cache is not None,
-                                   segment_ids=segment_ids, backend=self.c.backend,
+                                   segment_ids=segment_ids, backend=par.kernels.kda_backend,
                                    par=par)
     y = self._output(o, gate)
     if cache is None:

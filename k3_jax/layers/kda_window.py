@@ -84,7 +84,7 @@ def window_call(layer, x: jax.Array, cache: KDAState, par: Parallel = SINGLE):
   state, outs, states = cache.state, [], []
   for i in range(t):                                     # the decode's one-step recurrence
     o, state = kda_ops.decode_step(q[:, i], k[:, i], v[:, i], g[:, i], beta[:, i], state,
-                                   backend=layer.c.backend, par=par)
+                                   backend=par.kernels.kda_backend, par=par)
     outs.append(o)
     states.append(state)
   o = jnp.stack(outs, axis=1).reshape((b * t, 1) + outs[0].shape[1:])   # [B T, 1, H, V]

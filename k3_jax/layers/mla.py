@@ -27,6 +27,7 @@ from k3_jax.layers.init import Init
 from k3_jax.layers.linear import Linear
 from k3_jax.layers.norm import RMSNorm
 from k3_jax.ops import attention as attn_ops
+from k3_jax.ops import rope_pages
 from k3_jax.partitioning import SINGLE, Parallel
 
 
@@ -61,10 +62,12 @@ class MLA(nnx.Module):
                     k_r=jnp.zeros((batch, max_len, self.c.qk_rope_head_dim), self.dtype))
 
   def init_paged_cache(self, num_pages: int, page_size: int) -> PagedMLACache:
-    """The page pool of this layer (the page table is attached per call by the engine)."""
+    """The page pool of this layer (the page table is attached per call by the engine); the
+    rope keys' pages folded to lane width (k3_jax/ops/rope_pages.py)."""
     return PagedMLACache(
         c_kv=jnp.zeros((num_pages, page_size, self.c.kv_lora_rank), self.dtype),
-        k_r=jnp.zeros((num_pages, page_size, self.c.qk_rope_head_dim), self.dtype))
+        k_r=jnp.zeros(rope_pages.pool_shape(num_pages, page_size, self.c.qk_rope_head_dim),
+                      self.dtype))
 
   @jax.named_scope("projections")
   def _query(self, x):
@@ -212,14 +215,15 @@ class MLA(nnx.Module):
       # only read after, so no step copies a pool whatever its size.
       page, off = page_slots(table, q_pos, page_size)                  # [B, T] each
       pool_c = cache.c_kv.at[lead + (page, off)].set(new_c)            # [(R,) N, P, R]
-      pool_r = cache.k_r.at[lead + (page, off)].set(new_r)             # [(R,) N, P, Pr]
+      pool_r = rope_pages.write(cache.k_r, lead + (page,), off, new_r)  # [(R,) N, P/f, f Pr]
       new_cache = PagedMLACache(c_kv=pool_c, k_r=pool_r, page_table=table, unit=cache.unit)
     if t == 1:   # the pool's copy of the token is not read: it is merged as its own partial
       y, max_logit = self._paged_decode(x, q_nope, q_rope, new_c, new_r, pool_c, pool_r,
                                         cache.unit, table, pos, par, cache.window)
       return y, new_cache, max_logit
     c_all = pool_c[lead + (table,)].reshape(b, m * page_size, -1)      # [B, S = M P, R]
-    r_all = pool_r[lead + (table,)].reshape(b, m * page_size, -1)      # [B, S, Pr]
+    r_all = rope_pages.unfold(pool_r[lead + (table,)], new_r.shape[-1]).reshape(
+        b, m * page_size, -1)                                          # [B, S, Pr]
     if cache.deferred:   # this call's latents at their positions in the gathered view
       rows = jnp.arange(b)[:, None]
       c_all, r_all = c_all.at[rows, q_pos].set(new_c), r_all.at[rows, q_pos].set(new_r)

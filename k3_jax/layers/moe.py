@@ -89,11 +89,11 @@ class MoE(nnx.Module):
       return [mx_gmm.qat_weight(w, self.dtype) for w in ws]
     return [w.astype(self.dtype) for w in ws]
 
-  def _gmm(self, local: bool, platform: str):
-    """The grouped matmul for this call on `platform`. local: it runs on whole local arrays
-    (no mesh, or inside the expert-parallel shard_map), so a Pallas kernel may be called
-    directly."""
-    base = moe_ops.default_gmm(self.cfg.gmm, platform=platform, kernel=local)
+  def _gmm(self, kind: str, local: bool, platform: str):
+    """The grouped matmul `kind` (the job's, Parallel.kernels.gmm) for this call on
+    `platform`. local: it runs on whole local arrays (no mesh, or inside the
+    expert-parallel shard_map), so a Pallas kernel may be called directly."""
+    base = moe_ops.default_gmm(kind, platform=platform, kernel=local)
     if self._packed():
       return mx_gmm.packed_gmm(base, kernel=local and platform == "tpu")
     return mx_gmm.qat_gmm(base) if self.qat else base
@@ -109,21 +109,24 @@ class MoE(nnx.Module):
     xf = x.reshape(b * t, d)                                           # [N, D]
     with jax.named_scope("router"):
       scores = moe_ops.router_scores(xf, self.router[...])             # [N, E] f32
+      if par.batch_fills_mesh:      # node decode: computed split on E, then per token whole
+        scores = par.constrain(par.by_output(scores), ("batch", None))
       weights, ids = moe_ops.select_experts(scores, self.bias[...], m.top_k,
                                             m.routed_scaling_factor, m.n_group, m.topk_group)
     with jax.named_scope("latent_down"):
-      z = self.down(xf) if m.latent_dim else xf                        # [N, L]
+      z = par.by_output(self.down(xf)) if m.latent_dim else xf         # [N, L]
     ep = par.ops.moe_dispatch                                          # expert-parallel on a mesh
     args = (z.astype(self.dtype), weights, ids, *self._expert_weights())
     kw = dict(activation=self.kind, beta1=self.beta1, beta2=self.beta2,
-              gmm=self._gmm(ep is not None or not par.kernels_sharded, par.platform))
+              gmm=self._gmm(par.kernels.gmm, ep is not None or not par.kernels_sharded,
+                            par.platform))
     with jax.named_scope("routed_experts"):
       if ep is not None:
-        u = ep(*args, capacity_factor=m.ep_capacity or None, **kw)
+        u = ep(*args, capacity_factor=par.kernels.ep_capacity or None, **kw)
       elif not train and xf.shape[0] <= moe_ops.SMALL_TOKENS and not self.qat \
           and not self._packed():           # a decode step: no training-sized layout
         kw.pop("gmm")
-        u = moe_ops.moe_small(*args, **kw)
+        u = moe_ops.moe_small(*args, pair_loop=par.platform == "cpu", **kw)
       else:
         u = moe_ops.moe_dispatch(*args, **kw)                          # [N, L]
     with jax.named_scope("latent_up"):

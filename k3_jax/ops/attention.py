@@ -13,6 +13,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from k3_jax.ops import rope_pages
+
 _NEG = -1e30
 
 
@@ -246,8 +248,9 @@ def paged_decode_partial(q_latent: jax.Array, q_rope: jax.Array, pool_c: jax.Arr
   sequence), an online softmax over the blocks (FP32), and only as many blocks as the
   longest sequence needs (a dynamic trip count, so the cost tracks the bytes read).
 
-  q_latent [B, H, R], q_rope [B, H, P] f32; pool_c [N, Pg, R], pool_r [N, Pg, P] (or, with
-  `unit`, stacked pools [U, N, Pg, X] read at that index); pages [B, M] int32 page ids;
+  q_latent [B, H, R], q_rope [B, H, P] f32; pool_c [N, Pg, R], pool_r [N, Pg / f, f P] (its
+  pages folded, k3_jax/ops/rope_pages.py; or, with `unit`, stacked pools [U, N, ...] read at
+  that index); pages [B, M] int32 page ids;
   col_pos [M] int32: column j holds positions col_pos[j] + [0, Pg), increasing in j;
   q_pos [B]: key positions < q_pos[b] are visible (the query's own token is not in the
   pool: `token_partial`). Blocks past every query are skipped and partly visible ones
@@ -270,7 +273,8 @@ def paged_decode_partial(q_latent: jax.Array, q_rope: jax.Array, pool_c: jax.Arr
     ids = jax.lax.dynamic_slice_in_dim(pages, i * block, block, axis=1)     # [B, block]
     first = jax.lax.dynamic_slice_in_dim(col_pos, i * block, block)          # [block]
     c = pool_c[lead + (ids,)].reshape(b, block * pg, r).astype(jnp.float32)
-    k = pool_r[lead + (ids,)].reshape(b, block * pg, -1).astype(jnp.float32)
+    k = rope_pages.unfold(pool_r[lead + (ids,)], q_rope.shape[-1]).reshape(
+        b, block * pg, -1).astype(jnp.float32)
     logits = (jnp.einsum("bhr,bsr->bhs", q_latent, c, preferred_element_type=jnp.float32)
               + jnp.einsum("bhp,bsp->bhs", q_rope, k,
                            preferred_element_type=jnp.float32)) * scale

@@ -84,8 +84,8 @@ def ragged_dot_tpu_gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
 
 
 def _tile_rows(m: int, g: int) -> int:
-  """Rows per tile for `tiled_gmm`: about the mean group size m / g, a power of two in
-  [8, 256]. Padding is at most g * (tile - 1) rows, but XLA:CPU's per-tile matmuls and
+  """Rows per tile for `tiled_gmm` and `_moe_tiles_batched` (training's program): about
+  the mean group size m / g, a power of two in [8, 256]. Padding is at most g * (tile - 1) rows, but XLA:CPU's per-tile matmuls and
   per-tile weight picks cost less with fewer, larger tiles: at 16 experts x 4 (the served
   15M Kimi-Linear) and m = 16,384 pairs (eight 512-token prompts), 256 rows took 69 ms
   where 128 took 80 and 32 147; at m = 2,048 (one prompt) 32 to 128 rows cost about the
@@ -127,7 +127,7 @@ def tiled_gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
 def default_gmm(kind: str = "auto", platform: str | None = None,
                 kernel: bool = True) -> GroupedMatmul:
   """"ragged_dot" (native on TPU and GPU), "tiled" (plain JAX, for XLA:CPU), or "auto":
-  tiled when compiling for CPU and ragged_dot otherwise (the model passes moe.gmm).
+  tiled when compiling for CPU and ragged_dot otherwise (the model passes the job's Parallel.kernels.gmm).
   `platform` is the compile target (e.g. "tpu" for an ahead-of-time TPU compile from a CPU
   host); None = JAX's default backend. On TPU, where the call may run a Pallas kernel
   (`kernel`: on whole local arrays, no mesh or inside a shard_map), ragged_dot's weight
@@ -252,19 +252,35 @@ SMALL_TOKENS = 64    # at most this many tokens (a decode step): moe_small, not 
 
 def moe_small(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
               w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
-              activation: str = "situ", beta1: float = 4.0, beta2: float = 25.0) -> jax.Array:
+              activation: str = "situ", beta1: float = 4.0, beta2: float = 25.0,
+              pair_loop: bool = False) -> jax.Array:
   """`moe_dispatch` for a handful of tokens (decode), with no sort, no group sizes and no
   tile padding: each row's result depends on that row alone (batch invariance).
 
   Fewer token-expert pairs than experts (N k < E: a decode batch of a big MoE): each pair's
-  expert weights are gathered and applied to its token, so a step reads the experts its
-  tokens chose and no other. Otherwise every expert runs on every token (E/k times the
-  FLOPs, but each expert's weights are read once, which is what a memory-bound step pays
-  for). Same arguments and result as `moe_dispatch`."""
+  expert is applied to its token, so a step reads the experts its tokens chose and no
+  other: with `pair_loop` (XLA:CPU) in a loop over the pairs reading each expert's weights
+  where they lie, otherwise (one fused program on an accelerator) with each pair's weights
+  gathered. At E = 16, k = 4, Din = 256, F = 128 on 2 CPU cores, seven such layers took
+  0.97 ms for 1 token and 2.3 for 2 with the loop, 1.5 and 4.6 gathered (weights copied).
+  Otherwise every expert runs on every token (E/k times the FLOPs, but each expert's weights
+  are read once, which is what a memory-bound step pays for). Same arguments and result
+  as `moe_dispatch`."""
   n, k = expert_ids.shape
   e = w_gate.shape[0]
   f32 = jnp.float32
-  if n * k < e:
+  if n * k < e and pair_loop:
+    with jax.named_scope("experts_loop"):
+      def one_pair(i, y):
+        tok, j = i // k, expert_ids[i // k, i % k]
+        xt = x[tok][None]                                                # [1, Din]
+        h = glu(jnp.dot(xt, w_gate[j], preferred_element_type=f32),
+                jnp.dot(xt, w_up[j], preferred_element_type=f32),
+                activation, beta1=beta1, beta2=beta2).astype(x.dtype)
+        out = jnp.dot(h, w_down[j], preferred_element_type=f32)[0]       # [Din]
+        return y.at[tok].add(out * weights[tok, i % k].astype(f32))
+      y = jax.lax.fori_loop(0, n * k, one_pair, jnp.zeros((n, x.shape[1]), f32))
+  elif n * k < e:
     with jax.named_scope("experts_gathered"):
       ids = expert_ids.reshape(-1)                                       # [M = N k]
       xs = jnp.repeat(x, k, axis=0)                                      # [M, Din]
@@ -289,16 +305,99 @@ def moe_small(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
   return y.astype(x.dtype)
 
 
+LOOP_TILE = 64   # rows a tile in the undifferentiated tiled path (`_moe_tile_loop`)
+
+
 def _moe_tiled(x, weights, expert_ids, w_gate, w_up, w_down, activation, beta1, beta2,
                tile: int | None = None):
-  """`moe_dispatch` with `tiled_gmm`, laid out once: the token-expert pairs are sorted by
-  expert and written ONCE into a tile-padded buffer (one gather from x; padding rows read
-  a zero row), gate and up run as one matmul per tile against [Din, 2F] weights, down runs
-  in the same padded layout, and the combine gathers each pair's row back. The per-tile
-  expert weights are picked with a one-hot matmul (its backward is a matmul, not a
-  scatter-add). Same FLOPs on real rows as three `tiled_gmm` calls, one layout instead of
-  three scatters into padding and two un-pad / re-pad round trips.
+  """`moe_dispatch` with the tiled layout: the token-expert pairs sorted by expert and
+  written ONCE into a tile-padded buffer, every tile one expert's rows.
+
+  Two programs compute it, one result (to float rounding):
+  - called plainly (inference, the served steps): `_moe_tile_loop`, a loop over the tiles
+    that hold rows, each multiplying against its expert's weights where they lie;
+  - differentiated (training): `_moe_tiles_batched`, batched per-tile matmuls against
+    per-tile copies of the weights, whose backward is matmuls (a loop's backward adds each
+    tile's weight gradient into a whole [E, Din, F] carry, 2-4x slower).
+  On the served 15M Kimi-Linear's experts (E = 16, k = 4, Din = 256, F = 128) on 2 busy
+  CPU cores (`benchmarks/moe.py --tiles`) the loop took 7.3 ms at 512 tokens where the
+  batched form took 14.6 (each at its best tile), and 82-94 ms at 4,096 where it took 160:
+  the batched form copies each tile's weights and runs the static bound of tiles, padding
+  included (2x the rows at 512 tokens). The loop's tile: 32 to 256 rows are within the
+  noise of each other at 4,096 tokens, 16 and 256 slower at 512. Adding each tile's rows
+  into its tokens' outputs inside the loop, not gathering them back after it, took 4,096
+  tokens from 97 to 69 ms (same run).
   x [N, Din]; weights, expert_ids [N, k]; w_gate, w_up [E, Din, F]; w_down [E, F, Din]."""
+  return _tiled_moe((activation, beta1, beta2, tile), x, weights, expert_ids, w_gate, w_up,
+                    w_down)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _tiled_moe(opts, x, weights, expert_ids, w_gate, w_up, w_down):
+  return _moe_tile_loop(x, weights, expert_ids, w_gate, w_up, w_down, *opts)
+
+
+def _tiled_moe_fwd(opts, x, weights, expert_ids, w_gate, w_up, w_down):
+  y, vjp = jax.vjp(lambda *a: _moe_tiles_batched(a[0], a[1], expert_ids, *a[2:], *opts),
+                   x, weights, w_gate, w_up, w_down)
+  return y, vjp
+
+
+def _tiled_moe_bwd(opts, vjp, ct):
+  dx, dweights, dgate, dup, ddown = vjp(ct)
+  return dx, dweights, None, dgate, dup, ddown
+
+
+_tiled_moe.defvjp(_tiled_moe_fwd, _tiled_moe_bwd)
+
+
+def _moe_tile_loop(x, weights, expert_ids, w_gate, w_up, w_down, activation, beta1, beta2,
+                   tile: int | None = None):
+  """The tiled layout run as a loop over the tiles that hold rows (`used`, known only at
+  run time: no padding tile beyond the last expert's is computed), each tile's three
+  matmuls against its expert's weights read in place, its rows weighted and added into
+  their tokens' outputs (a padding row adds 0 x its output to a spare row). A token's k
+  pairs are added in expert order. Not reverse-differentiable (a loop of run-time
+  length): `_moe_tiled` differentiates `_moe_tiles_batched` instead."""
+  n, k = expert_ids.shape
+  e, din, f = w_gate.shape
+  t = tile or LOOP_TILE
+  num_tiles = -(-(n * k + e * (t - 1)) // t)                             # static bound
+  rows = num_tiles * t
+  f32 = jnp.float32
+  with jax.named_scope("dispatch"):
+    dest, src, onehot = _tiled_layout(expert_ids, n, k, e, t, num_tiles, rows, w_gate.dtype)
+    tile_expert = jnp.argmax(onehot, axis=-1)                            # [tiles]
+    used = jnp.sum((expert_load(expert_ids, e) + t - 1) // t)            # tiles holding rows
+    row_weight = jnp.zeros((rows,), f32).at[dest].set(
+        weights.reshape(-1).astype(f32)).reshape(num_tiles, t)           # 0 on padding
+    xe = jnp.concatenate([x, jnp.zeros((1, din), x.dtype)], axis=0)      # [N+1, Din]
+    xs = jnp.take(xe, src, axis=0).reshape(num_tiles, t, din)            # [tiles, t, Din]
+    token = src.reshape(num_tiles, t)                                    # n = the spare row
+
+  def one_tile(i, y):
+    j = tile_expert[i]
+    xt = xs[i]
+    h = glu(jnp.dot(xt, w_gate[j], preferred_element_type=f32),
+            jnp.dot(xt, w_up[j], preferred_element_type=f32),
+            activation, beta1=beta1, beta2=beta2).astype(x.dtype)
+    out = jnp.dot(h, w_down[j], preferred_element_type=f32)              # [t, Din]
+    return y.at[token[i]].add(out * row_weight[i][:, None])
+
+  with jax.named_scope("experts"):           # each tile's rows added into y as it goes
+    y = jax.lax.fori_loop(0, used, one_tile, jnp.zeros((n + 1, din), f32))
+  with jax.named_scope("combine"):
+    return y[:n].astype(x.dtype)                                         # the spare row off
+
+
+def _moe_tiles_batched(x, weights, expert_ids, w_gate, w_up, w_down, activation, beta1,
+                       beta2, tile: int | None = None):
+  """The tiled layout as batched matmuls (what `_moe_tiled` differentiates): gate and up
+  run as one matmul per tile against [Din, 2F] weights, down in the same padded layout,
+  and the combine gathers each pair's row back. The per-tile expert weights are picked
+  with a one-hot matmul (its backward is a matmul, not a scatter-add). Same FLOPs on real
+  rows as three `tiled_gmm` calls, one layout instead of three scatters into padding and
+  two un-pad / re-pad round trips."""
   n, k = expert_ids.shape
   e, din, f = w_gate.shape
   m = n * k

@@ -20,7 +20,7 @@ first read. A promotion writes the host arrays into a freshly allocated page (an
 slot) with a jitted scatter, dispatched in order with the engine's steps. Restored bits are
 the bits demoted, so a hit from any tier is the same computation as a device hit.
 
-Blocks of one page (a match unit finer than the page) demoted from one device page share
+Blocks of one page (a match grid finer than the page) demoted from one device page share
 one host copy of it (the copy made for the first of them, the page's latest block, is valid
 for every earlier one); the disk stores each block's page in its own file.
 """
@@ -129,13 +129,13 @@ def host_arrays(arrays: list) -> list:
   return [a if isinstance(a, np.ndarray) else np.asarray(a) for a in arrays]
 
 
-def fingerprint(cfg, params, tokenizer, unit: int) -> str:
+def fingerprint(cfg, params, tokenizer, match_tokens: int) -> str:
   """What a disk-tier file must match to be served: the model (its config, and the first
   values of every parameter array), the tokenizer (its kind, size and the ids of a probe
-  text) and the match unit."""
+  text) and the match grid (match_tokens)."""
   h = hashlib.blake2b(digest_size=16)
   h.update(repr(cfg).encode())
-  h.update(f"unit={unit}".encode())
+  h.update(f"unit={match_tokens}".encode())     # its old name: the disk caches' keys stay
   for leaf in jax.tree.leaves(params):
     a = getattr(leaf, "value", leaf)
     head = a[(0,) * (a.ndim - 1)] if a.ndim > 1 else a
@@ -216,7 +216,8 @@ class CacheTiers:
     """prefix: the device PrefixCache (its evictions demote here); io: EngineIO."""
     self.prefix, self.io, self.disk = prefix, io, disk
     self.host = HostTier(host_bytes)
-    self.page_bytes, self.ckpt_bytes, self.unit = prefix.page_bytes, prefix.ckpt_bytes, prefix.unit
+    self.page_bytes, self.ckpt_bytes = prefix.page_bytes, prefix.ckpt_bytes
+    self.match_tokens = prefix.match_tokens
     self._copies: dict[int, _Shared] = {}     # device page -> its host copy (while cached)
     self.stats = {t: TierStats() for t in TIERS}
     self.deferred = 0                         # admissions put off for a disk read under way
@@ -322,8 +323,8 @@ class CacheTiers:
       return None
     i = first
     while i < best:                   # one page column at a time
-      t0, col, group = time.perf_counter(), i * self.unit // PAGE, []
-      while i + len(group) < best and (i + len(group)) * self.unit // PAGE == col:
+      t0, col, group = time.perf_counter(), i * self.match_tokens // PAGE, []
+      while i + len(group) < best and (i + len(group)) * self.match_tokens // PAGE == col:
         got = self._fetch(hashes[i + len(group)])   # (where it is now: room-making moves)
         if got is None:
           break
@@ -336,7 +337,7 @@ class CacheTiers:
         st.seconds_in += (time.perf_counter() - t0) / n
       if n < len(group) or not group:
         self.no_room += bool(group)
-      if n == 0 or i + n < best and (i + n) * self.unit // PAGE == col:
+      if n == 0 or i + n < best and (i + n) * self.match_tokens // PAGE == col:
         break                         # no room, or a block no tier holds intact
       i += n
     return promoted
@@ -346,7 +347,7 @@ class CacheTiers:
     of the chain past the device and host tiers (thread-safe; nothing waits for the reads)."""
     if self.disk is None:
       return
-    hs, i = block_hashes(tokens, self.unit), 0
+    hs, i = block_hashes(tokens, self.match_tokens), 0
     entries = self.prefix.entries
     while i < len(hs) and hs[i] in entries:
       i += 1
@@ -380,7 +381,7 @@ class CacheTiers:
       pc.entries[parent].children += 1          # room-making must not evict its parent
     n = 0
     try:
-      col = i * self.unit // PAGE
+      col = i * self.match_tokens // PAGE
       if not pc.free_pages(1, col):
         return 0
       page = pool.alloc(1, col)[0]               # (our reference keeps them all unevictable)
@@ -428,9 +429,9 @@ class CacheTiers:
     lower = 0
     for i, tier in promoted.items():
       if i < hit_blocks:
-        self.stats[tier].hit_tokens += self.unit
+        self.stats[tier].hit_tokens += self.match_tokens
         lower += 1
-    self.stats["device"].hit_tokens += (hit_blocks - lower) * self.unit
+    self.stats["device"].hit_tokens += (hit_blocks - lower) * self.match_tokens
 
   def summary(self) -> dict:
     out = {"host_bytes": self.host.used, "host_budget_bytes": self.host.budget,
@@ -508,7 +509,7 @@ def attach(engine) -> CacheTiers | None:
   io = EngineIO(engine)
   disk = None
   if s.disk_cache_dir:
-    fp = fingerprint(engine.cfg, engine.params, engine.tokenizer, engine.unit)
+    fp = fingerprint(engine.cfg, engine.params, engine.tokenizer, engine.match_tokens)
     try:
       disk = DiskTier(s.disk_cache_dir, s.disk_cache_bytes, fp, io.page_spec, io.ckpt_spec)
     except OSError as e:

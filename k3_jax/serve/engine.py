@@ -46,30 +46,30 @@ log = logging.getLogger("k3_jax.serve")
 
 class Engine:
   def __init__(self, cfg: ModelConfig, graphdef, params, rest, serve: ServeConfig | None = None,
-               *, tokenizer=None, mesh=None, relay=None, **settings):
+               *, tokenizer=None, mesh=None, relay=None, kernels=None, **settings):
     """serve: the engine's settings (k3_jax/config.py ServeConfig, whose defaults are the
     server's), with `settings` (ServeConfig fields, e.g. max_batch=2) replacing some.
     max_len: tokens per sequence (prompt + generated), default the model's max_seq_len.
     prefill_chunk: tokens per prefill chunk, a multiple of 512. prefix_cache_bytes: the
     prefix cache's budget for cached MLA pages + KDA checkpoints (0 disables it).
-    prefix_match_unit: the grid (tokens, a power of two dividing 512) that hits end on; a
+    prefix_match_tokens: the grid (tokens, a power of two dividing 512) that hits end on; a
     hit inside a page continues in a copy of that page (steps.copy_page). mesh: the steps
     run under its parallel setup with params placed by their logical axes, the paged cache
-    split on its page axis (kv_pages.paged_cache_shardings); None: the single-device
-    program. relay: a multi-host job's step relay (relay.py): every process builds the
-    same engine over the global mesh and the leader's steps are replayed by the others."""
+    split on its page axis (kv_pages.paged_cache_shardings); None: one device. kernels: the
+    job's (execution.Kernels). relay: a multi-host job's step relay (relay.py): every process
+    builds the same engine over the global mesh and the leader's steps are replayed."""
     serve = self.serve = dataclasses.replace(serve or ServeConfig(), **settings)
     self.cfg, self.tokenizer, self.mesh, self.relay = cfg, tokenizer, mesh, relay
     self.max_batch, self.prefill_chunk = serve.max_batch, serve.prefill_chunk
     self.prefill_rows = 1 if serve.batch_invariant else serve.max_batch  # prompts a call
     self.overlap = serve.overlap
     self._pending = None     # a dispatched decode step whose tokens are unread (overlap)
-    self.unit = serve.prefix_match_unit         # prefix-cache hits end on this grid
+    self.match_tokens = serve.prefix_match_tokens   # prefix-cache hits end on this grid
     self.max_len = serve.max_len or cfg.max_seq_len
     if self.max_len > cfg.max_seq_len:
       raise ValueError(f"max_len={self.max_len} exceeds the model's max_seq_len={cfg.max_seq_len}")
     self.pages_per_slot = math.ceil(self.max_len / PAGE)
-    self.runner = Runner(cfg, graphdef, params, rest, serve.max_batch, mesh, relay)
+    self.runner = Runner(cfg, graphdef, params, rest, serve.max_batch, mesh, relay, kernels)
     self.graphdef, self.params, self.rest = graphdef, self.runner.params, self.runner.rest
     self.page_bytes, self.ckpt_bytes = self.runner.page_bytes, self.runner.ckpt_bytes
     self.num_pages, self.pool_summary, prefix = self.runner.size_memory(
@@ -198,7 +198,7 @@ class Engine:
     while self.waiting and self.free_slots:
       r = self.waiting[0]
       feed = planner.feed(r)
-      if not self._own(r, intake.prepare, r, feed, self.tokenizer, self.prefix, self.unit,
+      if not self._own(r, intake.prepare, r, feed, self.tokenizer, self.prefix, self.match_tokens,
                        self.cfg):
         continue
       slot = self.free_slots[-1]
@@ -219,7 +219,7 @@ class Engine:
       r.feed, r.pos = feed, got.hit_tokens
       if not r.output_ids:
         r.cached_tokens = got.hit_tokens
-      r.registered = got.hit_tokens // self.unit
+      r.registered = got.hit_tokens // self.match_tokens
       self.roster.seat(r, slot, "prefill")
 
   def _grow(self, reqs: list[Request], upto) -> list[Request]:
@@ -277,7 +277,7 @@ class Engine:
     """This step's prefill (planner.prefill, then planner.calls round by round: one call
     per prompt when batch_invariant), before the step's decode, so a long prompt never
     stalls the running decodes."""
-    plans = planner.prefill(pre, self.prefill_chunk, self.unit)
+    plans = planner.prefill(pre, self.prefill_chunk, self.match_tokens)
     for k in range(planner.rounds(plans)):
       for size, reqs in planner.calls(plans, k, self.prefill_rows,
                                       lambda r: r.state == "prefill"):
@@ -304,8 +304,8 @@ class Engine:
   def _register(self, r: Request) -> None:
     """Hands the finished blocks of the tokens r prefilled to the prefix cache, and keeps
     the KDA state of this position as a checkpoint when it is one the prefill keeps."""
-    keep = r.pos if r.pos % self.unit == 0 and r.pos in checkpoint_boundaries(
-        r.feed.size, self.unit) else None
+    keep = r.pos if r.pos % self.match_tokens == 0 and r.pos in checkpoint_boundaries(
+        r.feed.size, self.match_tokens) else None
     r.registered, c = self.kv.register(r.slot, r.hashes, r.registered, min(r.pos, r.feed.size),
                                        self.step_no, keep)
     if c is not None:

@@ -60,15 +60,15 @@ def check_request(engine, prompt_ids, params: SamplingParams, openai_ranges: boo
   return prompt
 
 
-def prepare(r, feed: np.ndarray, tokenizer, prefix, unit: int, cfg: ModelConfig) -> None:
+def prepare(r, feed: np.ndarray, tokenizer, prefix, match_tokens: int, cfg: ModelConfig) -> None:
   """r's host work at admission: its stream decoder, its blocks' prefix-cache keys (the
   blocks holding image placeholders keyed on the images' content too)."""
   if r.decoder is None and tokenizer is not None:
     r.decoder = tokenizer.stream_decoder()
   if prefix is not None:
     salts = None if r.images is None else image_salts(feed, r.images,
-                                                      cfg.vision.image_token_id, unit)
-    r.hashes = block_hashes(feed, block=unit, salts=salts)
+                                                      cfg.vision.image_token_id, match_tokens)
+    r.hashes = block_hashes(feed, block=match_tokens, salts=salts)
 
 
 __all__ = ["check_request", "check_images", "prepare"]

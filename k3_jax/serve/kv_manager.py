@@ -88,7 +88,7 @@ class KVManager:
   def __init__(self, num_pages: int, shards: int, max_batch: int, pages_per_slot: int,
                prefix: dict | None = None):
     """prefix: PrefixCache's settings (num_ckpt_slots, budget_bytes, page_bytes, ckpt_bytes,
-    unit), or None for no prefix cache."""
+    match_tokens), or None for no prefix cache."""
     self.pool = PagePool(num_pages, shards)
     self.prefix = None if prefix is None else PrefixCache(self.pool, **prefix)
     self.pages_per_slot = pages_per_slot
@@ -129,11 +129,11 @@ class KVManager:
     hit_pages, copy_src, ckpt, hit_tokens = [], None, None, 0
     promoted = {}
     if self.tiers is not None and use_prefix:     # lower-tier blocks extending the hit
-      promoted = self.tiers.promote(hashes, (tokens - 1) // self.prefix.unit, step)
+      promoted = self.tiers.promote(hashes, (tokens - 1) // self.prefix.match_tokens, step)
       if promoted is None:                        # its blocks are still being read from disk
         return None
     if self.prefix is not None and use_prefix:
-      hit = self.prefix.lookup(hashes, (tokens - 1) // self.prefix.unit, step)   # pins it
+      hit = self.prefix.lookup(hashes, (tokens - 1) // self.prefix.match_tokens, step)  # pins
       hit_pages, copy_src, ckpt, hit_tokens = hit.pages, hit.copy_src, hit.ckpt, hit.tokens
     fresh = self._take(math.ceil(need / PAGE) - len(hit_pages), len(hit_pages))
     if fresh is None:
@@ -144,7 +144,7 @@ class KVManager:
     if self.prefix is not None and use_prefix:
       self.prefix.count(tokens, hit_tokens)
       if self.tiers is not None:
-        self.tiers.counted(hit_tokens // self.prefix.unit, promoted)
+        self.tiers.counted(hit_tokens // self.prefix.match_tokens, promoted)
     self._seat(slot, hit_pages + fresh)
     return Acquired(hit_pages + fresh, hit_tokens, copy_src, ckpt)
 
@@ -179,13 +179,13 @@ class KVManager:
 
   def register(self, slot: int, hashes: list[bytes], registered: int, upto: int, step: int,
                keep_ckpt_at: int | None, state_rows=None) -> tuple[int, int | None]:
-    """The blocks registered..upto/unit of the sequence at `slot` (hashes: its blocks')
+    """The blocks registered..upto/match_tokens of the sequence at `slot` (hashes: its blocks')
     handed to the prefix cache -> (blocks now registered, a checkpoint slot to save the
-    KDA state into when `keep_ckpt_at` (a position on the unit grid) is wholly registered).
+    KDA state into when `keep_ckpt_at` (a position on the match grid) is wholly registered).
     With the cache tiers, blocks the device cache cannot take are written around it to the
     lower tiers (and counted as registered), the checkpoint too: the KDA state of the slot
     now, or row `slot` of `state_rows` when given."""
-    u, pages = self.prefix.unit, self.held[slot]
+    u, pages = self.prefix.match_tokens, self.held[slot]
     page_of = lambda j: pages[j * u // PAGE]                # block j's page
     for i in range(registered, upto // u):
       if not self.prefix.register_block(hashes[i], hashes[i - 1] if i else None,

@@ -17,6 +17,7 @@ import jax
 
 from k3_jax.config import (EXPERT_FORMATS, SINGLE_STREAM, ModelConfig, ServeConfig, UserError,
                            apply_overrides, validate)
+from k3_jax.execution import ExecConfig, apply_run_overrides, split_overrides
 
 if TYPE_CHECKING:
   from k3_jax.data.tokenizers import Tokenizer
@@ -34,7 +35,9 @@ class ServeOptions:
   tokenizer: str | None = None        # default: the workdir's (train_config.json), else byte
   expert_format: str = "dense"        # "mxfp4": routed experts packed to MXFP4
   serve: ServeConfig = dataclasses.field(default_factory=ServeConfig)   # engine and address
-  mesh: str = ""                      # e.g. "expert:4" (default: one device)
+  # the execution settings given ((ExecConfig field, value) pairs, e.g. ("mesh", "expert:4"),
+  # default one device), over the source's own (`execution`)
+  run_given: tuple[tuple[str, object], ...] = ()
   model_name: str | None = None       # the id /v1/models reports (default: the config name)
 
 
@@ -76,7 +79,7 @@ def random_weights(config: str, overrides=(), seed: int = 0, vision: bool = Fals
   from flax import nnx
   from k3_jax.model import create_model
   base = configs.get_multimodal(config) if vision else configs.get(config)
-  cfg: ModelConfig = validate(apply_overrides(base, list(overrides)))
+  cfg: ModelConfig = validate(apply_overrides(base, split_overrides(overrides)[0]))
   return (cfg, *nnx.split(create_model(cfg, seed=seed), nnx.Param, ...))
 
 
@@ -122,6 +125,21 @@ def load_checked_tokenizer(spec: str, vocab_size: int, check_byte: bool = True):
   return tok
 
 
+def execution(opts: ServeOptions) -> ExecConfig:
+  """How the served model runs: the source's own settings (a preset's, with any --override
+  of a moved field, for random weights; those an old checkpoint's model config held; else
+  the defaults), then those given (opts.run_given)."""
+  if opts.config is not None:
+    import configs
+    base = apply_run_overrides(configs.get_exec(opts.config), split_overrides(opts.overrides)[1])
+  elif opts.workdir is not None:
+    from k3_jax.checkpoint.manager import saved_execution
+    base = ExecConfig(**saved_execution(opts.workdir))
+  else:
+    base = ExecConfig()
+  return base.given(**dict(opts.run_given))
+
+
 def build_engine(opts: ServeOptions, relay=None):
   """(engine, tokenizer, model name) for the options. relay: this process's step relay in a
   multi-host job (relay.py), which needs a mesh over every host's devices."""
@@ -132,10 +150,11 @@ def build_engine(opts: ServeOptions, relay=None):
   if len(sources) != 1:
     raise UserError("give exactly one of --workdir (a trained checkpoint), --hf_dir (a Hugging "
                     "Face directory) or --random_weights with --config (smoke tests)")
+  run = execution(opts)
   mesh = None
-  if opts.mesh:
+  if run.mesh:
     from sharding.mesh import make_mesh, parse_mesh
-    mesh = make_mesh(parse_mesh(opts.mesh))
+    mesh = make_mesh(parse_mesh(run.mesh))
   elif jax.process_count() > 1:
     raise UserError(f"multi-host serving needs --mesh over all {jax.device_count()} devices of "
                     f"the {jax.process_count()} processes (e.g. --mesh=expert:-1)")
@@ -152,7 +171,7 @@ def build_engine(opts: ServeOptions, relay=None):
   graphdef, params, rest = packed(graphdef, params, rest, opts.expert_format)
   tok = load_checked_tokenizer(tok_spec, cfg.vocab_size)
   engine = Engine(cfg, graphdef, params, rest, opts.serve, tokenizer=tok, mesh=mesh,
-                  relay=relay)
+                  relay=relay, kernels=run.kernels)
   return engine, tok, opts.model_name or cfg.name
 
 
@@ -176,7 +195,8 @@ def restore_for_inference(workdir: str, expert_format: str = "dense",
   check_expert_format(expert_format)               # refused before the read
   tok = tokenizers.get_tokenizer(trained_tokenizer(workdir, tokenizer))
   cfg, graphdef, params, rest, good = _checkpoint(workdir, step, None, log)
-  return _restored(cfg, packed(graphdef, params, rest, expert_format), tok, good)
+  run = execution(ServeOptions(workdir=workdir))
+  return _restored(cfg, packed(graphdef, params, rest, expert_format), tok, good, run)
 
 
 def restore_from_hf(hf_dir: str, expert_format: str = "dense",
@@ -191,9 +211,10 @@ def restore_from_hf(hf_dir: str, expert_format: str = "dense",
   return _restored(cfg, packed(graphdef, params, rest, expert_format), tok, 0)
 
 
-def _restored(cfg: ModelConfig, state, tok, step: int) -> Restored:
+def _restored(cfg: ModelConfig, state, tok, step: int,
+              run: ExecConfig = ExecConfig()) -> Restored:
   from k3_jax.serve.engine import Engine
-  return Restored(cfg, Engine(cfg, *state, SINGLE_STREAM), tok, step)
+  return Restored(cfg, Engine(cfg, *state, SINGLE_STREAM, kernels=run.kernels), tok, step)
 
 
 def run_server(opts: ServeOptions) -> None:

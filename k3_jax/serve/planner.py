@@ -42,7 +42,7 @@ def feed(r: Request) -> np.ndarray:
       [r.prompt, np.asarray(r.output_ids[:-1], np.int32)])
 
 
-def pieces(n: int, pos: int, budget: int, unit: int) -> list[int]:
+def pieces(n: int, pos: int, budget: int, match_tokens: int) -> list[int]:
   """The lengths of the prefill calls of a feed of n tokens at position pos this step:
   whole blocks (at most `budget` tokens, rounded down to whole blocks, at least one), or
   the pieces below a block up to its next block boundary or the prompt's end (several
@@ -50,7 +50,7 @@ def pieces(n: int, pos: int, budget: int, unit: int) -> list[int]:
   start, sizes = pos, []
   chunk = max(PAGE, budget // PAGE * PAGE)
   while pos < n:
-    plan = prefill_plan(pos, n, chunk, unit)
+    plan = prefill_plan(pos, n, chunk, match_tokens)
     if pos > start and plan[0] >= PAGE:
       break                        # whole blocks start a chunk of their own
     sizes += plan
@@ -60,7 +60,8 @@ def pieces(n: int, pos: int, budget: int, unit: int) -> list[int]:
   return sizes
 
 
-def prefill(pre: list[Request], budget: int, unit: int) -> list[tuple[Request, list[int]]]:
+def prefill(pre: list[Request], budget: int,
+            match_tokens: int) -> list[tuple[Request, list[int]]]:
   """This step's prefill: (request, its piece lengths) for the prefilling requests `pre`,
   oldest first, while the budget of prompt tokens lasts (a long prompt takes it all; short
   ones share it). Each request's pieces are the ones `pieces` gives it whatever else runs."""
@@ -68,7 +69,7 @@ def prefill(pre: list[Request], budget: int, unit: int) -> list[tuple[Request, l
   for r in pre:
     if budget <= 0:
       break
-    plans.append((r, pieces(r.feed.size, r.pos, budget, unit)))
+    plans.append((r, pieces(r.feed.size, r.pos, budget, match_tokens)))
     budget -= sum(plans[-1][1])
   return plans
 

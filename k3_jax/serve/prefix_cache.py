@@ -1,6 +1,6 @@
 """The KDA-aware prefix cache (docs/architecture.md section 9): host-side bookkeeping.
 
-- Prompts are cut into hash blocks of `unit` tokens (the prefix match unit U, a power of
+- Prompts are cut into hash blocks of `match_tokens` tokens (the prefix match grid U, a power of
   two dividing the 512-token MLA page; 512 by default) with chained hashes (block i's hash
   covers every token before its end, and the content of the images whose placeholders it
   holds), so equal hashes mean equal prefixes.
@@ -74,8 +74,8 @@ class Entry:
 
 @dataclasses.dataclass
 class Hit:
-  blocks: int                    # hit length in blocks of `unit` tokens
-  tokens: int                    # = unit * blocks
+  blocks: int                    # hit length in blocks of `match_tokens` tokens
+  tokens: int                    # = match_tokens * blocks
   pages: list[int]               # the MLA pages wholly inside the hit, in order (shared)
   copy_src: int | None           # the page whose first tokens % 512 latents the request
                                  # copies into a page of its own (None: the hit ends on a
@@ -85,10 +85,11 @@ class Hit:
 
 class PrefixCache:
   def __init__(self, pool: PagePool, num_ckpt_slots: int, budget_bytes: int,
-               page_bytes: int, ckpt_bytes: int, unit: int = PAGE):
-    if not (1 <= unit <= PAGE and PAGE % unit == 0):
-      raise ValueError(f"prefix match unit {unit} must divide the page of {PAGE} tokens")
-    self.pool, self.unit, self.per_page = pool, unit, PAGE // unit
+               page_bytes: int, ckpt_bytes: int, match_tokens: int = PAGE):
+    if not (1 <= match_tokens <= PAGE and PAGE % match_tokens == 0):
+      raise ValueError(f"prefix match_tokens={match_tokens} must divide the page of {PAGE} "
+                       "tokens")
+    self.pool, self.match_tokens, self.per_page = pool, match_tokens, PAGE // match_tokens
     self.page_entries: dict[int, int] = {}     # page -> cached blocks naming it
     self.budget, self.page_bytes, self.ckpt_bytes = budget_bytes, page_bytes, ckpt_bytes
     self.entries: dict[bytes, Entry] = {}
@@ -115,7 +116,7 @@ class PrefixCache:
       chain.append(e)
       if e.ckpt is not None:
         best = i + 1
-    tokens, k = best * self.unit, self.per_page
+    tokens, k = best * self.match_tokens, self.per_page
     # a whole page is read from the page of its last block (valid over the whole page)
     pages = [chain[(p + 1) * k - 1].page for p in range(tokens // PAGE)]
     copy_src = chain[best - 1].page if tokens % PAGE else None

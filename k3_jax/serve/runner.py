@@ -28,7 +28,7 @@ from flax import nnx
 
 from k3_jax.cache import PagedMLACache
 from k3_jax.config import ModelConfig, ServeConfig, UserError
-from k3_jax.partitioning import SINGLE
+from k3_jax.execution import DEFAULT_KERNELS, Kernels
 from k3_jax.serve import kv_manager
 from k3_jax.serve import kv_pages as kv
 from k3_jax.serve import steps
@@ -89,10 +89,12 @@ def bucket(tokens: int, pages_per_slot: int) -> int:
 
 class Runner:
   def __init__(self, cfg: ModelConfig, graphdef, params, rest, max_batch: int, mesh=None,
-               relay=None):
+               relay=None, kernels: Kernels | None = None):
     """The weights placed (by their logical axes on `mesh`; as given without one) and the
-    sizes of one MLA page and one slot's KDA state probed; `allocate` makes the rest."""
+    sizes of one MLA page and one slot's KDA state probed; `allocate` makes the rest.
+    kernels: the job's kernel choices (k3_jax/execution.py; None: the defaults)."""
     self.cfg, self.graphdef, self.mesh, self.relay = cfg, graphdef, mesh, relay
+    self.kernels = kernels or DEFAULT_KERNELS
     self.max_batch = max_batch
     if mesh is not None:
       from sharding.rules import tree_shardings   # jobs may use sharding
@@ -111,12 +113,13 @@ class Runner:
     """The page pool and the prefix cache sized from their byte budgets, then allocated
     (`allocate`) -> (pool pages, a line saying so, the prefix cache's settings for
     kv_manager.KVManager or None without one)."""
-    budget, unit = serve.prefix_cache_bytes, serve.prefix_match_unit
+    budget, match_tokens = serve.prefix_cache_bytes, serve.prefix_match_tokens
     cache_pages = 0
     if budget > 0 and self.page_bytes:
       cache_pages = min(budget // self.page_bytes, 64 * self.max_batch * pages_per_slot)
-    # at most one checkpoint per cached block (PAGE // unit blocks per page)
-    num_ckpt = min(budget // max(self.ckpt_bytes, 1), max(cache_pages, 0) * (PAGE // unit))
+    # at most one checkpoint per cached block (PAGE // match_tokens blocks per page)
+    num_ckpt = min(budget // max(self.ckpt_bytes, 1),
+                   max(cache_pages, 0) * (PAGE // match_tokens))
     use_prefix = budget > 0 and num_ckpt > 0
     shards = kv.page_shards(self.mesh)
     # the most pages the engine could ever hold (every slot at max_len, the prefix cache full)
@@ -124,7 +127,8 @@ class Runner:
     n, msg = self._pool_pages(serve, shards, cap, num_ckpt if use_prefix else 0, max_len)
     self.allocate(n, num_ckpt if use_prefix else 0)
     return n, msg, (dict(num_ckpt_slots=num_ckpt, budget_bytes=budget,
-                         page_bytes=self.page_bytes, ckpt_bytes=self.ckpt_bytes, unit=unit)
+                         page_bytes=self.page_bytes, ckpt_bytes=self.ckpt_bytes,
+                         match_tokens=match_tokens)
                     if use_prefix else None)
 
   def _pool_pages(self, serve: ServeConfig, shards: int, cap: int, num_ckpt: int,
@@ -169,12 +173,9 @@ class Runner:
 
   def _build_steps(self):
     # The jitted steps (steps.py) belong to this runner and close over its parallel setup:
-    # another mesh is another engine, with its own compiles.
-    if self.mesh is None:
-      self.par = SINGLE
-    else:
-      from sharding.install import parallel_for
-      self.par = parallel_for(self.mesh)
+    # another mesh (or kernels) is another engine, with its own compiles.
+    from sharding.install import parallel_for
+    self.par = parallel_for(self.mesh, kernels=self.kernels)
     seen = self._compiled = set()
     (p_leaves, p_def), (r_leaves, r_def) = (jax.tree.flatten(t) for t in (self.params,
                                                                             self.rest))

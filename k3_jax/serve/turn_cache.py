@@ -4,12 +4,12 @@ answer back, hits through it rather than only through the previous prompt.
 
 The prefill registers a prompt's blocks and keeps KDA checkpoints at its last grid
 boundaries (prefill_chunks.checkpoint_boundaries); decoded tokens pass grid boundaries one token at
-a time, and the KDA state after exactly `unit * n` tokens exists only right after the decode
-step that fed token unit * n - 1. So, after each decode step is dispatched, the slots that
-just reached a boundary copy their KDA state into a per-slot row of `tail` (dispatched in
+a time, and the KDA state after exactly `U * n` tokens (U: the match grid, match_tokens) exists
+only right after the decode step that fed token U * n - 1. So, after each decode step is
+dispatched, the slots that just reached a boundary copy their KDA state into a per-slot row of `tail` (dispatched in
 order with the steps: the copy reads the state of that step, not a later one). When the
 request finishes (stop or length), its fed tokens (the prompt, then every generated token but
-the last, which was never fed) are hashed on the unit grid, the blocks past the prompt's are
+the last, which was never fed) are hashed on the match grid, the blocks past the prompt's are
 registered (their latents are in the request's pages), and the tail row becomes the
 checkpoint of the last boundary when it is that boundary's state.
 
@@ -46,7 +46,7 @@ def tail_to_ckpt(ckpts, tail, slot, c):
 class TurnCache:
   def __init__(self, engine):
     self.engine = engine
-    self.unit = engine.unit
+    self.match_tokens = engine.match_tokens
     self.tail = kv.zeros_rows(kv.kda_states(engine.cache), engine.max_batch)
     self.at: dict[int, tuple] = {}     # slot -> (request id, the boundary its tail row holds)
     self._save = jax.jit(save_tail, donate_argnums=(0,))
@@ -59,7 +59,7 @@ class TurnCache:
     is now after a grid boundary keep it."""
     for r in reqs:
       p = r.pos + (id(r) in ahead)
-      if (p + 1) % self.unit == 0:
+      if (p + 1) % self.match_tokens == 0:
         self.tail = self._save(self.tail, self.engine.cache, np.int32(r.slot))
         self.at[r.slot] = (r.id, p + 1)
 
@@ -74,10 +74,10 @@ class TurnCache:
     if r.images is not None or not r.output_ids or r.feed is None:
       return
     seq = np.concatenate([r.prompt, np.asarray(r.output_ids[:-1], np.int32)])
-    if seq.size != n or n // self.unit <= r.registered:
+    if seq.size != n or n // self.match_tokens <= r.registered:
       return
-    hashes = block_hashes(seq, block=self.unit)
-    last = n // self.unit * self.unit
+    hashes = block_hashes(seq, block=self.match_tokens)
+    last = n // self.match_tokens * self.match_tokens
     before = r.registered
     r.registered, c = e.kv.register(slot, hashes, r.registered, n, e.step_no,
                                     last if at == last else None, state_rows=self.tail)

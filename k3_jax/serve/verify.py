@@ -100,7 +100,7 @@ def verify_step(graphdef, par, params, rest, cache, counts, batch: VerifyBatch):
   ids, emitted = accept(raw.reshape(b, t, -1), mine, batch.drafts, batch.ndraft,
                         batch.sampling)
   emitted = jnp.where(batch.active, emitted, 0)
-  backend = model.cfg.kda.backend
+  backend = par.kernels.kda_backend
   out = map_cache(lambda e, axis: replay(e, emitted, backend, par)
                   if isinstance(e, KDAState) else replace(e, window=1), kv.without_pages(new))
   if slots is not None:

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from k3_jax.ops import attention as attn_ops
+from k3_jax.ops.rope_pages import fold_pages
 
 
 @pytest.mark.parametrize("block_q,block_k", [(8, 8), (5, 16), (64, 64), (1, 7)])
@@ -54,7 +55,8 @@ def _paged(q_lat, q_rope, pool_c, pool_r, table, new_c, new_r, pos, block, lanes
   """Cached partials (over `lanes` interleaved column sets, as the page-axis shards take
   them) merged with the token's own, finished."""
   col_pos = jnp.arange(table.shape[1], dtype=jnp.int32) * pool_c.shape[1]
-  parts = [attn_ops.paged_decode_partial(q_lat, q_rope, pool_c, pool_r, table[:, i::lanes],
+  folded = fold_pages(pool_r)                   # the pool's layout of the rope keys (4 a row)
+  parts = [attn_ops.paged_decode_partial(q_lat, q_rope, pool_c, folded, table[:, i::lanes],
                                          col_pos[i::lanes], pos, 0.125, block=block)
            for i in range(lanes)]
   part = attn_ops.token_partial(q_lat, q_rope, new_c, new_r, 0.125)

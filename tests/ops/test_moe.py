@@ -206,6 +206,33 @@ def test_dispatch_matches_dense(n, d, e, f, k, skew, activation):
   np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-5, atol=1e-5)
 
 
+def test_tiled_loop_equals_batched_and_differentiates_batched():
+  """The tiled layout's two programs: the loop over used tiles (what a plain call runs)
+  equals the batched per-tile matmuls (1e-5: the same products, summed per tile either
+  way, only the matmul kernels differ), with experts left empty and a tile size that
+  leaves padding; differentiated, `_moe_tiled` is the batched program's gradient exactly."""
+  n, d, e, f, k = 40, 16, 8, 12, 2
+  x, w_r, bias = _routing(11, n, d, e, k, True)
+  experts = _expert_weights(12, e, d, f)
+  weights, ids = select_experts(router_scores(3.0 * x, w_r), bias, top_k=k)
+
+  @jax.jit
+  def both(x, weights, *ex):
+    out = [(moe_ops._moe_tiled(x, weights, ids, *ex, "situ", 4.0, 25.0, tile=tile),
+            moe_ops._moe_tiles_batched(x, weights, ids, *ex, "situ", 4.0, 25.0, tile=tile))
+           for tile in (3, 8)]
+    grad = lambda fn: jax.grad(lambda x, w, *ex: jnp.sum(jnp.sin(
+        fn(x, w, ids, *ex, "situ", 4.0, 25.0, tile=8))), argnums=(0, 1, 2, 3, 4))(
+            x, weights, *ex)
+    return out, grad(moe_ops._moe_tiled), grad(moe_ops._moe_tiles_batched)
+
+  out, g_tiled, g_batched = both(3.0 * x, weights, *experts)
+  for loop, batched in out:
+    np.testing.assert_allclose(np.asarray(loop), np.asarray(batched), rtol=1e-5, atol=1e-5)
+  for a, b in zip(g_tiled, g_batched):
+    assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
 # (3, 16, 4) and (5, 4, 4) take the same two paths as (1, 16, 4) (gathered) and (8, 16, 4)
 # (every expert): slow, for the suite's budget
 _SLOW = pytest.mark.slow
@@ -225,6 +252,13 @@ def test_small_token_path_matches_dense(n, e, k):
   one = moe_ops.moe_small(3.0 * x[:1], weights[:1], ids[:1], *experts)
   if n * k < e:       # the gathered path: row 0 alone is bitwise row 0 in the batch
     assert np.array_equal(np.asarray(one[0]), np.asarray(y[0]))
+    # the same pairs as a loop over them (XLA:CPU's choice): the same values, and each
+    # row still its own (row 0 alone bitwise row 0 in the batch)
+    loop = jax.jit(functools.partial(moe_ops.moe_small, pair_loop=True))
+    y_loop = loop(3.0 * x, weights, ids, *experts)
+    np.testing.assert_allclose(np.asarray(y_loop), np.asarray(y_ref), rtol=1e-5, atol=1e-5)
+    one = loop(3.0 * x[:1], weights[:1], ids[:1], *experts)
+    assert np.array_equal(np.asarray(one[0]), np.asarray(y_loop[0]))
 
 
 def test_dispatch_matches_explicit_loop():

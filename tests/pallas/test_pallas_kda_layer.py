@@ -11,6 +11,8 @@ own chunk-vs-recurrent tests use). The mesh does not change any arithmetic (each
 whole sequences and whole heads).
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +21,6 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import configs
-from k3_jax.config import apply_overrides
 from k3_jax.layers.init import Init
 from k3_jax.layers.kda import KDA
 from k3_jax.ops import moe as moe_ops
@@ -49,7 +50,7 @@ def test_kernel_specs_split_names_alike():
 
 
 def test_auto_backend_follows_the_compile_target():
-  assert CFG.kda.backend == "auto"
+  assert configs.get_exec("k3_tiny").kda_backend == "auto"
   assert resolve_backend("auto") == "reference"             # CPU host, no mesh
   assert resolve_backend("auto", parallel_for(_cpu_mesh())) == "reference"
   tpu = parallel_for(make_mesh(parse_mesh("fsdp:4"), devices=topology_devices("v5p:2x2x1")))
@@ -66,12 +67,13 @@ def test_auto_backend_follows_the_compile_target():
 
 def _run(backend: str, mesh):
   """Loss, parameter gradients, a prefill with a cache, then one decode step."""
-  layer = KDA(apply_overrides(CFG, [f"kda.backend={backend}"]), init=Init(0))
+  layer = KDA(CFG, init=Init(0))
+  kernels = dataclasses.replace(configs.get_exec("k3_tiny").kernels, kda_backend=backend)
   b, t = 4, 21                                   # T not a multiple of the chunk (16)
   x = jax.random.normal(jax.random.key(0), (b, t, CFG.d_model), jnp.float32)
   seg = jnp.asarray(np.repeat([[0] * 9 + [1] * 12], b, 0), jnp.int32)  # two documents
 
-  par = parallel_for(mesh)
+  par = parallel_for(mesh, kernels=kernels)
 
   def f(layer, x, seg, cache):
     def loss(layer):

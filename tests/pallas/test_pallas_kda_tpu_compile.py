@@ -1,12 +1,14 @@
 """The Pallas KDA backend compiles for TPU from this CPU host (compile-only libtpu devices).
 
-What is checked: with `kda.backend` "auto" (resolved from the compile target, not from the
+What is checked: with the kda_backend kernel choice "auto" (resolved from the compile target, not from the
 host) or "pallas", the KDA layer lowers to Mosaic kernels (forward, backward, decode) that
 run per shard inside shard_map on a TPU mesh, and libtpu compiles the program. The default
 suite compiles one KDA layer (forward + gradient, and a decode step); the slow test compiles
 the whole k3_tiny train step, where the MoE layers must also pick the TPU grouped matmul
 (ragged_dot), not the CPU one.
 """
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +19,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 import configs
 from k3_jax import train
 from k3_jax.cache import KDAState
-from k3_jax.config import apply_overrides
 from k3_jax.layers.init import Init
 from k3_jax.layers.kda import KDA
 from sharding.mesh import make_mesh, parse_mesh
@@ -39,7 +40,8 @@ def _kernel_calls(text: str) -> int:
 
 def test_kda_layer_compiles_for_tpu(tpu_mesh):
   cfg = configs.get("k3_tiny")
-  assert cfg.kda.backend == "auto"
+  kernels = configs.get_exec("k3_tiny").kernels          # chunks of 16
+  assert kernels.kda_backend == "auto"
   gd, params = nnx.split(nnx.eval_shape(lambda: KDA(cfg, init=Init(0, mode="abstract"))))
   rep = NamedSharding(tpu_mesh, PartitionSpec())
   by_batch = NamedSharding(tpu_mesh, PartitionSpec("data"))
@@ -48,7 +50,7 @@ def test_kda_layer_compiles_for_tpu(tpu_mesh):
   x = jax.ShapeDtypeStruct((b, t, d), jnp.float32, sharding=by_batch)
   seg = jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=by_batch)
 
-  par = parallel_for(tpu_mesh)
+  par = parallel_for(tpu_mesh, kernels=kernels)
 
   def loss_and_grad(params, x, seg):
     def loss(p):
@@ -83,9 +85,10 @@ def test_kda_layer_compiles_for_tpu(tpu_mesh):
 @pytest.mark.slow
 def test_k3_tiny_train_step_compiles_for_tpu_with_pallas(tpu_mesh):
   """The whole train step (13 layers, MoE, AttnRes, AdamW) for a v5p slice. Minutes on CPU."""
-  cfg = apply_overrides(configs.get("k3_tiny"), ["kda.backend=pallas"])
+  cfg = configs.get("k3_tiny")
+  run = dataclasses.replace(configs.get_exec("k3_tiny"), kda_backend="pallas")
   tc = configs.get_train("k3_tiny")
-  steps = train.build_steps(cfg, tc, tpu_mesh)
+  steps = train.build_steps(cfg, tc, tpu_mesh, run)
   batch = {n: jax.ShapeDtypeStruct((tc.batch_size, tc.seq_len), jnp.int32)
            for n in ("inputs", "targets", "segment_ids", "loss_mask")}
   lowered = steps.train.lower(steps.abstract_state, batch)

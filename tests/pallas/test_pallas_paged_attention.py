@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3_jax.ops import attention as attn_ops
+from k3_jax.ops.rope_pages import fold_pages
 from pallas_kernels.paged_attention import paged_decode_partial as kernel
 
 B, H, R, PR, PAGE, N, M = 3, 8, 128, 64, 16, 12, 4
@@ -21,7 +22,7 @@ def _case(seed=0, stacked=False):
   q_lat = jax.random.normal(ks[0], (B, H, R))
   q_rope = jax.random.normal(ks[1], (B, H, PR))
   pool_c = jax.random.normal(ks[2], lead + (N, PAGE, R)).astype(jnp.bfloat16)
-  pool_r = jax.random.normal(ks[3], lead + (N, PAGE, PR)).astype(jnp.bfloat16)
+  pool_r = fold_pages(jax.random.normal(ks[3], lead + (N, PAGE, PR)).astype(jnp.bfloat16))
   table = jax.random.permutation(ks[4], N)[: B * M].reshape(B, M).astype(jnp.int32)
   return q_lat, q_rope, pool_c, pool_r, table
 
@@ -46,7 +47,8 @@ def test_kernel_matches_the_reference():
 
 def test_kernel_lowers_for_tpu():
   """Mosaic lowering and a v5p compile at K3's shapes (96 heads, 512 + 64 latent, 512-token
-  pages, stacked pools) inside shard_map, as sharding/paged.py calls it."""
+  pages, the rope keys folded two a row, stacked pools) inside shard_map, as
+  sharding/paged.py calls it."""
   from benchmarks.mxfp4_gmm import AXIS as X, _mesh
   from jax.sharding import NamedSharding, PartitionSpec as P
   mesh = _mesh("v5p")
@@ -63,7 +65,7 @@ def test_kernel_lowers_for_tpu():
   sds = lambda shape, dt, spec: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, spec))
   text = jax.jit(fn).lower(sds((b, h, r), jnp.float32, rep), sds((b, h, pr), jnp.float32, rep),
                            sds((units, n * pages, page, r), jnp.bfloat16, split),
-                           sds((units, n * pages, page, pr), jnp.bfloat16, split),
+                           sds((units, n * pages, page // 2, 2 * pr), jnp.bfloat16, split),
                            sds((b, m), jnp.int32, rep), sds((b,), jnp.int32, rep)
                            ).compile().as_text()
   assert "paged_decode_attention" in text and '"cost_estimate"' in text

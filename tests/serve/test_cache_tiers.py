@@ -191,10 +191,10 @@ def test_host_tier_evicts_least_recent_and_shares_page_copies():
 
 
 def test_demote_and_promote_bookkeeping():
-  # a device cache of one page + one checkpoint; two 2-block chains of unit 256 (one page)
+  # a device cache of one page + one checkpoint; two 2-block chains on a 256-token grid (one page)
   pool = PagePool(8)
   pc = PrefixCache(pool, num_ckpt_slots=2, budget_bytes=110, page_bytes=100, ckpt_bytes=10,
-                   unit=256)
+                   match_tokens=256)
   io = FakeIO(8, 2)
   tiers = CacheTiers(pc, io, host_bytes=1000)
   x = [b"x0", b"x1"]
@@ -324,7 +324,7 @@ def test_disk_reads_run_ahead_of_the_step(tmp_path, monkeypatch):
   import types
   pool = PagePool(8)
   pc = PrefixCache(pool, num_ckpt_slots=2, budget_bytes=110, page_bytes=100, ckpt_bytes=10,
-                   unit=256)     # one page: the blocks of a column come back in one page
+                   match_tokens=256)     # one page: the blocks of a column come back in one page
   io = FakeIO(8, 2)
   io.engine = types.SimpleNamespace(running=[object()])
   disk = cache_disk.DiskTier(str(tmp_path), 1 << 20, "fp")

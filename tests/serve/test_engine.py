@@ -239,12 +239,12 @@ def test_sharded_engine_matches_one_device(setup):
       np.testing.assert_allclose(x, y, atol=REF_TOL, rtol=0)
 
 
-# ----- a finer prefix match unit (--prefix_match_unit=64) ------------------------------------
+# ----- a finer prefix match grid (--prefix_match_tokens=64) ----------------------------------
 # The same model and budget with hits on a 64-token grid. It reuses the compiled steps of the
 # module engine (same model, same cache shapes). A hit of an identical prompt runs the same
 # pieces from the same bits as the cold prefill, so these compare logits bitwise.
 
-UNIT = 64
+MATCH = 64
 
 
 @pytest.fixture(scope="module")
@@ -252,7 +252,7 @@ def grid(setup):
   cfg, model, eng = setup
   g, p, r = train.split_model(model)
   out = Engine(cfg, g, p, r, max_batch=2, prefix_cache_bytes=eng.serve.prefix_cache_bytes,
-               prefix_match_unit=UNIT, tokenizer=ByteTokenizer())
+               prefix_match_tokens=MATCH, tokenizer=ByteTokenizer())
   assert out.num_pages == eng.num_pages
   out.runner.steps = eng.runner.steps                 # no second compile
   return out
@@ -266,23 +266,24 @@ def assert_bitwise(hit, cold):
 
 
 def test_grid_plan_and_boundaries():
-  assert checkpoint_boundaries(100, UNIT) == (64,)
-  assert checkpoint_boundaries(128, UNIT) == (64, 128)          # ends on the grid
-  assert checkpoint_boundaries(64, UNIT) == (64,)               # no hit can use it
-  assert checkpoint_boundaries(1300, UNIT) == (1024, 1280)
-  assert checkpoint_boundaries(1024, UNIT) == (960, 1024)
-  assert prefill_plan(0, 100, 512, UNIT) == [64]                # stops on the checkpoint
-  assert prefill_plan(64, 100, 512, UNIT) == [16, 16, 4]
-  assert prefill_plan(0, 1300, 1024, UNIT) == [1024]
-  assert prefill_plan(576, 1300, 1024, UNIT) == [256, 64, 64, 64]   # to the block boundary
-  assert prefill_plan(1024, 1300, 1024, UNIT) == [256]
-  assert prefill_plan(512, 1024, 512, UNIT) == [256, 64, 64, 64]
+  assert checkpoint_boundaries(100, MATCH) == (64,)
+  assert checkpoint_boundaries(128, MATCH) == (64, 128)          # ends on the grid
+  assert checkpoint_boundaries(64, MATCH) == (64,)               # no hit can use it
+  assert checkpoint_boundaries(1300, MATCH) == (1024, 1280)
+  assert checkpoint_boundaries(1024, MATCH) == (960, 1024)
+  assert prefill_plan(0, 100, 512, MATCH) == [64]                # stops on the checkpoint
+  assert prefill_plan(64, 100, 512, MATCH) == [16, 16, 4]
+  assert prefill_plan(0, 1300, 1024, MATCH) == [1024]
+  assert prefill_plan(576, 1300, 1024, MATCH) == [256, 64, 64, 64]   # to the block boundary
+  assert prefill_plan(1024, 1300, 1024, MATCH) == [256]
+  assert prefill_plan(512, 1024, 512, MATCH) == [256, 64, 64, 64]
   a = prompt_of(0, 200)
-  assert len(block_hashes(a, UNIT)) == 3 and block_hashes(a, UNIT)[:1] == block_hashes(a[:64], UNIT)
+  assert len(block_hashes(a, MATCH)) == 3
+  assert block_hashes(a, MATCH)[:1] == block_hashes(a[:64], MATCH)
   from k3_jax.config import ConfigError, ServeConfig
   for bad in (0, 48, 1024):
-    with pytest.raises(ConfigError, match="prefix_match_unit"):
-      ServeConfig(prefix_match_unit=bad)
+    with pytest.raises(ConfigError, match="prefix_match_tokens"):
+      ServeConfig(prefix_match_tokens=bad)
 
 
 def test_grid_short_prompt_hits(grid):

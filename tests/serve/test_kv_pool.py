@@ -51,7 +51,7 @@ def test_prefix_cache_pages_are_evicted_for_a_growing_sequence_but_not_while_sha
   page_bytes = 100
   m = KVManager(num_pages=4, shards=1, max_batch=2, pages_per_slot=4,
                 prefix=dict(num_ckpt_slots=4, budget_bytes=10_000, page_bytes=page_bytes,
-                            ckpt_bytes=1, unit=PAGE))
+                            ckpt_bytes=1, match_tokens=PAGE))
   prompt = np.arange(1, 2 * PAGE + 11, dtype=np.int32)      # 2 whole blocks and a tail
   hashes = block_hashes(prompt)
   got = m.acquire(0, hashes, prompt.size, prompt.size + 1, step=1)

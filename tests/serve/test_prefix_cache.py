@@ -25,7 +25,7 @@ def test_finer_unit_blocks_share_their_page():
   # frees the page with its last block; a hit inside a page names the page to copy from.
   pool = PagePool(8)
   cache = PrefixCache(pool, num_ckpt_slots=4, budget_bytes=1000, page_bytes=100,
-                      ckpt_bytes=10, unit=128)
+                      ckpt_bytes=10, match_tokens=128)
   a, b = pool.alloc(2)
   hs = [bytes([i]) for i in range(6)]                 # blocks 0-3 on page a, 4-5 on page b
   for i, h in enumerate(hs):

@@ -202,30 +202,30 @@ def test_ep_capacity_drops_exactly_the_overflow(data, exchange):
 
 
 def test_ep_capacity_is_a_config_field_jit_sees():
-  """moe.ep_capacity reaches the traced program through the layer's config: ONE jitted
-  function applied to the same layer under two capacities gives two programs (no stale
-  trace): the bounded one equals the dispatch called with that capacity directly (same
+  """The ep_capacity kernel choice reaches the traced program through the Parallel the
+  layer is called with: ONE jitted function applied to the same layer under two capacities
+  gives two programs (no stale trace): the bounded one equals the dispatch called with that capacity directly (same
   routing, same rows dropped) and differs from the dropless one (which the test above
   checks against one device)."""
-  from k3_jax.config import apply_overrides
+  from k3_jax.execution import Kernels
   cfg = configs.get("k3_tiny")
   mesh = make_mesh(parse_mesh("expert:4,data:2"))
   x = jax.random.normal(jax.random.key(1), (4, 8, cfg.d_model), jnp.float32)
 
-  def layer(capacity):
-    m = MoE(apply_overrides(cfg, [f"moe.ep_capacity={capacity}"]), init=Init(1))
+  def layer():
+    m = MoE(cfg, init=Init(1))
     m.bias.value = jnp.linspace(-2.0, 2.0, cfg.moe.num_experts)   # very uneven routing
     return m
 
-  @nnx.jit
-  def forward(m, x):
-    return m(x, par=parallel_for(mesh))[0]
+  @nnx.jit(static_argnums=2)
+  def forward(m, x, capacity):
+    return m(x, par=parallel_for(mesh, kernels=Kernels(ep_capacity=capacity)))[0]
 
-  dropless, bounded = forward(layer(0.0), x), forward(layer(1.0), x)
+  dropless, bounded = forward(layer(), x, 0.0), forward(layer(), x, 1.0)
   assert float(jnp.max(jnp.abs(bounded - dropless))) > 1e-3     # rows were dropped
 
   # The same bounded result from the dispatch given capacity_factor=1 explicitly.
-  m = layer(1.0)
+  m = layer()
   xf = x.reshape(-1, cfg.d_model)
   weights, ids = moe_ops.select_experts(moe_ops.router_scores(xf, m.router[...]), m.bias[...],
                                         cfg.moe.top_k, cfg.moe.routed_scaling_factor)

@@ -11,6 +11,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from k3_jax.layers.mla import paged_attention
+from k3_jax.ops.rope_pages import fold_pages
 from k3_jax.serve.kv_pages import PagePool
 from sharding import paged
 from sharding.mesh import make_mesh, parse_mesh
@@ -32,7 +33,7 @@ def test_sharded_paged_attention_matches_one_device(spec, stacked):
   k = jax.random.split(jax.random.key(0), 4)
   units = (2,) if stacked else ()
   pool_c = jax.random.normal(k[0], units + (n, page, r))
-  pool_r = jax.random.normal(k[1], units + (n, page, pr))
+  pool_r = fold_pages(jax.random.normal(k[1], units + (n, page, pr)))   # [.., n, 1, 16]
   q_lat, q_rope = jax.random.normal(k[2], (b, h, r)), jax.random.normal(k[3], (b, h, pr))
   unit = jnp.int32(1) if stacked else None
   want = paged_attention(q_lat, q_rope, pool_c, pool_r, unit, table, pos, 0.3)
@@ -61,7 +62,8 @@ def test_slot_split_paged_attention_matches_one_device():
     cols = -(-int(pos[i]) // page)
     table[i, :cols] = ids[:cols]
   k = jax.random.split(jax.random.key(1), 4)
-  pool_c, pool_r = jax.random.normal(k[0], (2, n, page, r)), jax.random.normal(k[1], (2, n, page, pr))
+  pool_c = jax.random.normal(k[0], (2, n, page, r))
+  pool_r = fold_pages(jax.random.normal(k[1], (2, n, page, pr)))
   q_lat, q_rope = jax.random.normal(k[2], (b, h, r)), jax.random.normal(k[3], (b, h, pr))
   unit = jnp.int32(1)
   want = paged_attention(q_lat, q_rope, pool_c, pool_r, unit, table, pos, 0.3)
@@ -92,15 +94,14 @@ def test_batch_filling_decode_layout_matches_one_device():
   from k3_jax.serve import kv_pages as kv
   from k3_jax.serve import steps
   from k3_jax.serve.kv_pages import PAGE
+  from k3_jax.execution import Kernels
   from sharding.install import parallel_for
   from sharding.rules import tree_shardings
   from tests.serve.test_engine import tiny_serving_config
-  import dataclasses
   mesh = make_mesh(parse_mesh("expert:8"))
   cfg = tiny_serving_config()
   b, per, m = 8, 3, 2
   cap = comp.decode_ep_capacity(b, mesh, cfg)
-  cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, ep_capacity=cap))
   g, p, r = train.split_model(create_model(cfg, seed=3))
   n = 8 * per
   rng = np.random.default_rng(2)
@@ -128,7 +129,8 @@ def test_batch_filling_decode_layout_matches_one_device():
   ps = jax.device_put(p, comp.weights_by_output(p, mesh))
   rs = jax.device_put(r, tree_shardings(r, mesh))
   cs = jax.device_put(fresh(), kv.paged_cache_shardings(shapes, mesh))
-  got = steps.jit_steps(g, parallel_for(mesh, "slot")).decode(ps, rs, cs, counts(), batch)
+  got = steps.jit_steps(g, parallel_for(mesh, "slot", Kernels(ep_capacity=cap))).decode(
+      ps, rs, cs, counts(), batch)
   np.testing.assert_allclose(np.asarray(got[0].logits), np.asarray(one), atol=1e-5, rtol=0)
   # each KDA layer kept the idle slots' state and windows exactly, and moved the others'
   old = kv.kda_states(fresh())

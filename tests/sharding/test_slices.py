@@ -62,14 +62,14 @@ def test_multi_slice_pod_layout_is_the_one_slice_layout_per_slice():
   # k3 has its own 2- and 4-slice layouts (1024 tokens per chip); 8 slices derive from the
   # 1-slice one
   two = pod_layout(layouts, resolve_target("v5p-4096", 2), "train")
-  assert two.topology == "2*v5p-4096" and two.mesh.startswith("data:2,")
-  assert (two.global_batch, two.grad_accum) == (one.global_batch, 1)
+  assert two.topology == "2*v5p-4096" and two.run.mesh.startswith("data:2,")
+  assert (two.global_batch, two.run.grad_accum) == (one.global_batch, 1)
   assert pod_layout(layouts, resolve_target("2*v5p-4096"), "train") == two
   four = pod_layout(layouts, resolve_target("v5p-4096", 4), "train")
-  assert four.mesh == "data:4,fsdp:8,expert:32,sequence:8" and four.global_batch == 1024
+  assert four.run.mesh == "data:4,fsdp:8,expert:32,sequence:8" and four.global_batch == 1024
   eight = pod_layout(layouts, resolve_target("v5p-4096", 8), "train")
-  assert eight.topology == "8*v5p-4096" and eight.mesh == "data:8," + one.mesh
-  assert (eight.global_batch, eight.seq_len, eight.remat) == (8 * one.global_batch, 8192,
+  assert eight.topology == "8*v5p-4096" and eight.run.mesh == "data:8," + one.run.mesh
+  assert (eight.global_batch, eight.seq_len, eight.run.remat) == (8 * one.global_batch, 8192,
                                                                "block")
   assert pod_layout(layouts, resolve_target("v5p-8", 2), "train") is None
 

@@ -21,7 +21,7 @@ from sharding.mesh import make_mesh
 TEXT = validate(ModelConfig(
     name="mm_micro", vocab_size=256, d_model=32, num_layers=2, mla_layers=(2,),
     dense_layers=(1,), dense_intermediate=64, eos_id=0,
-    kda=KDAConfig(num_heads=2, head_dim=8, chunk_size=16),
+    kda=KDAConfig(num_heads=2, head_dim=8),
     mla=MLAConfig(num_heads=2, q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8,
                   qk_rope_head_dim=4, v_head_dim=8),
     moe=MoEConfig(num_experts=4, top_k=2, expert_intermediate=16)))

@@ -255,7 +255,7 @@ def config_from_hf(hf: dict, name: str = "kimi_linear") -> ModelConfig:
       bos_id=int(_get(hf, "bos_token_id", default=-1)),
       eos_id=int(_eos(hf)), pad_id=int(_get(hf, "pad_token_id", default=-1)),
       kda=KDAConfig(num_heads=kh, head_dim=kd, conv_size=kw, decay="softplus",
-                    gate_rank=kd, decay_rank=kd, chunk_size=0),
+                    gate_rank=kd, decay_rank=kd),
       mla=MLAConfig(num_heads=heads, q_lora_rank=int(hf.get("q_lora_rank") or 0),
                     kv_lora_rank=int(hf.get("kv_lora_rank", 512)),
                     qk_nope_head_dim=int(hf.get("qk_nope_head_dim", 128)),

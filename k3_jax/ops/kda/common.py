@@ -25,7 +25,7 @@ from k3_jax.ops.segments import doc_index
 G_CLAMP = -16.0
 TILE = 16         # level-1 tiles of a chunk: score blocks between different tiles
 SUB_TILE = 4      # level-2 sub-tiles: score blocks inside a tile
-BACKENDS = KDA_BACKENDS     # "auto" | "reference" | "pallas" (config field kda.backend)
+BACKENDS = KDA_BACKENDS     # "auto" | "reference" | "pallas" (the job's kda_backend, execution.py)
 
 
 def default_scale(scale: float | None, k_dim: int) -> float:
