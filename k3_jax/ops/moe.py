@@ -366,9 +366,7 @@ def _moe_tile_loop(x, weights, expert_ids, w_gate, w_up, w_down, activation, bet
   rows = num_tiles * t
   f32 = jnp.float32
   with jax.named_scope("dispatch"):
-    dest, src, onehot = _tiled_layout(expert_ids, n, k, e, t, num_tiles, rows, w_gate.dtype)
-    tile_expert = jnp.argmax(onehot, axis=-1)                            # [tiles]
-    used = jnp.sum((expert_load(expert_ids, e) + t - 1) // t)            # tiles holding rows
+    dest, src, tile_expert, used = _tiled_layout(expert_ids, n, k, e, t, num_tiles, rows)
     row_weight = jnp.zeros((rows,), f32).at[dest].set(
         weights.reshape(-1).astype(f32)).reshape(num_tiles, t)           # 0 on padding
     xe = jnp.concatenate([x, jnp.zeros((1, din), x.dtype)], axis=0)      # [N+1, Din]
@@ -405,7 +403,8 @@ def _moe_tiles_batched(x, weights, expert_ids, w_gate, w_up, w_down, activation,
   num_tiles = -(-(m + e * (t - 1)) // t)                                 # static bound
   rows = num_tiles * t
   with jax.named_scope("dispatch"):
-    dest, src, onehot = _tiled_layout(expert_ids, n, k, e, t, num_tiles, rows, w_gate.dtype)
+    dest, src, tile_group, _ = _tiled_layout(expert_ids, n, k, e, t, num_tiles, rows)
+    onehot = jax.nn.one_hot(tile_group, e, dtype=w_gate.dtype)           # [tiles, E]
     xe = jnp.concatenate([x, jnp.zeros((1, din), x.dtype)], axis=0)      # [N+1, Din]
     xs = jnp.take(xe, src, axis=0).reshape(num_tiles, t, din)            # [tiles, t, Din]
   with jax.named_scope("experts"):
@@ -423,9 +422,10 @@ def _moe_tiles_batched(x, weights, expert_ids, w_gate, w_up, w_down, activation,
   return y.astype(x.dtype)
 
 
-def _tiled_layout(expert_ids, n, k, e, t, num_tiles, rows, dtype):
+def _tiled_layout(expert_ids, n, k, e, t, num_tiles, rows):
   """_moe_tiled's layout: (dest [M] padded row of each pair, src [rows] token of each
-  padded row (n = the zero pad row), onehot [tiles, E] expert of each tile)."""
+  padded row (n = the zero pad row), tile_group [tiles] expert of each tile, used: how many
+  tiles hold rows, the rest padding)."""
   m = n * k
   flat_ids = expert_ids.reshape(-1)                                      # [M] pair -> expert
   order = jnp.argsort(flat_ids, stable=True)                             # [M] sorted row -> pair
@@ -442,8 +442,7 @@ def _tiled_layout(expert_ids, n, k, e, t, num_tiles, rows, dtype):
       (order // k).astype(jnp.int32))                                    # [rows] token (n = pad)
   tile_group = jnp.minimum(jnp.searchsorted(padded_ends, jnp.arange(num_tiles) * t,
                                             side="right"), e - 1)        # [tiles]
-  onehot = jax.nn.one_hot(tile_group, e, dtype=dtype)                    # [tiles, E]
-  return dest, src, onehot
+  return dest, src, tile_group, padded_ends[-1] // t
 
 
 def moe_dense_reference(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
