@@ -63,9 +63,9 @@ class StopRequest:
     self.count += 1
     if self.requested is None:
       self.requested = name
-      self.log(f"{name} received: finishing the step in flight (in setup: the first "
-               f"step), then saving a checkpoint (press Ctrl-C again to abort at once "
-               f"without saving)")
+      self.log(f"{name} received: finishing the step in flight (or, before training "
+               f"starts, the first step), then saving a checkpoint (press Ctrl-C again to "
+               f"abort at once without saving)")
       return
     if signum == signal.SIGINT:
       # os._exit: no interpreter teardown, so no traceback and no half-started Orbax work
