@@ -85,11 +85,12 @@ def ragged_dot_tpu_gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
 
 def _tile_rows(m: int, g: int) -> int:
   """Rows per tile for `tiled_gmm` and `_moe_tiles_batched` (training's program): about
-  the mean group size m / g, a power of two in [8, 256]. Padding is at most g * (tile - 1) rows, but XLA:CPU's per-tile matmuls and
-  per-tile weight picks cost less with fewer, larger tiles: at 16 experts x 4 (the served
-  15M Kimi-Linear) and m = 16,384 pairs (eight 512-token prompts), 256 rows took 69 ms
-  where 128 took 80 and 32 147; at m = 2,048 (one prompt) 32 to 128 rows cost about the
-  same, 256 more (benchmarks/moe.py --tiles)."""
+  the mean group size m / g, a power of two in [8, 256]. Padding is at most g * (tile - 1)
+  rows, but XLA:CPU's per-tile matmuls and per-tile weight picks cost less with fewer,
+  larger tiles: at 16 experts x 4 (the served 15M Kimi-Linear) and m = 16,384 pairs
+  (eight 512-token prompts), 256 rows took 69 ms where 128 took 80 and 32 147; at m =
+  2,048 (one prompt) 32 to 128 rows cost about the same, 256 more (benchmarks/moe.py
+  --tiles)."""
   t = 8
   while t < 256 and 2 * t * g <= m:
     t *= 2
@@ -127,7 +128,8 @@ def tiled_gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
 def default_gmm(kind: str = "auto", platform: str | None = None,
                 kernel: bool = True) -> GroupedMatmul:
   """"ragged_dot" (native on TPU and GPU), "tiled" (plain JAX, for XLA:CPU), or "auto":
-  tiled when compiling for CPU and ragged_dot otherwise (the model passes the job's Parallel.kernels.gmm).
+  tiled when compiling for CPU and ragged_dot otherwise (the model passes the job's
+  Parallel.kernels.gmm).
   `platform` is the compile target (e.g. "tpu" for an ahead-of-time TPU compile from a CPU
   host); None = JAX's default backend. On TPU, where the call may run a Pallas kernel
   (`kernel`: on whole local arrays, no mesh or inside a shard_map), ragged_dot's weight
@@ -273,11 +275,8 @@ def moe_small(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
     with jax.named_scope("experts_loop"):
       def one_pair(i, y):
         tok, j = i // k, expert_ids[i // k, i % k]
-        xt = x[tok][None]                                                # [1, Din]
-        h = glu(jnp.dot(xt, w_gate[j], preferred_element_type=f32),
-                jnp.dot(xt, w_up[j], preferred_element_type=f32),
-                activation, beta1=beta1, beta2=beta2).astype(x.dtype)
-        out = jnp.dot(h, w_down[j], preferred_element_type=f32)[0]       # [Din]
+        out = _expert_rows(x[tok][None], j, w_gate, w_up, w_down, activation, beta1,
+                           beta2)[0]                                     # [Din]
         return y.at[tok].add(out * weights[tok, i % k].astype(f32))
       y = jax.lax.fori_loop(0, n * k, one_pair, jnp.zeros((n, x.shape[1]), f32))
   elif n * k < e:
@@ -303,6 +302,16 @@ def moe_small(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
           weights.astype(f32))                                           # [N, E]
       y = jnp.einsum("ne,end->nd", comb, out)
   return y.astype(x.dtype)
+
+
+def _expert_rows(xt, j, w_gate, w_up, w_down, activation, beta1, beta2):
+  """Expert j's FFN on rows xt [r, Din], its weights read where they lie (the loops of
+  `moe_small` and `_moe_tile_loop`) -> [r, Din] float32."""
+  f32 = jnp.float32
+  h = glu(jnp.dot(xt, w_gate[j], preferred_element_type=f32),
+          jnp.dot(xt, w_up[j], preferred_element_type=f32),
+          activation, beta1=beta1, beta2=beta2).astype(xt.dtype)
+  return jnp.dot(h, w_down[j], preferred_element_type=f32)
 
 
 LOOP_TILE = 64   # rows a tile in the undifferentiated tiled path (`_moe_tile_loop`)
@@ -374,12 +383,8 @@ def _moe_tile_loop(x, weights, expert_ids, w_gate, w_up, w_down, activation, bet
     token = src.reshape(num_tiles, t)                                    # n = the spare row
 
   def one_tile(i, y):
-    j = tile_expert[i]
-    xt = xs[i]
-    h = glu(jnp.dot(xt, w_gate[j], preferred_element_type=f32),
-            jnp.dot(xt, w_up[j], preferred_element_type=f32),
-            activation, beta1=beta1, beta2=beta2).astype(x.dtype)
-    out = jnp.dot(h, w_down[j], preferred_element_type=f32)              # [t, Din]
+    out = _expert_rows(xs[i], tile_expert[i], w_gate, w_up, w_down, activation, beta1,
+                       beta2)                                            # [t, Din]
     return y.at[token[i]].add(out * row_weight[i][:, None])
 
   with jax.named_scope("experts"):           # each tile's rows added into y as it goes
