@@ -239,7 +239,8 @@ _SLOW = pytest.mark.slow
 @pytest.mark.parametrize("n,e,k", [(1, 16, 4), pytest.param(3, 16, 4, marks=_SLOW), (8, 16, 4),
                                    pytest.param(5, 4, 4, marks=_SLOW)])
 def test_small_token_path_matches_dense(n, e, k):
-  """moe_small (decode: gathered experts when N k < E, every expert otherwise) equals the
+  """moe_small (decode: gathered experts when N k < E, every expert otherwise; with
+  pair_loop, XLA:CPU's choice, a loop over the pairs or over small expert tiles) equals the
   dense reference (f32, 1e-5: the same products summed in another order), and a row's
   result does not depend on the other rows (it is computed from that row alone)."""
   d, f = 16, 12
@@ -259,6 +260,15 @@ def test_small_token_path_matches_dense(n, e, k):
     np.testing.assert_allclose(np.asarray(y_loop), np.asarray(y_ref), rtol=1e-5, atol=1e-5)
     one = loop(3.0 * x[:1], weights[:1], ids[:1], *experts)
     assert np.array_equal(np.asarray(one[0]), np.asarray(y_loop[0]))
+  else:               # the loop over expert tiles: row 0's bits with the other rows redrawn
+    loop = jax.jit(functools.partial(moe_ops.moe_small, pair_loop=True))   # and moved
+    y_loop = loop(3.0 * x, weights, ids, *experts)
+    np.testing.assert_allclose(np.asarray(y_loop), np.asarray(y_ref), rtol=1e-5, atol=1e-5)
+    x2, w_r2, bias2 = _routing(n + 7 * e + 1, n, d, e, k, False)
+    w2, ids2 = select_experts(router_scores(3.0 * x2, w_r2), bias2, top_k=k)
+    put = lambda a, b: jnp.concatenate([b[1:-1], a[:1], b[-1:]])     # row 0 -> row n - 2
+    other = loop(put(3.0 * x, 3.0 * x2), put(weights, w2), put(ids, ids2), *experts)
+    assert np.array_equal(np.asarray(other[n - 2]), np.asarray(y_loop[0]))
 
 
 def test_dispatch_matches_explicit_loop():
