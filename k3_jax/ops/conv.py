@@ -97,8 +97,12 @@ _taps.defvjp(_taps_fwd, _taps_bwd)
 
 def short_conv_step(x, weight, cache):
   """One decode token. x [B, D]; weight [W, D]; cache [B, W-1, D].
-  Returns (y [B, D] in x.dtype, new_cache [B, W-1, D])."""
+  Returns (y [B, D] in x.dtype, new_cache [B, W-1, D]).
+  The taps are added in `short_conv`'s order (tap 0 first), so a decoded token's output is
+  bitwise the one the sequence form gives it, and as elementwise adds the step is one fused
+  loop (a reduction over W took one library call per conv on XLA:CPU, ~35 us each)."""
   xp = jnp.concatenate([cache.astype(jnp.float32),
                         x.astype(jnp.float32)[:, None]], axis=1)  # [B, W, D]
-  y = jnp.sum(xp * weight.astype(jnp.float32), axis=1)            # [B, D]
+  w = weight.astype(jnp.float32)
+  y = sum(w[j] * xp[:, j] for j in range(w.shape[0]))             # [B, D]
   return y.astype(x.dtype), xp[:, 1:].astype(cache.dtype)

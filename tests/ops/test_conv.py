@@ -69,6 +69,10 @@ def test_prefill_in_pieces_then_steps_equals_one_shot():
     ys.append(y_t[:, None])
   np.testing.assert_allclose(jnp.concatenate(ys, 1), y_full, **TOL)
   np.testing.assert_allclose(c, cache_full, **TOL)
+  # a decoded token's output is bitwise the sequence form's over the same window
+  y_seq, _ = jax.jit(short_conv)(x[:, T - 1:], w, cache=jnp.asarray(x[:, T - W:T - 1]))
+  y_step, _ = step(x[:, T - 1], w, jnp.asarray(x[:, T - W:T - 1]))
+  assert np.array_equal(np.asarray(y_step), np.asarray(y_seq[:, 0]))
 
 
 @pytest.mark.parametrize("bounds", [[3, 4, 9], [1, 2, 10]])
