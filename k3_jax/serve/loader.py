@@ -146,6 +146,7 @@ def build_engine(opts: ServeOptions, relay=None):
   from k3_jax.checkpoint.inference import trained_tokenizer
   from k3_jax.data import tokenizers
   from k3_jax.serve.engine import Engine
+  from k3_jax.serve.host_heap import keep_freed_buffers
   sources = [x for x in (opts.workdir, opts.hf_dir, opts.config) if x is not None]
   if len(sources) != 1:
     raise UserError("give exactly one of --workdir (a trained checkpoint), --hf_dir (a Hugging "
@@ -170,6 +171,8 @@ def build_engine(opts: ServeOptions, relay=None):
     tok_spec = opts.tokenizer or "byte"
   graphdef, params, rest = packed(graphdef, params, rest, opts.expert_format)
   tok = load_checked_tokenizer(tok_spec, cfg.vocab_size)
+  if jax.default_backend() == "cpu":
+    keep_freed_buffers()              # each step's buffers reused, not page-faulted in again
   engine = Engine(cfg, graphdef, params, rest, opts.serve, tokenizer=tok, mesh=mesh,
                   relay=relay, kernels=run.kernels)
   return engine, tok, opts.model_name or cfg.name
