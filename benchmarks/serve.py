@@ -93,9 +93,9 @@ def bench_ttft(config):
           "cached_tokens": c1}
 
 
-def decode_step_time(eng, pos, runs, slots=1):
-  """Median seconds of the engine's decode step with its first `slots` slots at context
-  `pos` (their pages taken from the pool) and every row active."""
+def decode_stepper(eng, pos, slots=1):
+  """A callable running one decode step of the engine with its first `slots` slots at
+  context `pos` (their pages taken from the pool) and every row active -> its seconds."""
   from k3_jax.serve import steps
   b = eng.max_batch
   for s in range(slots):
@@ -106,15 +106,21 @@ def decode_step_time(eng, pos, runs, slots=1):
   sampling = steps.Sampling(z, z, zf, np.ones(b, np.float32), zf, zf, run.zero_bias(b))
   batch = lambda: steps.DecodeBatch(z, np.full(b, pos, np.int32), eng.tables[:, :bucket].copy(),
                                     np.ones(b, bool), sampling, z, np.zeros(b, bool))
-  times = []
-  for i in range(runs + 1):                       # the first call compiles
+
+  def step():
     t0 = time.perf_counter()
     out = run.steps.decode(*run.weights, run.cache, run.counts, batch())
     jax.block_until_ready(out)
     run.cache, run.counts = out[1], out[2]
-    if i:
-      times.append(time.perf_counter() - t0)
-  return statistics.median(times)
+    return time.perf_counter() - t0
+  step()                                          # the first call compiles
+  return step
+
+
+def decode_step_time(eng, pos, runs, slots=1):
+  """Median seconds of the engine's decode step (decode_stepper) over `runs` steps."""
+  step = decode_stepper(eng, pos, slots)
+  return statistics.median(step() for _ in range(runs))
 
 
 def bench_pool(runs):
@@ -130,12 +136,17 @@ def bench_pool(runs):
   active = slots * -(-(pos + 1) // 512)
   probe_bytes = Engine(cfg, g, p, r, max_batch=1, max_len=512, prefix_cache_bytes=0,
                        kv_cache_bytes=1 << 20).page_bytes
+  steppers, times = {}, {}
   for k in (1, 16, 256):
     eng = Engine(cfg, g, p, r, max_batch=slots, max_len=cfg.max_seq_len, prefix_cache_bytes=0,
                  kv_cache_bytes=(k * active + 1) * probe_bytes)
-    res[f"pool_{k}x"] = {"pages": eng.num_pages, "bytes": eng.num_pages * probe_bytes,
-                         "step_s": decode_step_time(eng, pos, runs, slots)}
-    del eng
+    res[f"pool_{k}x"] = {"pages": eng.num_pages, "bytes": eng.num_pages * probe_bytes}
+    steppers[k], times[k] = decode_stepper(eng, pos, slots), []
+  for _ in range(runs):           # the three pools' steps alternate: the machine's drift
+    for k, step in steppers.items():             # falls on each of them alike
+      times[k].append(step())
+  for k in steppers:
+    res[f"pool_{k}x"]["step_s"] = statistics.median(times[k])
   res["ratio_256x"] = res["pool_256x"]["step_s"] / res["pool_1x"]["step_s"]
   res["ratio_16x"] = res["pool_16x"]["step_s"] / res["pool_1x"]["step_s"]
   return res
