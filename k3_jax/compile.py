@@ -227,7 +227,10 @@ def weights_by_output(params, mesh):
   the model dimension keeps it split (split on an input, the partitioner gathered those
   whole too). The router [D, E] is split on E like the others (the model constrains its
   scores, the MoE latent projection's and the LM head's outputs to match:
-  Parallel.by_output)."""
+  Parallel.by_output). MLA's latent up-projection kv_b [R, H, n + v] (absorbed into each
+  sequence's queries and outputs) is held whole on every chip: split on R, the partitioner
+  gathered it whole every layer anyway, with zero-filled buffers and copies (k3 64 x 1M:
+  ~2 GB a chip a step, where reading it whole is 0.6 GB; 25 MB a layer of memory)."""
   from jax.sharding import NamedSharding, PartitionSpec
   from sharding.rules import logical_to_spec
   default = tree_shardings(params, mesh)
@@ -239,6 +242,8 @@ def weights_by_output(params, mesh):
     axes = x.get_metadata().get("logical_axes")
     if axes is None or len(axes) != len(x.shape) or len(axes) < 2:
       return sh
+    if "kv_lora" in axes and "heads" in axes:    # MLA's kv_b [(layers,) R, H, n + v]: whole
+      return NamedSharding(mesh, PartitionSpec())
     router = axes[-1] == "experts" and "experts" not in axes[:-1]     # [(layers,) D, E]
     if "experts" in axes and not router:                               # the routed experts
       return sh
