@@ -133,15 +133,6 @@ class Parallel:
       return y
     return self.constrain(y, (None,) * (y.ndim - 1) + ("embed",))
 
-  def gathered(self, x: jax.Array) -> jax.Array:
-    """The step's tokens x [..., D] whole on every chip, in the decode layout of a batch that
-    fills the mesh (`batch_fills_mesh`): the input of a layer's by-output projections,
-    gathered once for all of them (left to the partitioner, it gathered the tokens once per
-    projection, or a projection's weight instead). Identity in any other layout."""
-    if not self.batch_fills_mesh:
-      return x
-    return self.constrain(x, (None,) * x.ndim)
-
   def by_batch(self, y: jax.Array) -> jax.Array:
     """A by-output projection's low-rank output y [B, ..., r] split by sequence again in
     the decode layout of a batch that fills the mesh, before a projection that contracts r

@@ -108,9 +108,9 @@ class KDA(nnx.Module):
     Stacked at any size where the batch fills the mesh: a decode's one-by-one projections
     with the weights split on their output were gathered whole by the partitioner, each,
     every layer (k3 v5p-128, 64 x 1M: ~340 GB a chip a step; so too with the tokens
-    gathered first); stacked, the tokens travel (an all-gather of [B, D], an all-to-all out)."""
+    constrained whole first); stacked, the tokens travel (an all-gather of [B, D], an
+    all-to-all out)."""
     small = 0 if par.batch_fills_mesh else SMALL_ROWS
-    x = par.gathered(x)                       # node decode: the tokens once for all of them
     heads = [self.q_proj, self.k_proj, self.v_proj] + ([] if self.c.gate_rank else [self.g_proj])
     out = apply_stacked(x, heads, small)
     if self.c.gate_rank and self.g_down.out_shape == self.f_down.out_shape:

@@ -100,7 +100,6 @@ class MLA(nnx.Module):
     """
     b, t, _ = x.shape
     c = self.c
-    x = par.gathered(x)                       # node decode: the tokens once for the projections
     q_nope, q_rope = self._query(x)
     c_kv, k_r = self._latent(x)
     if cache is None:

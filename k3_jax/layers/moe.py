@@ -106,7 +106,7 @@ class MoE(nnx.Module):
     par: the parallel setup (k3_jax/partitioning.py)."""
     m = self.cfg
     b, t, d = x.shape
-    xf = par.gathered(x.reshape(b * t, d))    # [N, D] (node decode: once for the projections)
+    xf = x.reshape(b * t, d)                                           # [N, D]
     with jax.named_scope("router"):
       scores = moe_ops.router_scores(xf, self.router[...])             # [N, E] f32
       if par.batch_fills_mesh:      # node decode: computed split on E, then per token whole
