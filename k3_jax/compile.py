@@ -154,6 +154,10 @@ def compile_step(cfg: ModelConfig, tc: TrainConfig, target: Target, step: str,
       cap = decode_ep_capacity(rows, mesh, cfg)
       run = dataclasses.replace(run, ep_capacity=cap)
       report["ep_capacity"] = cap
+    if exchange == "all_to_all" and not run.ep_recv_capacity:
+      run = dataclasses.replace(run, ep_recv_capacity=decode_ep_recv_capacity(rows, mesh, cfg))
+    if exchange == "all_to_all":
+      report["ep_recv_capacity"] = run.ep_recv_capacity
     report.update(page_split=page_split, expert_exchange=exchange,
                   weight_split="output" if page_split == "slot" else "model")
   fn, args = _serving_program(cfg, mesh, step, batch, seq, length, expert_format, page_split,
@@ -223,7 +227,10 @@ def weights_by_output(params, mesh):
   the model dimension keeps it split (split on an input, the partitioner gathered those
   whole too). The router [D, E] is split on E like the others (the model constrains its
   scores, the MoE latent projection's and the LM head's outputs to match:
-  Parallel.by_output)."""
+  Parallel.by_output). MLA's latent up-projection kv_b [R, H, n + v] (absorbed into each
+  sequence's queries and outputs) is held whole on every chip: split on R, the partitioner
+  gathered it whole every layer anyway, with zero-filled buffers and copies (k3 64 x 1M:
+  ~2 GB a chip a step, where reading it whole is 0.6 GB; 25 MB a layer of memory)."""
   from jax.sharding import NamedSharding, PartitionSpec
   from sharding.rules import logical_to_spec
   default = tree_shardings(params, mesh)
@@ -235,6 +242,8 @@ def weights_by_output(params, mesh):
     axes = x.get_metadata().get("logical_axes")
     if axes is None or len(axes) != len(x.shape) or len(axes) < 2:
       return sh
+    if "kv_lora" in axes and "heads" in axes:    # MLA's kv_b [(layers,) R, H, n + v]: whole
+      return NamedSharding(mesh, PartitionSpec())
     router = axes[-1] == "experts" and "experts" not in axes[:-1]     # [(layers,) D, E]
     if "experts" in axes and not router:                               # the routed experts
       return sh
@@ -271,12 +280,30 @@ def decode_ep_capacity(batch: int, mesh, cfg: ModelConfig, tail: float = DROP_TA
   p = math.prod(mesh.shape[a] for a in ex)
   shards = math.prod(mesh.shape[a] for a in expert.token_axes(mesh, batch))
   mean = batch / shards * cfg.moe.top_k / p
-  cap, pmf, cdf = 0, math.exp(-mean), math.exp(-mean)
-  while 1.0 - cdf >= tail:
+  return poisson_bound(mean, tail) / mean
+
+
+def decode_ep_recv_capacity(batch: int, mesh, cfg: ModelConfig, tail: float = DROP_TAIL) -> float:
+  """The receive bound r of the same decode (Kernels.ep_recv_capacity): a device receives
+  the sum of P chunks, about Poisson with mean n k under balanced routing; r is the least
+  factor whose ceil(r n k) rows overflow with probability below `tail` per device and
+  layer (k3 on expert:64: 1,024 sequences, mean 256, 336 rows where P chunks hold 1,088;
+  64 sequences, mean 16, 38 rows where P chunks hold 320)."""
+  from sharding import expert
+  shards = math.prod(mesh.shape[a] for a in expert.token_axes(mesh, batch))
+  mean = batch / shards * cfg.moe.top_k
+  return poisson_bound(mean, tail) / mean
+
+
+def poisson_bound(mean: float, tail: float) -> int:
+  """The least integer c with P(Poisson(mean) > c) < tail (summed in log space: no
+  underflow at large means)."""
+  cap, cdf = 0, 0.0
+  while True:
+    cdf += math.exp(cap * math.log(mean) - mean - math.lgamma(cap + 1))
+    if 1.0 - cdf < tail:
+      return cap
     cap += 1
-    pmf *= mean / cap
-    cdf += pmf
-  return cap / mean
 
 
 def expert_exchange(batch: int, mesh) -> str:

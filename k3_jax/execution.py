@@ -42,7 +42,9 @@ class Kernels:
   gmm: the routed experts' grouped matmul, "ragged_dot" | "tiled" | "auto" (by the compile
   target: tiled for CPU, else ragged_dot). ep_capacity: the expert-parallel capacity factor
   c (at most ceil(c n k / P) rows per device pair, the rest dropped; sharding/expert.py);
-  0 = dropless. kda_backend: "reference" | "pallas" | "auto" (pallas when compiling for
+  0 = dropless. ep_recv_capacity: r bounds the rows a device receives in the ragged expert
+  exchange at ceil(r n k) (its buffers and expert FFN that many rows); 0 = P pairs' worth.
+  kda_backend: "reference" | "pallas" | "auto" (pallas when compiling for
   TPU). kda_chunk_size: the chunked KDA's chunk length; 0 = by backend (16 on the reference
   path, 64 for Pallas; k3_jax.ops.kda.CHUNK_BY_BACKEND); any length gives the same result
   up to rounding."""
@@ -50,6 +52,7 @@ class Kernels:
   ep_capacity: float = 0.0
   kda_backend: str = "auto"
   kda_chunk_size: int = 0
+  ep_recv_capacity: float = 0.0
 
   def __post_init__(self):
     check_kernels(self)
@@ -61,6 +64,8 @@ def check_kernels(k) -> None:
   _require(isinstance(k.ep_capacity, (int, float)) and k.ep_capacity >= 0, "ep_capacity",
            k.ep_capacity, "must be >= 0 (0 = dropless; c > 0 bounds the expert-parallel "
            "buffers)")
+  _require(isinstance(k.ep_recv_capacity, (int, float)) and k.ep_recv_capacity >= 0,
+           "ep_recv_capacity", k.ep_recv_capacity, "must be >= 0 (0: no receive bound)")
   _require(k.kda_backend in KDA_BACKENDS, "kda_backend", k.kda_backend,
            f"must be one of {', '.join(map(repr, KDA_BACKENDS))}")
   _require(isinstance(k.kda_chunk_size, int) and k.kda_chunk_size >= 0, "kda_chunk_size",
@@ -91,6 +96,8 @@ class ExecConfig:
                             "(pallas when compiling for TPU)", choices=KDA_BACKENDS)
   kda_chunk_size: int = option(0, "chunked KDA's chunk length (0: by backend, 16 on the "
                                "reference path, 64 for Pallas; results equal up to rounding)")
+  ep_recv_capacity: float = option(0.0, "expert-parallel receive bound r (rows a device "
+                                   "receives in the ragged exchange at most r*n*k; 0: none)")
 
   def __post_init__(self):
     _require(isinstance(self.mesh, str), "mesh", self.mesh, "must be a mesh spec string")
@@ -103,7 +110,8 @@ class ExecConfig:
   @property
   def kernels(self) -> Kernels:
     """The kernel choices model code reads (through `Parallel.kernels`)."""
-    return Kernels(self.gmm, self.ep_capacity, self.kda_backend, self.kda_chunk_size)
+    return Kernels(self.gmm, self.ep_capacity, self.kda_backend, self.kda_chunk_size,
+                   self.ep_recv_capacity)
 
   def given(self, **values) -> "ExecConfig":
     """This config with every value that is not None (a flag that was given) put in."""

@@ -87,7 +87,8 @@ def point_summary(rep: dict) -> dict:
   out = {"step": step, "batch": batch, "cache_len": rep.get("cache_len"),
          "mesh": ",".join(f"{k}:{v}" for k, v in rep["mesh"].items() if v != 1),
          "page_split": rep.get("page_split"), "expert_exchange": rep.get("expert_exchange"),
-         "ep_capacity": rep.get("ep_capacity"), "fits": rep["fits"],
+         "ep_capacity": rep.get("ep_capacity"),
+         "ep_recv_capacity": rep.get("ep_recv_capacity"), "fits": rep["fits"],
          "gib_per_chip": rep["per_chip_total_bytes"] / 2 ** 30,
          "compile_seconds": rep.get("compile_seconds")}
   if rep.get("skipped"):

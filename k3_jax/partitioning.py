@@ -133,6 +133,16 @@ class Parallel:
       return y
     return self.constrain(y, (None,) * (y.ndim - 1) + ("embed",))
 
+  def by_batch(self, y: jax.Array) -> jax.Array:
+    """A by-output projection's low-rank output y [B, ..., r] split by sequence again in
+    the decode layout of a batch that fills the mesh, before a projection that contracts r
+    with its weight whole (KDA's decay up-projection): an all-to-all of the small [B, r]
+    instead of that projection's partial sums all-reduced at its [B, H, K] output.
+    Identity in any other layout."""
+    if not self.batch_fills_mesh:
+      return y
+    return self.constrain(y, ("batch",) + (None,) * (y.ndim - 1))
+
   def is_split(self, shape: tuple[int, ...], axes: tuple[str | None, ...], dim: int) -> bool:
     """Do the rules split dimension `dim` of an array of this shape and logical axes over
     the mesh? (False without rules.)"""

@@ -32,6 +32,16 @@ destination beyond that (its highest-numbered experts' rows, deterministically) 
 they contribute 0 to the combine. With Quantile Balancing the per-expert load of a batch is
 close to n k / E, so c around 1.5-2 rarely drops; None (the default) never drops.
 
+The ragged exchange packs what a device receives source after source (no gap per chunk),
+so its buffer need not be P chunks: `recv_factor` r bounds it at ceil(r n k) rows, and
+every [rows, .] buffer of the local FFN with it. The rows a device receives are the sum of
+P chunks (about Poisson with mean n k), far below P times a chunk's own tail bound: a k3
+decode of 1,024 sequences on 64 expert shards receives 256 rows a layer on average, and
+336 cover it but for 1e-6, where P chunks hold 1,088. Every device knows every count (the
+all-gather above), so all apply the same rule: a destination keeps its first `slots` rows
+in source order (a chunk truncated at it keeps its lowest experts' rows), the rest are
+dropped (0 in the combine), as with the chunk bound.
+
 Replicated tokens (a decode batch smaller than the expert axis, e.g. 8 tokens on expert:64):
 when no expert axis shards the tokens (`token_axes` could not use it), every device already
 holds every token, and the exchange above would have each of the P devices send the same
@@ -86,7 +96,8 @@ def expert_parallel_dispatch(mesh: Mesh, x: jax.Array, weights: jax.Array,
                              w_down: jax.Array, activation: str = "situ", beta1: float = 4.0,
                              beta2: float = 25.0, gmm: moe_ops.GroupedMatmul | None = None,
                              exchange: str = "auto",
-                             capacity_factor: float | None = None) -> jax.Array:
+                             capacity_factor: float | None = None,
+                             recv_factor: float | None = None) -> jax.Array:
   """Dropless routed-expert FFN with the experts sharded over the mesh's expert axis.
 
   x [N, Din]; weights [N, k] f32 combine weights; expert_ids [N, k] int32 (global ids);
@@ -96,7 +107,9 @@ def expert_parallel_dispatch(mesh: Mesh, x: jax.Array, weights: jax.Array,
   "auto" (ragged on TPU meshes). gmm: the local grouped matmul; default ragged_dot on TPU,
   the tiled plain-JAX gmm elsewhere. capacity_factor: None (dropless) or c > 0: at most
   ceil(c n k / P) rows per (source, destination), the rest dropped (see the module
-  docstring). When the expert axis does not split the tokens (N not divisible by it, a
+  docstring). recv_factor: None, or r > 0: a device receives at most ceil(r n k) rows a
+  layer (its buffers and expert FFN that many rows, not P chunks; sources' rows past it, in
+  source order, dropped; the ragged exchange only). When the expert axis does not split the tokens (N not divisible by it, a
   small decode batch), every device computes its own experts' pairs of all its tokens and
   the partial results are summed over the expert axis instead: no exchange, no rounding of
   the expert outputs, always dropless (`exchange` and `capacity_factor` are not used).
@@ -125,10 +138,12 @@ def expert_parallel_dispatch(mesh: Mesh, x: jax.Array, weights: jax.Array,
   if capacity_factor is not None and not capacity_factor > 0:
     raise ValueError(f"capacity_factor={capacity_factor} must be positive (or None for "
                      "dropless)")
+  if recv_factor is not None and not recv_factor > 0:
+    raise ValueError(f"recv_factor={recv_factor} must be positive (or None: P chunks)")
   ffn = dict(gmm=gmm, activation=activation, beta1=beta1, beta2=beta2)
   if any(a in tok for a in ex):
     body = functools.partial(_local_dispatch, ex=ex, p=p, exchange=exchange,
-                             capacity=capacity_factor, **ffn)
+                             capacity=capacity_factor, recv=recv_factor, **ffn)
   else:                                     # tokens replicated over the expert axis
     body = functools.partial(_replicated_dispatch, ex=ex, **ffn)
   fn = jax.shard_map(body, mesh=mesh, in_specs=(tok_spec, tok_spec, tok_spec, w_spec(w_gate),
@@ -143,7 +158,7 @@ def _excl_cumsum(x, axis=0):
 
 
 def _local_dispatch(x, weights, expert_ids, w_gate, w_up, w_down, *, ex, p, exchange, gmm,
-                    capacity, activation, beta1, beta2):
+                    capacity, activation, beta1, beta2, recv=None):
   """One device's part. x [n, D]; weights, expert_ids [n, k]; w_* the local experts."""
   n, k = expert_ids.shape
   d = x.shape[1]
@@ -152,6 +167,12 @@ def _local_dispatch(x, weights, expert_ids, w_gate, w_up, w_down, *, ex, p, exch
   cap = n * min(k, el)                    # rows per (src, dst): enough for the worst case
   if capacity is not None:
     cap = max(1, min(cap, math.ceil(capacity * n * k / p)))
+  ragged = exchange in ("ragged", "ragged_reference")
+  # The ragged exchange packs the received rows source after source (no gap per chunk), so
+  # its buffer holds `slots` rows: P chunks, or fewer with a receive bound (recv_factor).
+  slots = p * cap
+  if recv is not None and ragged:
+    slots = max(1, min(slots, math.ceil(recv * n * k)))
   me = jax.lax.axis_index(ex)
 
   # --- source side: pairs sorted by expert, i.e. grouped by destination device.
@@ -163,21 +184,30 @@ def _local_dispatch(x, weights, expert_ids, w_gate, w_up, w_down, *, ex, p, exch
   per_dst_full = per_dst = all_counts.sum(2)                           # [src, dst]
   input_offsets = _excl_cumsum(per_dst[me])                            # [P]
   pos_in_chunk = jnp.arange(n * k) - input_offsets[dest]               # [n k]
-  kept = pos_in_chunk < cap                                            # [n k] within capacity
   # Rows that travel: each (src, dst) chunk truncated to cap, i.e. per expert
   # min(count, room left after the chunk's lower experts).
   all_counts = jnp.clip(cap - _excl_cumsum(all_counts, 2), 0, all_counts)
   per_dst = all_counts.sum(2)                                          # [src, dst]
+  if slots < p * cap:       # a destination keeps its first `slots` rows, in source order
+    per_dst = jnp.clip(slots - _excl_cumsum(per_dst, 0), 0, per_dst)
+    all_counts = jnp.clip(per_dst[..., None] - _excl_cumsum(all_counts, 2), 0, all_counts)
   send_sizes = per_dst[me]                                             # [P]
+  kept = pos_in_chunk < send_sizes[dest]                               # [n k] kept pairs
   xs = jnp.take(x, order // k, axis=0)                                 # [n k, D]
 
   # --- receive side bookkeeping: from source s come mine[s, j] rows for local expert j,
-  # in slots [s cap, s cap + recv_sizes[s]), ordered by expert.
+  # ordered by expert, in slots [s cap, s cap + recv_sizes[s]) (fixed chunks), or packed
+  # from recv_at[s] (ragged).
   mine = jax.lax.dynamic_index_in_dim(all_counts, me, axis=1, keepdims=False)  # [src, E_l]
   recv_sizes = mine.sum(1)                                             # [P]
-  slot = jnp.arange(p * cap)
-  s, pos = slot // cap, slot % cap
-  valid = pos < recv_sizes[s]                                          # [P cap]
+  recv_at = _excl_cumsum(per_dst, 0)                                   # [src, dst] packed
+  slot = jnp.arange(slots)
+  if ragged:
+    s = jnp.searchsorted(recv_at[:, me], slot, side="right") - 1       # last source at/before
+    pos = slot - recv_at[s, me]
+  else:
+    s, pos = slot // cap, slot % cap
+  valid = pos < recv_sizes[s]                                          # [slots]
   cum = jnp.cumsum(mine, axis=1)                                       # [src, E_l]
   le = jnp.minimum(jnp.sum(cum[s] <= pos[:, None], axis=1), el - 1)    # local expert of slot
   group_sizes = mine.sum(0).astype(jnp.int32)                          # [E_l]
@@ -186,28 +216,27 @@ def _local_dispatch(x, weights, expert_ids, w_gate, w_up, w_down, *, ex, p, exch
   total = group_sizes.sum()
   pad_pos = total + jnp.cumsum(~valid) - 1
   grouped_pos = jnp.where(valid, grouped_pos, pad_pos)                 # a permutation of slots
-  slot_of = jnp.zeros((p * cap,), jnp.int32).at[grouped_pos].set(slot.astype(jnp.int32))
+  slot_of = jnp.zeros((slots,), jnp.int32).at[grouped_pos].set(slot.astype(jnp.int32))
 
   # --- forward exchange.
-  ragged = exchange in ("ragged", "ragged_reference")
   ragged_a2a = (jax.lax.ragged_all_to_all if exchange == "ragged"
                 else functools.partial(_ragged_all_to_all_reference, p=p))
   if ragged:
     recv = ragged_a2a(
-        xs, jnp.zeros((p * cap, d), x.dtype), input_offsets, send_sizes,
-        jnp.full((p,), me * cap, jnp.int32), recv_sizes, axis_name=ex)
+        xs, jnp.zeros((slots, d), x.dtype), input_offsets, send_sizes,
+        recv_at[me].astype(jnp.int32), recv_sizes, axis_name=ex)
   else:
     to = jnp.where(kept, dest * cap + pos_in_chunk, p * cap)           # dropped: out of range
     buf = jnp.zeros((p * cap, d), x.dtype).at[to].set(xs, mode="drop")
     recv = jax.lax.all_to_all(buf, ex, 0, 0, tiled=True)               # [P cap, D]
 
   # --- local grouped matmul over the received rows, grouped by local expert.
-  rows = jnp.take(recv, slot_of, axis=0)                               # [P cap, D]
+  rows = jnp.take(recv, slot_of, axis=0)                               # [slots, D]
   with jax.named_scope("experts"):
-    gate = gmm(rows, w_gate, group_sizes)                              # [P cap, F] f32
+    gate = gmm(rows, w_gate, group_sizes)                              # [slots, F] f32
     up = gmm(rows, w_up, group_sizes)
     h = glu(gate, up, activation, beta1=beta1, beta2=beta2).astype(x.dtype)
-    out = gmm(h, w_down, group_sizes)                                  # [P cap, D] f32
+    out = gmm(h, w_down, group_sizes)                                  # [slots, D] f32
   out = jnp.take(out, grouped_pos, axis=0)                             # back to slot order
   out = jnp.where(valid[:, None], out, 0.0).astype(x.dtype)
 
@@ -217,7 +246,7 @@ def _local_dispatch(x, weights, expert_ids, w_gate, w_up, w_down, *, ex, p, exch
     # (Offsets in the source's untruncated sorted order; its kept rows are a prefix.)
     back_offsets = _excl_cumsum(per_dst_full, 1)[:, me]                # [src]
     sorted_out = ragged_a2a(
-        out, jnp.zeros((n * k, d), x.dtype), jnp.arange(p, dtype=jnp.int32) * cap,
+        out, jnp.zeros((n * k, d), x.dtype), recv_at[:, me].astype(jnp.int32),
         recv_sizes, back_offsets, send_sizes, axis_name=ex)            # [n k, D]
   else:
     back = jax.lax.all_to_all(out, ex, 0, 0, tiled=True)               # [P cap, D]

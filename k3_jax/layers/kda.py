@@ -106,9 +106,10 @@ class KDA(nnx.Module):
     low-rank gate's down projections as one when their ranks agree. Returns (q, k, v
     [B, T, H, K] before the conv, decay input z_f [B, T, r], gate logits [B, T, H, K]).
     Stacked at any size where the batch fills the mesh: a decode's one-by-one projections
-    with the weights split on their output and the tokens on the same axes were gathered
-    whole by the partitioner, each, every layer (k3 v5p-128, 64 x 1M: ~340 GB a chip a
-    step); stacked, the tokens travel (an all-gather of [B, D], an all-to-all out)."""
+    with the weights split on their output were gathered whole by the partitioner, each,
+    every layer (k3 v5p-128, 64 x 1M: ~340 GB a chip a step; so too with the tokens
+    constrained whole first); stacked, the tokens travel (an all-gather of [B, D], an
+    all-to-all out)."""
     small = 0 if par.batch_fills_mesh else SMALL_ROWS
     heads = [self.q_proj, self.k_proj, self.v_proj] + ([] if self.c.gate_rank else [self.g_proj])
     out = apply_stacked(x, heads, small)
@@ -117,7 +118,7 @@ class KDA(nnx.Module):
     else:
       zf, zg = self.f_down(x), self.g_down(x) if self.c.gate_rank else None
     gate = self.g_up(zg) if self.c.gate_rank else out[3]
-    return out[0], out[1], out[2], zf, gate
+    return out[0], out[1], out[2], par.by_batch(zf), gate
 
   @jax.named_scope("decay")
   def _decay(self, zf):

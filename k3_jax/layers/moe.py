@@ -122,7 +122,8 @@ class MoE(nnx.Module):
                             par.platform))
     with jax.named_scope("routed_experts"):
       if ep is not None:
-        u = ep(*args, capacity_factor=par.kernels.ep_capacity or None, **kw)
+        u = ep(*args, capacity_factor=par.kernels.ep_capacity or None,
+               recv_factor=par.kernels.ep_recv_capacity or None, **kw)
       elif not train and xf.shape[0] <= moe_ops.SMALL_TOKENS and not self.qat \
           and not self._packed():           # a decode step: no training-sized layout
         kw.pop("gmm")

@@ -161,22 +161,25 @@ def test_train_step_on_expert_and_sequence_mesh_equals_single_device():
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
 
 
-def _kept_pairs(ids, shards, p, cap):
+def _kept_pairs(ids, shards, p, cap, total=None):
   """[N, K] bool: the pairs a capacity of `cap` rows per (source, destination) keeps. Tokens
   are split into `shards` contiguous blocks; block b is source b % p of its expert group
   (the expert axis is the last token axis). Each source sorts its pairs by expert (stable)
-  and keeps the first `cap` for each destination device."""
+  and keeps the first `cap` for each destination device; with `total`, a destination also
+  keeps at most `total` rows, its sources taken in order."""
   ids = np.asarray(ids)
   n_loc, el = ids.shape[0] // shards, E // p
   kept = np.zeros(ids.shape, bool)
+  got = np.zeros((shards // p, p), int)                # rows each destination has kept
   for b in range(shards):
     flat = ids[b * n_loc:(b + 1) * n_loc].reshape(-1)
     order = np.argsort(flat, kind="stable")
     seen = np.zeros(p, int)
     for pair in order:
       dst = flat[pair] // el
-      if seen[dst] < cap:
+      if seen[dst] < cap and (total is None or got[b // p, dst] < total):
         kept[b * n_loc + pair // K, pair % K] = True
+        got[b // p, dst] += 1
       seen[dst] += 1
   return kept
 
@@ -199,6 +202,26 @@ def test_ep_capacity_drops_exactly_the_overflow(data, exchange):
   want = moe_ops.moe_dispatch(d["x"], jnp.where(kept, d["weights"], 0.0), d["ids"],
                               d["w_gate"], d["w_up"], d["w_down"])
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_ep_recv_bound_drops_exactly_the_overflow(data):
+  """recv_factor=1: the ragged exchange packs each device's received rows and keeps at most
+  n k of them (its sources in order); the uneven routing sends one device 7/16 of all rows,
+  so it drops some, and the result equals the dispatch with the dropped pairs' combine
+  weights set to 0. With the chunk bound too, both apply."""
+  d = data
+  mesh = make_mesh(parse_mesh("expert:4,data:2"))
+  n_loc = N // 8
+  args = (d["x"], d["weights"], d["ids"], d["w_gate"], d["w_up"], d["w_down"])
+  for cap, capacity in ((n_loc * K, None), (-(-n_loc * K // 4), 1.0)):
+    kept = _kept_pairs(d["ids"], 8, 4, cap, total=n_loc * K)
+    assert 0 < (~kept).sum() < kept.size
+    got = jax.jit(lambda *a: expert.expert_parallel_dispatch(
+        mesh, *a, exchange="ragged_reference", capacity_factor=capacity,
+        recv_factor=1.0))(*args)
+    want = moe_ops.moe_dispatch(d["x"], jnp.where(kept, d["weights"], 0.0), d["ids"],
+                                d["w_gate"], d["w_up"], d["w_down"])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_ep_capacity_is_a_config_field_jit_sees():
