@@ -286,8 +286,8 @@ def moe_small(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
       y = jax.lax.fori_loop(0, n * k, one_pair, jnp.zeros((n, x.shape[1]), f32))
   elif pair_loop:
     with jax.named_scope("experts_tiles"):
-      y = _moe_tile_loop(x, weights, expert_ids, w_gate, w_up, w_down, activation, beta1,
-                         beta2, tile=decode_tile(n * k, e))
+      y = _moe_tiled(x, weights, expert_ids, w_gate, w_up, w_down, activation, beta1,
+                     beta2, tile=decode_tile(n * k, e))     # differentiable (custom VJP)
   elif n * k < e:
     with jax.named_scope("experts_gathered"):
       ids = expert_ids.reshape(-1)                                       # [M = N k]
