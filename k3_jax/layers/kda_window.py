@@ -81,17 +81,21 @@ def window_call(layer, x: jax.Array, cache: KDAState, par: Parallel = SINGLE):
   v = convs[2]
   beta = fold(jax.nn.sigmoid(layer.b_proj(x).astype(jnp.float32)))[:, :, 0]   # [B, T, H]
   g = fold(layer._decay(zf))[:, :, 0]                                         # [B, T, H, K]
-  state, outs, states = cache.state, [], []
-  for i in range(t):                                     # the decode's one-step recurrence
-    o, state = kda_ops.decode_step(q[:, i], k[:, i], v[:, i], g[:, i], beta[:, i], state,
-                                   backend=par.kernels.kda_backend, par=par)
-    outs.append(o)
-    states.append(state)
-  o = jnp.stack(outs, axis=1).reshape((b * t, 1) + outs[0].shape[1:])   # [B T, 1, H, V]
-  y = layer._output(o, gate)
   w = cache.window
+
+  def step(state, xs):                                   # the decode's one-step recurrence
+    o, state = kda_ops.decode_step(*xs, state, backend=par.kernels.kda_backend, par=par)
+    return state, (o, state if w.states is not None else None)
+
+  # a loop over the window, not T unrolled steps: its states are made once, in a buffer
+  # (unrolled, XLA:CPU fused their recurrence into `replay`'s pick and computed it again
+  # there: 0.13 ms a layer of a k3_small verify step)
+  _, (outs, states) = jax.lax.scan(step, cache.state,
+                                   tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta)))
+  o = jnp.moveaxis(outs, 0, 1).reshape((b * t, 1) + outs.shape[2:])   # [B T, 1, H, V]
+  y = layer._output(o, gate)
   rec = KDAWindow(xq=raws[0], xk=raws[1], xv=raws[2],
-                  **(dict(states=jnp.stack(states, axis=1)) if w.states is not None else
+                  **(dict(states=jnp.moveaxis(states, 0, 1)) if w.states is not None else
                      dict(q=q, k=k, v=v, g=g, beta=beta)))
   rec = jax.tree.map(lambda new, old: new.astype(old.dtype), rec, w)
   return y, KDAState(state=cache.state, conv_q=cache.conv_q, conv_k=cache.conv_k,
