@@ -27,6 +27,7 @@ from k3_jax.layers.init import Init
 from k3_jax.layers.linear import Linear
 from k3_jax.layers.norm import RMSNorm
 from k3_jax.ops import attention as attn_ops
+from k3_jax.ops.mx_gmm import StackedLayer
 from k3_jax.ops import rope_pages
 from k3_jax.partitioning import SINGLE, Parallel
 
@@ -128,8 +129,15 @@ class MLA(nnx.Module):
 
   def _absorb_query(self, q_nope, q_rope):
     """(q_nope . W_kvb_k [B, T, H, R], q_rope [B, T, H, P]) in f32, and W_kvb_v [R, H, V]."""
-    w = self.kv_b.w[...].astype(jnp.float32)                           # [R, H, n + v]
-    w_k, w_v = w[..., :self.c.qk_nope_head_dim], w[..., self.c.qk_nope_head_dim:]
+    n, held = self.c.qk_nope_head_dim, self.kv_b.w.get_value()
+    if isinstance(held, StackedLayer):     # node decode: each half read in place (model.py)
+      r, h, f = held.shape
+      half = lambda lo, size: jax.lax.dynamic_slice(
+          held.stack, (held.index, 0, 0, lo), (1, r, h, size))[0].astype(jnp.float32)
+      w_k, w_v = half(0, n), half(n, f - n)
+    else:
+      w = self.kv_b.w[...].astype(jnp.float32)                         # [R, H, n + v]
+      w_k, w_v = w[..., :n], w[..., n:]
     q_lat = jnp.einsum("bthn,rhn->bthr", q_nope.astype(jnp.float32), w_k)
     return q_lat, q_rope.astype(jnp.float32), w_v
 
