@@ -22,7 +22,7 @@ from k3_jax.cache import KDAState
 from k3_jax.config import ModelConfig, jnp_dtype
 from k3_jax.layers.init import Init
 from k3_jax.layers.kda_window import window_call
-from k3_jax.layers.linear import SMALL_ROWS, Linear, apply_per_shard, apply_stacked
+from k3_jax.layers.linear import SMALL_ROWS, Linear, apply_stacked
 from k3_jax.ops import conv as conv_ops
 from k3_jax.ops import kda as kda_ops
 from k3_jax.ops.norms import rms_norm
@@ -110,16 +110,11 @@ class KDA(nnx.Module):
     every layer (k3 v5p-128, 64 x 1M: ~340 GB a chip a step; so too with the tokens
     constrained whole first); stacked, the tokens travel (an all-gather of [B, D], an
     all-to-all out)."""
+    small = 0 if par.batch_fills_mesh else SMALL_ROWS
     heads = [self.q_proj, self.k_proj, self.v_proj] + ([] if self.c.gate_rank else [self.g_proj])
-    if par.batch_fills_mesh:     # node decode: per shard, no copy of the weights
-      downs = [self.f_down] + ([self.g_down] if self.c.gate_rank else [])
-      out = apply_per_shard(x, heads + downs, par)
-      zf = out[len(heads)]
-      gate = self.g_up(out[-1]) if self.c.gate_rank else out[3]
-      return out[0], out[1], out[2], par.by_batch(zf), gate
-    out = apply_stacked(x, heads, SMALL_ROWS)
+    out = apply_stacked(x, heads, small)
     if self.c.gate_rank and self.g_down.out_shape == self.f_down.out_shape:
-      zf, zg = apply_stacked(x, (self.f_down, self.g_down), SMALL_ROWS)
+      zf, zg = apply_stacked(x, (self.f_down, self.g_down), small)
     else:
       zf, zg = self.f_down(x), self.g_down(x) if self.c.gate_rank else None
     gate = self.g_up(zg) if self.c.gate_rank else out[3]

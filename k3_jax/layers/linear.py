@@ -75,31 +75,3 @@ def apply_stacked(x: jax.Array, linears, small_rows: int = SMALL_ROWS) -> list[j
   # y [..., n, *out]
   return [y[(..., i) + (slice(None),) * n_out] for i in range(len(linears))]
 
-
-
-def apply_per_shard(x: jax.Array, linears, par) -> list[jax.Array]:
-  """[lin(x) for lin in linears] in the decode layout of a batch that fills the mesh
-  (`par.batch_fills_mesh`: each weight split on its last, output dimension; compile.py
-  weights_by_output): one per-shard call (par.shard_kernel) that takes the step's few tokens
-  whole (one gather of x for all the projections) and multiplies them by each chip's slice
-  of each weight where it lies, so the outputs come split on their last dimension. No copy
-  of a weight: stacked (apply_stacked), the layer's slices were copied into a new array
-  every step (k3 v5p-128, 64 x 1M: ~1.2 GB a chip); one by one, the partitioner gathered
-  the weights whole. Each output element is the same dot product as lin(x)."""
-  n_in = len(linears[0].in_shape)
-  contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
-
-  def local(xs, *ws):
-    return tuple(jax.lax.dot_general(xs.astype(lin.dtype), w.astype(lin.dtype),
-                                     (contract, ((), ())), preferred_element_type=jnp.float32
-                                     ).astype(lin.dtype) for lin, w in zip(linears, ws))
-
-  whole = (None,) * x.ndim
-  w_axes = tuple((None,) * (lin.w.ndim - 1) + ("embed",) for lin in linears)
-  out_axes = tuple((None,) * (x.ndim - n_in + len(lin.out_shape) - 1) + ("embed",)
-                   for lin in linears)
-  for lin in linears:
-    if len(lin.in_shape) != n_in:
-      raise ValueError(f"apply_per_shard: inputs {lin.in_shape} vs {linears[0].in_shape}")
-  fn = par.shard_kernel(local, (whole,) + w_axes, out_axes)
-  return list(fn(x, *(lin.w[...] for lin in linears)))
