@@ -71,8 +71,9 @@ class MLA(nnx.Module):
                       self.dtype))
 
   @jax.named_scope("projections")
-  def _query(self, x):
-    q = self.q_b(self.q_norm(self.q_a(x))) if self.c.q_lora_rank else self.q_proj(x)
+  def _query(self, x, par: Parallel = SINGLE):
+    q = (par.by_batch(par.by_output(self.q_b(self.q_norm(self.q_a(x)))))  # node decode: split
+         if self.c.q_lora_rank else self.q_proj(x))                          # on its output
     n = self.c.qk_nope_head_dim
     return q[..., :n], q[..., n:]                                      # [B, T, H, n], [.., p]
 
@@ -101,7 +102,7 @@ class MLA(nnx.Module):
     """
     b, t, _ = x.shape
     c = self.c
-    q_nope, q_rope = self._query(x)
+    q_nope, q_rope = self._query(x, par)
     c_kv, k_r = self._latent(x)
     if cache is None:
       o, max_logit = self._attention(q_nope, q_rope, c_kv, k_r, segment_ids, par)
