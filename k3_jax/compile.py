@@ -230,7 +230,11 @@ def weights_by_output(params, mesh):
   Parallel.by_output). MLA's latent up-projection kv_b [R, H, n + v] (absorbed into each
   sequence's queries and outputs) is held whole on every chip: split on R, the partitioner
   gathered it whole every layer anyway, with zero-filled buffers and copies (k3 64 x 1M:
-  ~2 GB a chip a step, where reading it whole is 0.6 GB; 25 MB a layer of memory)."""
+  ~2 GB a chip a step, where reading it whole is 0.6 GB; 25 MB a layer of memory). MLA's
+  query up-projection q_b [(layers,) Q, H, n + p] moves its split from its low-rank input Q
+  to its last dimension, where that divides (the model gathers the small [B, Q] input and
+  sends the output back by sequence: Parallel.by_output, by_batch): split on Q, every MLA
+  layer all-reduced its [B, H, n + p] partial sums (k3 1,024 x 32K: ~2.5 GB a chip a step)."""
   from jax.sharding import NamedSharding, PartitionSpec
   from sharding.rules import logical_to_spec
   default = tree_shardings(params, mesh)
@@ -244,6 +248,15 @@ def weights_by_output(params, mesh):
       return sh
     if "kv_lora" in axes and "heads" in axes:    # MLA's kv_b [(layers,) R, H, n + v]: whole
       return NamedSharding(mesh, PartitionSpec())
+    if "q_lora" in axes and "heads" in axes:     # MLA's q_b [(layers,) Q, H, n + p]: output
+      spec = list(sh.spec) + [None] * (len(axes) - len(sh.spec))
+      d, last = axes.index("q_lora"), len(axes) - 1
+      on = spec[d] if isinstance(spec[d], tuple) else (spec[d],)
+      if spec[d] is not None and spec[last] is None and not x.shape[last] % math.prod(
+          mesh.shape[a] for a in on):
+        spec[last], spec[d] = spec[d], None
+        return NamedSharding(mesh, PartitionSpec(*spec))
+      return sh
     router = axes[-1] == "experts" and "experts" not in axes[:-1]     # [(layers,) D, E]
     if "experts" in axes and not router:                               # the routed experts
       return sh

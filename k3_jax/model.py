@@ -121,6 +121,18 @@ def _packed_routed(path, variable) -> bool:
   return path[-1] in mx_gmm.EXPERT_WEIGHTS and isinstance(variable.get_value(), mx_gmm.MXArray)
 
 
+def _held_whole(par: Parallel):
+  """nnx filter of the unit weights the layer scan passes whole with the unit's index
+  (mx_gmm.StackedLayer) instead of slicing them: the packed routed experts, and in the
+  decode layout of a batch that fills the mesh MLA's kv_b, whose two halves (the query's
+  and the output's absorption) are each read from the stack in place (layers/mla.py); as
+  the scan's slice, the layer's kv_b was copied out and read again every step (k3 v5p-128,
+  64 x 1M: ~1.1 GB a chip)."""
+  if not par.batch_fills_mesh:
+    return _packed_routed
+  return lambda path, v: _packed_routed(path, v) or tuple(path[-2:]) == ("kv_b", "w")
+
+
 def _remat_policy(remat: str):
   return (jax.checkpoint_policies.dots_with_no_batch_dims_saveable if remat == "dots"
           else jax.checkpoint_policies.nothing_saveable)
@@ -294,7 +306,7 @@ class K3Model(nnx.Module):
     # Packed routed experts (serving) stay out of the scanned inputs: each layer gets its
     # whole stack and the layer index (mx_gmm.StackedLayer), which the MXFP4 kernel reads in
     # place; a scan slice feeding a Pallas call would be copied out, every layer, every step.
-    graphdef, stacks, state = nnx.split(self.units, _packed_routed, ...)
+    graphdef, stacks, state = nnx.split(self.units, _held_whole(par), ...)
     plan = self.plan
     reps = plan.repeats
     first_layers = plan.prefix + plan.period * jnp.arange(reps)

@@ -64,6 +64,8 @@ def test_weights_by_output_moves_the_model_dimension():
   d, m = flat(default), flat(moved)
   whole = [k for k in d if "kv_b" in jax.tree_util.keystr(k)]
   assert whole and all(not any(m[k].spec) for k in whole)   # MLA's kv_b: on every chip
+  q_b = [k for k in d if "q_b" in jax.tree_util.keystr(k)]  # MLA's q_b: n + p = 12 stays on Q
+  assert q_b and all(m[k].spec == d[k].spec for k in q_b)
   changed = [k for k in d if d[k].spec != m[k].spec and k not in whole]
   assert changed                                    # the dense projections moved
   for k in changed:                                 # the same axis, on another dimension
@@ -71,6 +73,22 @@ def test_weights_by_output_moves_the_model_dimension():
     assert tuple(d[k].spec).index("expert") != tuple(m[k].spec).index("expert")
   experts = [k for k in d if "w_gate" in jax.tree_util.keystr(k)]
   assert experts and all(d[k].spec == m[k].spec for k in experts)   # routed experts stay
+
+
+def test_weights_by_output_moves_q_b_off_its_low_rank_input():
+  """MLA's q_b [Q, H, n + p] is split on its last dimension where that divides (no [B, H,
+  n + p] partial sums all-reduced per layer), on Q where it does not."""
+  from k3_jax.config import apply_overrides
+  mesh = make_mesh(parse_mesh("expert:8"))
+  cfg = comp.validate(apply_overrides(configs.get("k3_tiny"), ["mla.qk_rope_head_dim=8"]))
+  _, params, _ = comp.serving_params(cfg)
+  flat = lambda t: dict(jax.tree_util.tree_leaves_with_path(t))
+  d = flat(comp.tree_shardings(params, mesh))
+  m = flat(comp.weights_by_output(params, mesh))
+  q_b = [k for k in d if "q_b" in jax.tree_util.keystr(k)]
+  assert q_b and all(tuple(d[k].spec)[-3] == "expert" for k in q_b)          # on Q
+  assert all(tuple(m[k].spec)[-1] == "expert" and "expert" not in tuple(m[k].spec)[:-1]
+             for k in q_b)                                                  # on n + p
 
 
 def test_frontier_table_and_plot(tmp_path):

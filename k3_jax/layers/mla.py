@@ -27,6 +27,7 @@ from k3_jax.layers.init import Init
 from k3_jax.layers.linear import Linear
 from k3_jax.layers.norm import RMSNorm
 from k3_jax.ops import attention as attn_ops
+from k3_jax.ops.mx_gmm import StackedLayer
 from k3_jax.ops import rope_pages
 from k3_jax.partitioning import SINGLE, Parallel
 
@@ -70,8 +71,9 @@ class MLA(nnx.Module):
                       self.dtype))
 
   @jax.named_scope("projections")
-  def _query(self, x):
-    q = self.q_b(self.q_norm(self.q_a(x))) if self.c.q_lora_rank else self.q_proj(x)
+  def _query(self, x, par: Parallel = SINGLE):
+    q = (par.by_batch(par.by_output(self.q_b(self.q_norm(self.q_a(x)))))  # node decode: split
+         if self.c.q_lora_rank else self.q_proj(x))                          # on its output
     n = self.c.qk_nope_head_dim
     return q[..., :n], q[..., n:]                                      # [B, T, H, n], [.., p]
 
@@ -100,7 +102,7 @@ class MLA(nnx.Module):
     """
     b, t, _ = x.shape
     c = self.c
-    q_nope, q_rope = self._query(x)
+    q_nope, q_rope = self._query(x, par)
     c_kv, k_r = self._latent(x)
     if cache is None:
       o, max_logit = self._attention(q_nope, q_rope, c_kv, k_r, segment_ids, par)
@@ -128,8 +130,15 @@ class MLA(nnx.Module):
 
   def _absorb_query(self, q_nope, q_rope):
     """(q_nope . W_kvb_k [B, T, H, R], q_rope [B, T, H, P]) in f32, and W_kvb_v [R, H, V]."""
-    w = self.kv_b.w[...].astype(jnp.float32)                           # [R, H, n + v]
-    w_k, w_v = w[..., :self.c.qk_nope_head_dim], w[..., self.c.qk_nope_head_dim:]
+    n, held = self.c.qk_nope_head_dim, self.kv_b.w.get_value()
+    if isinstance(held, StackedLayer):     # node decode: each half read in place (model.py)
+      r, h, f = held.shape
+      half = lambda lo, size: jax.lax.dynamic_slice(
+          held.stack, (held.index, 0, 0, lo), (1, r, h, size))[0].astype(jnp.float32)
+      w_k, w_v = half(0, n), half(n, f - n)
+    else:
+      w = self.kv_b.w[...].astype(jnp.float32)                         # [R, H, n + v]
+      w_k, w_v = w[..., :n], w[..., n:]
     q_lat = jnp.einsum("bthn,rhn->bthr", q_nope.astype(jnp.float32), w_k)
     return q_lat, q_rope.astype(jnp.float32), w_v
 

@@ -56,6 +56,28 @@ def test_mla_layer_absorbed_decode_equals_forward(cfg):
   assert max_full.shape == (cfg.mla.num_heads,)
 
 
+def test_mla_kv_b_read_from_the_layer_stack_equals_its_slice():
+  """The node decode's kv_b (model._held_whole: only where the batch fills the mesh) reaches
+  MLA as the whole stack with the unit's index; each half read from it in place equals the
+  scan's slice, exactly."""
+  from k3_jax.model import _held_whole, _packed_routed
+  from k3_jax.ops.mx_gmm import StackedLayer
+  from k3_jax.partitioning import SINGLE, SLOT_KEY, Parallel
+  assert _held_whole(SINGLE) is _packed_routed
+  assert _held_whole(Parallel(key=SLOT_KEY))(("mixer", "kv_b", "w"), None)
+  layer = MLA(CFG, init=Init(1))
+  w = layer.kv_b.w[...]
+  stack = jnp.stack([w * 2, w, w * 3])
+  q_nope = jax.random.normal(jax.random.key(0), (2, 1, CFG.mla.num_heads,
+                                                 CFG.mla.qk_nope_head_dim))
+  q_rope = jnp.ones((2, 1, CFG.mla.num_heads, CFG.mla.qk_rope_head_dim))
+  want = layer._absorb_query(q_nope, q_rope)
+  layer.kv_b.w.set_value(StackedLayer(stack, jnp.int32(1)))
+  got = jax.jit(lambda a, b: layer._absorb_query(a, b))(q_nope, q_rope)
+  for g, x in zip(got, want):
+    np.testing.assert_array_equal(g, x)
+
+
 def test_mla_cache_holds_only_latents():
   layer = MLA(CFG, init=Init(1))
   cache = layer.init_cache(1, 8)
