@@ -255,3 +255,21 @@ def test_paged_cache_and_kv_pages_follow_the_plan(name):
   assert jax.tree.structure(put) == jax.tree.structure(states)
   merged = jax.eval_shape(kv.with_kda_states, cache, put)
   assert jax.tree.structure(merged) == jax.tree.structure(cache)
+
+
+@pytest.mark.parametrize("name", ["k3_tiny", "no_units"])   # scanned and unscanned KDA entries
+def test_put_slots_writes_active_rows_and_leaves_padding_rows_alone(name):
+  """kv.put_slots (the verify step's write-back) equals put_rows of the active rows alone,
+  with an idle padding row that repeats an active row's slot changing nothing, on every
+  KDA entry's batch axis (scanned layers' included)."""
+  fill = lambda t, seed: jax.tree.map(
+      lambda a: jnp.asarray(np.random.default_rng(seed).normal(size=a.shape), a.dtype), t)
+  states = fill(kv.kda_states(_model(name).init_paged_cache(3, 5, 8)), 0)
+  values = fill(kv.take_rows(states, jnp.asarray([0, 1, 2], jnp.int32)), 1)
+  got = kv.put_slots(states, jnp.asarray([2, 0, 2], jnp.int32),
+                     jnp.asarray([True, True, False]), values)
+  want = kv.put_rows(states, jnp.asarray([2, 0], jnp.int32),
+                     kv.take_rows(values, jnp.asarray([0, 1], jnp.int32)))
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert np.array_equal(np.asarray(a), np.asarray(b))

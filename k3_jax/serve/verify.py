@@ -77,23 +77,6 @@ def window_rows(batch: VerifyBatch):
   return tokens, pos, tables
 
 
-def put_slots(states, slots, active, taken, values):
-  """states with row i's slot (slots [B], distinct) set to values' row i where active, else
-  to taken's (the state that row took: an idle padding slot's own), one in-place
-  dynamic_update_slice a row. (kv.put_rows drops idle rows by a scatter out of bounds, which
-  XLA:CPU lowers to a select over every slot's state, with the window's states recomputed
-  into it: 6 x 0.13 ms of a k3_small batch-1 verify step.)"""
-  def put(a, old, new, axis):
-    live = active.reshape(active.shape + (1,) * (new.ndim - axis - 1))
-    new = jnp.where(live, new.astype(a.dtype), old.astype(a.dtype))
-    for i in range(slots.shape[0]):
-      a = jax.lax.dynamic_update_index_in_dim(a, jax.lax.index_in_dim(new, i, axis),
-                                              slots[i], axis)
-    return a
-  return map_cache(lambda e, o, n, axis: jax.tree.map(lambda a, x, y: put(a, x, y, axis),
-                                                        e, o, n), states, taken, values)
-
-
 def verify_step(graphdef, par, params, rest, cache, counts, batch: VerifyBatch):
   """-> (Sampled over the B T rows (ids: row b T + t is row b's t-th emitted token for
   t < emitted[b]), emitted [B] int32 (0 for idle rows), cache, counts).
@@ -121,8 +104,8 @@ def verify_step(graphdef, par, params, rest, cache, counts, batch: VerifyBatch):
   out = map_cache(lambda e, axis: replay(e, emitted, backend, par)
                   if isinstance(e, KDAState) else replace(e, window=1), kv.without_pages(new))
   if slots is not None:
-    out = kv.with_kda_states(out, put_slots(states, slots, batch.active, kv.kda_states(sub),
-                                            kv.kda_states(out)))
+    out = kv.with_kda_states(out, kv.put_slots(states, slots, batch.active,
+                                               kv.kda_states(out)))
   out = out.replace(pos=cache.pos)
   hot = jnp.sum(jax.nn.one_hot(ids, counts.shape[-1], dtype=jnp.int32)
                 * (jnp.arange(t)[None] < emitted[:, None])[..., None], axis=1)   # [B, V]
@@ -130,4 +113,4 @@ def verify_step(graphdef, par, params, rest, cache, counts, batch: VerifyBatch):
   return with_logprobs(raw, ids.reshape(-1)), emitted, out, counts
 
 
-__all__ = ["VerifyBatch", "window_rows", "put_slots", "verify_step"]
+__all__ = ["VerifyBatch", "window_rows", "verify_step"]
