@@ -109,10 +109,11 @@ def expert_parallel_dispatch(mesh: Mesh, x: jax.Array, weights: jax.Array,
   ceil(c n k / P) rows per (source, destination), the rest dropped (see the module
   docstring). recv_factor: None, or r > 0: a device receives at most ceil(r n k) rows a
   layer (its buffers and expert FFN that many rows, not P chunks; sources' rows past it, in
-  source order, dropped; the ragged exchange only). When the expert axis does not split the tokens (N not divisible by it, a
-  small decode batch), every device computes its own experts' pairs of all its tokens and
-  the partial results are summed over the expert axis instead: no exchange, no rounding of
-  the expert outputs, always dropless (`exchange` and `capacity_factor` are not used).
+  source order, dropped; the ragged exchange only). When the expert axis does not split the
+  tokens (N not divisible by it, a small decode batch), every device computes its own
+  experts' pairs of all its tokens and the partial results are summed over the expert axis
+  instead: no exchange, no rounding of the expert outputs, always dropless (`exchange`,
+  `capacity_factor` and `recv_factor` are not used).
   """
   if exchange not in EXCHANGES:
     raise ValueError(f"exchange={exchange!r}: expected one of {EXCHANGES}")
@@ -143,7 +144,7 @@ def expert_parallel_dispatch(mesh: Mesh, x: jax.Array, weights: jax.Array,
   ffn = dict(gmm=gmm, activation=activation, beta1=beta1, beta2=beta2)
   if any(a in tok for a in ex):
     body = functools.partial(_local_dispatch, ex=ex, p=p, exchange=exchange,
-                             capacity=capacity_factor, recv=recv_factor, **ffn)
+                             capacity=capacity_factor, recv_bound=recv_factor, **ffn)
   else:                                     # tokens replicated over the expert axis
     body = functools.partial(_replicated_dispatch, ex=ex, **ffn)
   fn = jax.shard_map(body, mesh=mesh, in_specs=(tok_spec, tok_spec, tok_spec, w_spec(w_gate),
@@ -158,7 +159,7 @@ def _excl_cumsum(x, axis=0):
 
 
 def _local_dispatch(x, weights, expert_ids, w_gate, w_up, w_down, *, ex, p, exchange, gmm,
-                    capacity, activation, beta1, beta2, recv=None):
+                    capacity, activation, beta1, beta2, recv_bound=None):
   """One device's part. x [n, D]; weights, expert_ids [n, k]; w_* the local experts."""
   n, k = expert_ids.shape
   d = x.shape[1]
@@ -171,8 +172,8 @@ def _local_dispatch(x, weights, expert_ids, w_gate, w_up, w_down, *, ex, p, exch
   # The ragged exchange packs the received rows source after source (no gap per chunk), so
   # its buffer holds `slots` rows: P chunks, or fewer with a receive bound (recv_factor).
   slots = p * cap
-  if recv is not None and ragged:
-    slots = max(1, min(slots, math.ceil(recv * n * k)))
+  if recv_bound is not None and ragged:
+    slots = max(1, min(slots, math.ceil(recv_bound * n * k)))
   me = jax.lax.axis_index(ex)
 
   # --- source side: pairs sorted by expert, i.e. grouped by destination device.
