@@ -150,13 +150,13 @@ def compile_step(cfg: ModelConfig, tc: TrainConfig, target: Target, step: str,
   if decoding:
     page_split = decode_page_split(batch, mesh, page_split)
     exchange = expert_exchange(rows, mesh)
-    if exchange == "all_to_all" and not run.ep_capacity:
-      cap = decode_ep_capacity(rows, mesh, cfg)
-      run = dataclasses.replace(run, ep_capacity=cap)
-      report["ep_capacity"] = cap
-    if exchange == "all_to_all" and not run.ep_recv_capacity:
-      run = dataclasses.replace(run, ep_recv_capacity=decode_ep_recv_capacity(rows, mesh, cfg))
-    if exchange == "all_to_all":
+    if exchange == "all_to_all":                 # the exchange's bounds, unless given
+      if not run.ep_capacity:
+        run = dataclasses.replace(run, ep_capacity=decode_ep_capacity(rows, mesh, cfg))
+        report["ep_capacity"] = run.ep_capacity
+      if not run.ep_recv_capacity:
+        run = dataclasses.replace(run, ep_recv_capacity=decode_ep_recv_capacity(rows, mesh,
+                                                                                cfg))
       report["ep_recv_capacity"] = run.ep_recv_capacity
     report.update(page_split=page_split, expert_exchange=exchange,
                   weight_split="output" if page_split == "slot" else "model")
