@@ -167,6 +167,9 @@ class Runner:
     self.ckpts = kv.zeros_rows(kv.kda_states(self.cache), num_ckpt) if num_ckpt else None
     self.counts = jnp.zeros((self.max_batch, self.cfg.vocab_size), jnp.int32)
     self._build_steps()
+    if self.mesh is None:
+      self.cache, self.counts, self.prev, self.ckpts = self._placed_as_stepped(
+          (self.cache, self.counts, self.prev, self.ckpts))
     if self.relay is not None:     # the device state every process made alike, in one order
       self.relay.register((self.params, self.rest, self.cache, self.counts, self.ckpts,
                            self.no_bias, self.prev))
@@ -191,6 +194,20 @@ class Runner:
     self._feature_zeros = {}
     self.no_bias = {}         # rows -> zeros [rows, V] kept on the device (zero_bias)
     self.prev = jnp.zeros((self.max_batch,), jnp.int32)    # the last decode step's ids
+
+  def _placed_as_stepped(self, tree):
+    """tree's arrays (made by jnp, not yet on a sharding) placed where the steps return
+    them: on the weights' one-device mesh when the weights lie on one (a loaded
+    checkpoint), replicated. A jitted step keys its compile on its arguments' shardings
+    too, so a cache first passed unplaced compiled every step's first shape twice (once
+    for the fresh arrays, again for the step's outputs)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+    mesh = next((getattr(x.sharding, "mesh", None) for x in jax.tree.leaves(self.params)
+                 if isinstance(getattr(x, "sharding", None), NamedSharding)), None)
+    if mesh is None:
+      return tree
+    return jax.tree.map(lambda a: jax.device_put(
+        a, NamedSharding(mesh, PartitionSpec(*[None] * a.ndim))), tree)
 
   def relayed(self, name: str, fn):
     """fn (a jitted device step) as this runner runs it: published to the other processes

@@ -5,8 +5,8 @@ prefill call batches a power-of-two count of prompts (planner.calls), a decode s
 power-of-two count of slots (planner.decode_slots). Cold, the first request to meet each
 new shape waits for its compile (1-3 s for the 15M Kimi-Linear on 2 CPU cores; minutes
 for a large model), in the middle of everyone else's decoding. `warm_up` runs dummy
-requests through the engine itself (one page of tokens each, two generated tokens) in
-groups of 1, 2, 4, ... max_batch arriving together, so every prefill row count a step can
+requests through the engine itself (one page of tokens each; each decodes until the last
+of its group has joined the decode, count + 2 tokens) in groups of 1, 2, 4, ... max_batch arriving together, so every prefill row count a step can
 batch at a whole page and every decode row count compiles (with --batch_invariant, whose
 steps have one shape whatever the load, one request), at the shortest attention window (runner.DECODE_MIN_PAGES pages). Prompt pieces below a page and longer windows
 still compile on first use (their shapes are too many to compile ahead).
@@ -69,7 +69,7 @@ def warm_up(engine) -> tuple[int, float]:
   prompt = (np.arange(n) % (engine.cfg.vocab_size - 1) + 1).astype(np.int32)
   with _uncached(engine):
     for count in [1] if engine.serve.batch_invariant else groups(engine.max_batch):
-      reqs = [engine.submit(prompt, SamplingParams(max_tokens=2),
+      reqs = [engine.submit(prompt, SamplingParams(max_tokens=count + 2),
                             use_prefix_cache=False, timeout=None) for _ in range(count)]
       engine.run_until_done(reqs)
       failed = [r for r in reqs if r.error is not None]

@@ -4,6 +4,7 @@ nothing behind (prefix cache, counters, slots, pages, a request's output bit for
 Runs on the session's 2-slot prefix-cache engine (conftest.prefix_setup), whose compiled
 steps the other engine tests share, so it compiles little of its own."""
 
+import jax
 import numpy as np
 
 from k3_jax.serve.engine import SamplingParams
@@ -56,3 +57,26 @@ def test_warm_up_runs_each_row_count_and_leaves_nothing_behind(prefix_setup):
   assert after_req.output_ids == before_req.output_ids
   for a, b in zip(after_req.logits, before_req.logits):
     np.testing.assert_array_equal(a, b)        # the same computations on a clean slot
+
+
+def test_loaded_weights_state_starts_where_the_steps_return_it(prefix_setup):
+  """Weights on a one-device mesh (as a loaded checkpoint's lie): the cache, counts, last ids
+  and checkpoint rows are made on that mesh too, not as unplaced arrays. A step returns its
+  state on the weights' mesh, and jit keys a compile on its arguments' shardings, so unplaced
+  fresh state compiled each step's first shapes twice (measured on the served 15M
+  Kimi-Linear: decode twice in the first request, zero_slot, prefill and first_token again
+  in the second)."""
+  from jax.sharding import NamedSharding, PartitionSpec
+  from k3_jax import train
+  from k3_jax.config import SINGLE_STREAM
+  from k3_jax.serve.engine import Engine
+  cfg, model, _ = prefix_setup
+  g, p, r = train.split_model(model)
+  mesh = jax.make_mesh((1,), ("data",))
+  p = jax.device_put(p, NamedSharding(mesh, PartitionSpec()))
+  eng = Engine(cfg, g, p, r, SINGLE_STREAM, max_len=PAGE, prefix_cache_bytes=1 << 22)
+  run = eng.runner
+  state = jax.tree.leaves((run.cache, run.counts, run.prev, run.ckpts))
+  assert run.ckpts is not None and state
+  assert all(isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh and x.committed
+             for x in state)
