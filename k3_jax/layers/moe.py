@@ -34,6 +34,12 @@ class RouterBias(nnx.Variable):
   """The balancing bias: state, not a parameter (no gradient, no optimizer, no decay)."""
 
 
+class FlatExperts(nnx.Variable):
+  """Serve-time state: the routed experts' gate and up weights in ops/moe.flat_experts'
+  layout [(U,) Din, 2 E F], added by k3_jax/serve/expert_layout.py when an engine serves on
+  XLA:CPU; a decode step's moe_small reads it (moe_flat)."""
+
+
 class MoE(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, init: Init, out_std: float | None = None):
     m, d = cfg.moe, cfg.d_model
@@ -129,7 +135,8 @@ class MoE(nnx.Module):
       elif not train and xf.shape[0] <= moe_ops.SMALL_TOKENS and not self.qat \
           and not self._packed():           # a decode step: no training-sized layout
         kw.pop("gmm")
-        u = moe_ops.moe_small(*args, pair_loop=par.platform == "cpu", **kw)
+        flat = self.flat_gu[...] if hasattr(self, "flat_gu") else None   # serve-time layout
+        u = moe_ops.moe_small(*args, pair_loop=par.platform == "cpu", flat=flat, **kw)
       else:
         u = moe_ops.moe_dispatch(*args, **kw)                          # [N, L]
     with jax.named_scope("latent_up"):

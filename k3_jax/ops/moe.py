@@ -255,7 +255,7 @@ SMALL_TOKENS = 64    # at most this many tokens (a decode step): moe_small, not 
 def moe_small(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
               w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
               activation: str = "situ", beta1: float = 4.0, beta2: float = 25.0,
-              pair_loop: bool = False) -> jax.Array:
+              pair_loop: bool = False, flat: jax.Array | None = None) -> jax.Array:
   """`moe_dispatch` for a handful of tokens (decode), with no sort, no group sizes and no
   tile padding: each row's result depends on that row alone (batch invariance).
 
@@ -272,7 +272,11 @@ def moe_small(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
   tested). Seven such layers, same sizes: 8 tokens 3.5 ms where every expert took 4.6, 16
   tokens 4.5 vs 6.0, 40 (a batch-8 verify window) 6.3 vs 11.3. Otherwise every expert runs
   on every token (E/k times the FLOPs, but each expert's weights are read once, which is
-  what a memory-bound step pays for). Same arguments and result as `moe_dispatch`."""
+  what a memory-bound step pays for). Same arguments and result as `moe_dispatch`.
+  flat: the gate and up weights' serve-time layout (`flat_experts`, built once when an
+  engine loads the weights on XLA:CPU); with it and `pair_loop`, N k >= E and N <=
+  FLAT_ROWS run `moe_flat` (every expert on every row as two plain matmuls), not the
+  tiles."""
   n, k = expert_ids.shape
   e = w_gate.shape[0]
   f32 = jnp.float32
@@ -284,6 +288,9 @@ def moe_small(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
                            beta2)[0]                                     # [Din]
         return y.at[tok].add(out * weights[tok, i % k].astype(f32))
       y = jax.lax.fori_loop(0, n * k, one_pair, jnp.zeros((n, x.shape[1]), f32))
+  elif pair_loop and flat is not None and n <= FLAT_ROWS:
+    with jax.named_scope("experts_flat"):
+      y = moe_flat(x, weights, expert_ids, flat, w_down, activation, beta1, beta2)
   elif pair_loop:
     with jax.named_scope("experts_tiles"):
       y = _moe_tiled(x, weights, expert_ids, w_gate, w_up, w_down, activation, beta1,
@@ -311,6 +318,48 @@ def moe_small(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
           weights.astype(f32))                                           # [N, E]
       y = jnp.einsum("ne,end->nd", comb, out)
   return y.astype(x.dtype)
+
+
+FLAT_ROWS = 40   # moe_small's flat path up to this many rows (measured to a verify window)
+
+
+def flat_experts(w_gate: jax.Array, w_up: jax.Array) -> jax.Array:
+  """The routed experts' gate and up weights as one matrix for `moe_flat`: w_gate, w_up
+  [..., E, Din, F] -> [..., Din, 2 E F] (column g E F + e F + f: gate (g = 0) or up (g = 1)
+  of expert e; leading axes, a scanned layer's stack, kept). The down weights [E, F, Din]
+  are read as they are stored ([E F, Din])."""
+  *lead, e, din, f = w_gate.shape
+  gu = jnp.stack([w_gate, w_up], axis=-4)                                # [..., 2, E, Din, F]
+  return jnp.moveaxis(gu, -2, -4).reshape(*lead, din, 2 * e * f)
+
+
+def moe_flat(x: jax.Array, weights: jax.Array, expert_ids: jax.Array, w_gu: jax.Array,
+             w_down: jax.Array, activation: str = "situ", beta1: float = 4.0,
+             beta2: float = 25.0) -> jax.Array:
+  """Every expert on every row as two plain matmuls: x [N, Din] . w_gu [Din, 2 E F] (the
+  `flat_experts` layout) -> each expert's gate and up, the GLU, each expert's hidden scaled
+  by the row's combine weight (0 for an expert it did not choose), then [N, E F] . w_down
+  read as [E F, Din] sums the chosen experts' outputs. E/k times the FLOPs of the routed
+  pairs, but XLA:CPU runs two large matmuls near its matmul rate where the tile loop ran,
+  per touched expert, a copy of its weights and three small matmuls (seven layers of the
+  served 15M Kimi-Linear, E = 16, k = 4, Din = 256, F = 128, 2 cores: 8 rows 3.0 ms where
+  the tiles took 3.1-4.3 by routing, 16 rows 4.1 vs 5.4, 40 rows 6.4 vs 7.2). A row's
+  result is computed from that row alone (rows of one matmul: bitwise with the other rows
+  changed and moved, tested). The same products as `moe_dispatch`, summed in another order
+  (the combine weight applied before the down matmul, the experts summed inside it).
+  Same result as `moe_dispatch`."""
+  n = x.shape[0]
+  e, f, din = w_down.shape
+  if w_gu.shape != (x.shape[1], 2 * e * f):
+    raise ValueError(f"moe_flat: w_gu {w_gu.shape} is not the flat layout [Din, 2 E F] of "
+                     f"{e} experts of width {f} over inputs of width {x.shape[1]}")
+  f32 = jnp.float32
+  gu = jnp.dot(x, w_gu, preferred_element_type=f32)                      # [N, 2 E F]
+  h = glu(gu[:, :e * f], gu[:, e * f:], activation, beta1=beta1, beta2=beta2)   # [N, E F]
+  comb = jnp.zeros((n, e), f32).at[jnp.arange(n)[:, None], expert_ids].add(
+      weights.astype(f32))                                               # [N, E]
+  h = (h.reshape(n, e, f) * comb[..., None]).reshape(n, e * f).astype(x.dtype)
+  return jnp.dot(h, w_down.reshape(e * f, din), preferred_element_type=f32).astype(x.dtype)
 
 
 def decode_tile(m: int, e: int) -> int:
