@@ -1,6 +1,6 @@
 """The routed experts' serve-time layout on XLA:CPU, built once when an engine takes its
 weights: each MoE layer gains its gate and up weights as one [Din, 2 E F] matrix
-(ops/moe.flat_experts; layers/moe.FlatExperts), from which a decode step of N k >= E
+(ops/moe.flat_experts; layers/moe.FlatExperts), from which a decode step of N k >= 2 E
 token-expert pairs runs every expert on every row as two plain matmuls (ops/moe.moe_flat)
 instead of a loop over expert tiles that copies each touched expert's weights.
 
