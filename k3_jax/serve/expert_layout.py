@@ -13,6 +13,8 @@ the experts by their logical axes.
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 from flax import nnx
 
@@ -20,10 +22,24 @@ from k3_jax.layers.moe import FlatExperts
 from k3_jax.ops.moe import flat_experts
 
 
+_ENABLED = [True]
+
+
+@contextlib.contextmanager
+def off():
+  """Engines built inside serve their experts from the training layout only (the decode's
+  tile loop): the side-by-side of benchmarks/serve.py's pool section."""
+  _ENABLED[0] = False
+  try:
+    yield
+  finally:
+    _ENABLED[0] = True
+
+
 def wanted(cfg, mesh=None) -> bool:
   """Does an engine over `mesh` (None: one device) serve `cfg` with the flat layout?"""
   devices = jax.devices() if mesh is None else list(mesh.devices.flat)
-  return (cfg.moe.num_experts > 0 and cfg.quant.qat == "none"
+  return (_ENABLED[0] and cfg.moe.num_experts > 0 and cfg.quant.qat == "none"
           and devices[0].platform == "cpu" and (mesh is None or len(devices) == 1))
 
 
@@ -45,4 +61,4 @@ def with_flat_experts(cfg, graphdef, params, rest, mesh=None):
   return nnx.split(model, nnx.Param, ...)
 
 
-__all__ = ["wanted", "with_flat_experts"]
+__all__ = ["off", "wanted", "with_flat_experts"]
