@@ -97,7 +97,9 @@ def bench_ttft(config):
 
 def decode_stepper(eng, pos, slots=1):
   """A callable running one decode step of the engine with its first `slots` slots at
-  context `pos` (their pages taken from the pool) and every row active -> its seconds."""
+  context `pos` (their pages taken from the pool) and every row active -> its seconds.
+  Row i decodes token i + 1: rows of one token would all pick the same experts, which
+  flatters a MoE that reads only the touched ones (ops/moe.moe_small's tiles)."""
   from k3_jax.serve import steps
   b = eng.max_batch
   for s in range(slots):
@@ -106,7 +108,9 @@ def decode_stepper(eng, pos, slots=1):
   bucket, run = window(pos + 1, eng.pages_per_slot), eng.runner
   z, zf = np.zeros(b, np.int32), np.zeros(b, np.float32)
   sampling = steps.Sampling(z, z, zf, np.ones(b, np.float32), zf, zf, run.zero_bias(b))
-  batch = lambda: steps.DecodeBatch(z, np.full(b, pos, np.int32), eng.tables[:, :bucket].copy(),
+  tokens = (1 + np.arange(b, dtype=np.int32)) % eng.cfg.vocab_size
+  batch = lambda: steps.DecodeBatch(tokens, np.full(b, pos, np.int32),
+                                    eng.tables[:, :bucket].copy(),
                                     np.ones(b, bool), sampling, z, np.zeros(b, bool))
 
   def step():
