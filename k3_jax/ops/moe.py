@@ -255,7 +255,7 @@ SMALL_TOKENS = 64    # at most this many tokens (a decode step): moe_small, not 
 def moe_small(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
               w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
               activation: str = "situ", beta1: float = 4.0, beta2: float = 25.0,
-              pair_loop: bool = False, flat: jax.Array | None = None) -> jax.Array:
+              pair_loop: bool = False, gate_up: jax.Array | None = None) -> jax.Array:
   """`moe_dispatch` for a handful of tokens (decode), with no sort, no group sizes and no
   tile padding: each row's result depends on that row alone (batch invariance).
 
@@ -273,10 +273,12 @@ def moe_small(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
   tokens 4.5 vs 6.0, 40 (a batch-8 verify window) 6.3 vs 11.3. Otherwise every expert runs
   on every token (E/k times the FLOPs, but each expert's weights are read once, which is
   what a memory-bound step pays for). Same arguments and result as `moe_dispatch`.
-  flat: the gate and up weights' serve-time layout (`flat_experts`, built once when an
-  engine loads the weights on XLA:CPU); with it and `pair_loop`, N k >= FLAT_PAIRS E and
-  N <= FLAT_ROWS run `moe_flat` (every expert on every row as two plain matmuls), not the
-  tiles."""
+  gate_up: the experts' gate and up weights side by side, [E, Din, 2F] (`stack_gate_up`;
+  the serve-time layout an engine builds once on XLA:CPU): the loops then take one weight
+  slice and one matmul for both a pair or tile, not two of each (the served 15M
+  Kimi-Linear's engine, one run: a step of 1 row 3.25 -> 2.98 ms, 2 rows 3.79 -> 3.68, 8
+  rows 7.52 -> 6.87), and the tiles run as the plain loop (serving: never
+  differentiated)."""
   n, k = expert_ids.shape
   e = w_gate.shape[0]
   f32 = jnp.float32
@@ -285,12 +287,13 @@ def moe_small(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
       def one_pair(i, y):
         tok, j = i // k, expert_ids[i // k, i % k]
         out = _expert_rows(x[tok][None], j, w_gate, w_up, w_down, activation, beta1,
-                           beta2)[0]                                     # [Din]
+                           beta2, gate_up)[0]                            # [Din]
         return y.at[tok].add(out * weights[tok, i % k].astype(f32))
       y = jax.lax.fori_loop(0, n * k, one_pair, jnp.zeros((n, x.shape[1]), f32))
-  elif pair_loop and flat is not None and n * k >= FLAT_PAIRS * e and n <= FLAT_ROWS:
-    with jax.named_scope("experts_flat"):
-      y = moe_flat(x, weights, expert_ids, flat, w_down, activation, beta1, beta2)
+  elif pair_loop and gate_up is not None:      # served: never differentiated
+    with jax.named_scope("experts_tiles"):
+      y = _moe_tile_loop(x, weights, expert_ids, w_gate, w_up, w_down, activation, beta1,
+                         beta2, tile=decode_tile(n * k, e), gate_up=gate_up)
   elif pair_loop:
     with jax.named_scope("experts_tiles"):
       y = _moe_tiled(x, weights, expert_ids, w_gate, w_up, w_down, activation, beta1,
@@ -320,50 +323,11 @@ def moe_small(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
   return y.astype(x.dtype)
 
 
-# moe_small's flat path: from FLAT_PAIRS x E token-expert pairs (most experts touched: at
-# 2 E about 86%, so reading every expert costs little more than the touched ones) up to
-# FLAT_ROWS rows (measured to a batch-8 verify window); in the served 15M Kimi-Linear's
-# engine, 4 rows (N k = E) took 5.14 ms a step flat against 5.04 with the tiles
-FLAT_PAIRS, FLAT_ROWS = 2, 40
-
-
-def flat_experts(w_gate: jax.Array, w_up: jax.Array) -> jax.Array:
-  """The routed experts' gate and up weights as one matrix for `moe_flat`: w_gate, w_up
-  [..., E, Din, F] -> [..., Din, 2 E F] (column g E F + e F + f: gate (g = 0) or up (g = 1)
-  of expert e; leading axes, a scanned layer's stack, kept). The down weights [E, F, Din]
-  are read as they are stored ([E F, Din])."""
-  *lead, e, din, f = w_gate.shape
-  gu = jnp.stack([w_gate, w_up], axis=-4)                                # [..., 2, E, Din, F]
-  return jnp.moveaxis(gu, -2, -4).reshape(*lead, din, 2 * e * f)
-
-
-def moe_flat(x: jax.Array, weights: jax.Array, expert_ids: jax.Array, w_gu: jax.Array,
-             w_down: jax.Array, activation: str = "situ", beta1: float = 4.0,
-             beta2: float = 25.0) -> jax.Array:
-  """Every expert on every row as two plain matmuls: x [N, Din] . w_gu [Din, 2 E F] (the
-  `flat_experts` layout) -> each expert's gate and up, the GLU, each expert's hidden scaled
-  by the row's combine weight (0 for an expert it did not choose), then [N, E F] . w_down
-  read as [E F, Din] sums the chosen experts' outputs. E/k times the FLOPs of the routed
-  pairs, but XLA:CPU runs two large matmuls near its matmul rate where the tile loop ran,
-  per touched expert, a copy of its weights and three small matmuls (seven layers of the
-  served 15M Kimi-Linear, E = 16, k = 4, Din = 256, F = 128, 2 cores: 8 rows 3.0 ms where
-  the tiles took 3.1-4.3 by routing, 16 rows 4.1 vs 5.4, 40 rows 6.4 vs 7.2). A row's
-  result is computed from that row alone (rows of one matmul: bitwise with the other rows
-  changed and moved, tested). The same products as `moe_dispatch`, summed in another order
-  (the combine weight applied before the down matmul, the experts summed inside it).
-  Same result as `moe_dispatch`."""
-  n = x.shape[0]
-  e, f, din = w_down.shape
-  if w_gu.shape != (x.shape[1], 2 * e * f):
-    raise ValueError(f"moe_flat: w_gu {w_gu.shape} is not the flat layout [Din, 2 E F] of "
-                     f"{e} experts of width {f} over inputs of width {x.shape[1]}")
-  f32 = jnp.float32
-  gu = jnp.dot(x, w_gu, preferred_element_type=f32)                      # [N, 2 E F]
-  h = glu(gu[:, :e * f], gu[:, e * f:], activation, beta1=beta1, beta2=beta2)   # [N, E F]
-  comb = jnp.zeros((n, e), f32).at[jnp.arange(n)[:, None], expert_ids].add(
-      weights.astype(f32))                                               # [N, E]
-  h = (h.reshape(n, e, f) * comb[..., None]).reshape(n, e * f).astype(x.dtype)
-  return jnp.dot(h, w_down.reshape(e * f, din), preferred_element_type=f32).astype(x.dtype)
+def stack_gate_up(w_gate: jax.Array, w_up: jax.Array) -> jax.Array:
+  """w_gate, w_up [..., E, Din, F] -> [..., E, Din, 2F]: each expert's gate and up weights
+  side by side, read by one matmul (the batched tiles of training, and the serve-time
+  layout the decode's loops read: k3_jax/serve/expert_layout.py)."""
+  return jnp.concatenate([w_gate, w_up], axis=-1)
 
 
 def decode_tile(m: int, e: int) -> int:
@@ -374,13 +338,18 @@ def decode_tile(m: int, e: int) -> int:
   return min(LOOP_TILE, max(4, 1 << (-(-m // e) - 1).bit_length()))
 
 
-def _expert_rows(xt, j, w_gate, w_up, w_down, activation, beta1, beta2):
+def _expert_rows(xt, j, w_gate, w_up, w_down, activation, beta1, beta2, gate_up=None):
   """Expert j's FFN on rows xt [r, Din], its weights read where they lie (the loops of
   `moe_small` and `_moe_tile_loop`) -> [r, Din] float32."""
   f32 = jnp.float32
-  h = glu(jnp.dot(xt, w_gate[j], preferred_element_type=f32),
-          jnp.dot(xt, w_up[j], preferred_element_type=f32),
-          activation, beta1=beta1, beta2=beta2).astype(xt.dtype)
+  if gate_up is not None:     # [E, Din, 2F]: one weight slice and one matmul for both
+    f = w_down.shape[1]
+    gu = jnp.dot(xt, gate_up[j], preferred_element_type=f32)
+    h = glu(gu[:, :f], gu[:, f:], activation, beta1=beta1, beta2=beta2).astype(xt.dtype)
+  else:
+    h = glu(jnp.dot(xt, w_gate[j], preferred_element_type=f32),
+            jnp.dot(xt, w_up[j], preferred_element_type=f32),
+            activation, beta1=beta1, beta2=beta2).astype(xt.dtype)
   return jnp.dot(h, w_down[j], preferred_element_type=f32)
 
 
@@ -431,7 +400,7 @@ _tiled_moe.defvjp(_tiled_moe_fwd, _tiled_moe_bwd)
 
 
 def _moe_tile_loop(x, weights, expert_ids, w_gate, w_up, w_down, activation, beta1, beta2,
-                   tile: int | None = None):
+                   tile: int | None = None, gate_up: jax.Array | None = None):
   """The tiled layout run as a loop over the tiles that hold rows (`used`, known only at
   run time: no padding tile beyond the last expert's is computed), each tile's three
   matmuls against its expert's weights read in place, its rows weighted and added into
@@ -454,7 +423,7 @@ def _moe_tile_loop(x, weights, expert_ids, w_gate, w_up, w_down, activation, bet
 
   def one_tile(i, y):
     out = _expert_rows(xs[i], tile_expert[i], w_gate, w_up, w_down, activation, beta1,
-                       beta2)                                            # [t, Din]
+                       beta2, gate_up)                                            # [t, Din]
     return y.at[token[i]].add(out * row_weight[i][:, None])
 
   with jax.named_scope("experts"):           # each tile's rows added into y as it goes
@@ -483,7 +452,7 @@ def _moe_tiles_batched(x, weights, expert_ids, w_gate, w_up, w_down, activation,
     xe = jnp.concatenate([x, jnp.zeros((1, din), x.dtype)], axis=0)      # [N+1, Din]
     xs = jnp.take(xe, src, axis=0).reshape(num_tiles, t, din)            # [tiles, t, Din]
   with jax.named_scope("experts"):
-    w_gu = jnp.concatenate([w_gate, w_up], axis=-1)                      # [E, Din, 2F]
+    w_gu = stack_gate_up(w_gate, w_up)                                   # [E, Din, 2F]
     w_gu_t = jnp.einsum("te,edf->tdf", onehot, w_gu)                     # [tiles, Din, 2F]
     gu = jnp.einsum("tmd,tdf->tmf", xs, w_gu_t,
                     preferred_element_type=jnp.float32)                  # [tiles, t, 2F]

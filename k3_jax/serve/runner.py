@@ -93,7 +93,7 @@ class Runner:
     """The weights placed (by their logical axes on `mesh`; as given without one) and the
     sizes of one MLA page and one slot's KDA state probed; `allocate` makes the rest.
     kernels: the job's kernel choices (k3_jax/execution.py; None: the defaults)."""
-    graphdef, params, rest = expert_layout.with_flat_experts(     # serve-time expert layout
+    graphdef, params, rest = expert_layout.with_gate_up(     # serve-time expert layout
         cfg, graphdef, params, rest, mesh)
     self.cfg, self.graphdef, self.mesh, self.relay = cfg, graphdef, mesh, relay
     self.kernels = kernels or DEFAULT_KERNELS

@@ -271,36 +271,35 @@ def test_small_token_path_matches_dense(n, e, k):
     assert np.array_equal(np.asarray(other[n - 2]), np.asarray(y_loop[0]))
 
 
-def test_flat_layout_path_matches_dense_and_keeps_rows_apart():
-  """moe_small with the serve-time flat layout (moe_flat: every expert on every row as two
-  matmuls, XLA:CPU's choice for N k >= E once an engine built the layout) equals the dense
-  reference (f32, 1e-5: the same products summed in another order) and moe_flat itself,
-  and a row's bits do not depend on the other rows (redrawn, the row moved). flat_experts:
-  column g E F + e F + f is expert e's gate (g = 0) or up (g = 1) column f, a stack's
-  leading axis kept."""
-  n, d, e, f, k = 8, 16, 16, 12, 4
-  x, w_r, bias = _routing(31, n, d, e, k, False)
+@pytest.mark.parametrize("n", [1, 8])
+def test_gate_up_layout_loops_match_dense_and_keep_rows_apart(n):
+  """moe_small's loops (over the pairs at 1 row, over expert tiles at 8) reading the
+  serve-time layout (stack_gate_up: each expert's gate and up weights side by side, one
+  matmul for both) equal the dense reference (f32, 1e-5: the same products summed in
+  another order), and a row's bits do not depend on the other rows (at 8 rows: redrawn,
+  the row moved; at 1 row: the row alone vs in a batch of 3)."""
+  d, e, f, k = 16, 16, 12, 4
+  rows = max(n, 3)
+  x, w_r, bias = _routing(31 + n, rows, d, e, k, False)
   experts = _expert_weights(32, e, d, f)
+  gate_up = moe_ops.stack_gate_up(*experts[:2])
+  assert gate_up.shape == (e, d, 2 * f)
+  assert np.array_equal(gate_up[..., f:], experts[1])
   weights, ids = select_experts(router_scores(3.0 * x, w_r), bias, top_k=k)
-  flat = moe_ops.flat_experts(*experts[:2])
-  g, u = (np.asarray(w) for w in experts[:2])
-  want = np.concatenate([np.moveaxis(g, 0, 1), np.moveaxis(u, 0, 1)], 1).reshape(d, -1)
-  assert np.array_equal(np.asarray(flat), want)
-  stacked = moe_ops.flat_experts(jnp.stack(experts[:2]), jnp.stack(experts[1::-1]))
-  assert stacked.shape == (2, d, 2 * e * f) and np.array_equal(stacked[0], flat)
   run = jax.jit(functools.partial(moe_ops.moe_small, pair_loop=True))
-  y = run(3.0 * x, weights, ids, *experts, flat=flat)
-  y_ref = moe_dense_reference(3.0 * x, weights, ids, *experts)
+  y = run(3.0 * x[:n], weights[:n], ids[:n], *experts, gate_up=gate_up)
+  y_ref = moe_dense_reference(3.0 * x[:n], weights[:n], ids[:n], *experts)
   np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-5, atol=1e-5)
-  assert np.array_equal(np.asarray(y), np.asarray(jax.jit(moe_ops.moe_flat)(
-      3.0 * x, weights, ids, flat, experts[2])))
+  if n == 1:
+    batch = run(3.0 * x, weights, ids, *experts, gate_up=gate_up)
+    assert np.array_equal(np.asarray(batch[0]), np.asarray(y[0]))
+    return
   x2, w_r2, bias2 = _routing(33, n, d, e, k, False)
   w2, ids2 = select_experts(router_scores(3.0 * x2, w_r2), bias2, top_k=k)
   put = lambda a, b: jnp.concatenate([b[1:-1], a[:1], b[-1:]])       # row 0 -> row n - 2
-  other = run(put(3.0 * x, 3.0 * x2), put(weights, w2), put(ids, ids2), *experts, flat=flat)
+  other = run(put(3.0 * x, 3.0 * x2), put(weights, w2), put(ids, ids2), *experts,
+              gate_up=gate_up)
   assert np.array_equal(np.asarray(other[n - 2]), np.asarray(y[0]))
-  with pytest.raises(ValueError, match="flat layout"):
-    moe_ops.moe_flat(x, weights, ids, flat[:, :-1], experts[2])
 
 
 def test_dispatch_matches_explicit_loop():
