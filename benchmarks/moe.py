@@ -6,7 +6,7 @@
 --tiles: the tile size of the tiled layout's two programs on the served 15M Kimi-Linear's
 experts (E=16, k=4, Din=256, F=128) at 512 and 4,096 tokens (one prompt; eight in one
 call): `loop` (`_moe_tile_loop`, what a prefill on XLA:CPU runs; default tile
-`LOOP_TILE`) and `batched` (`_moe_tiles_batched`, what training differentiates; default
+`prefill_tile`) and `batched` (`_moe_tiles_batched`, what training differentiates; default
 `_tile_rows`), each (program, tile) timed in turns with the others (the best of 5 rounds
 of 3 calls).
 
@@ -68,7 +68,7 @@ def loop_flops(ids, e, tile=None):
   """Matmul FLOPs the tiled loop (`moe._moe_tile_loop`) runs for this routing: every tile
   that holds rows, padding rows included, times gate, up and down."""
   from k3_jax.ops import moe
-  t = tile or moe.LOOP_TILE
+  t = tile or moe.prefill_tile(int(np.asarray(ids).size), e)
   sizes = np.bincount(np.asarray(ids).reshape(-1), minlength=e)
   return float(2 * int(np.sum(-(-sizes // t))) * t * 3 * DIN * F)
 
@@ -130,7 +130,7 @@ def bench_tiles(tiles):
         for _ in range(3):
           fn(x, p, ids, *w).block_until_ready()
         best[key] = min(best[key], (time.perf_counter() - t0) / 3)
-    print(f"N={n} (m={n * k} pairs; defaults: loop {moe.LOOP_TILE}, batched "
+    print(f"N={n} (m={n * k} pairs; defaults: loop {moe.prefill_tile(n * k, e)}, batched "
           f"{moe._tile_rows(n * k, e)})", flush=True)
     for name in programs:
       print(f"  {name:8s} " + ", ".join(f"tile {t}: {best[name, t] * 1e3:.1f} ms"

@@ -258,8 +258,9 @@ class ServeConfig:
   max_batch: int = option(8, "sequence slots decoded together")
   max_len: int | None = option(None, "tokens per sequence, prompt + generated (default: the "
                                "model's max_seq_len)")
-  prefill_chunk: int = option(SERVE_PAGE, f"prefill chunk in tokens (a multiple of "
-                              f"{SERVE_PAGE}), interleaved with decode steps")
+  prefill_chunk: int = option(4 * SERVE_PAGE, f"prompt tokens a step prefills (a multiple of "
+                              f"{SERVE_PAGE}) before its decode step: one long prompt's "
+                              f"chunk, or the same-size pieces of several prompts in one call")
   kv_cache_bytes: int = option(0, "bytes of the MLA page pool that every sequence's KV "
                                "pages come from, handed out as sequences grow (requests wait, "
                                "or the newest is preempted and later recomputed, when it runs "
@@ -294,6 +295,10 @@ class ServeConfig:
   overlap: bool = option(True, "dispatch each decode step before reading back the previous "
                          "one's tokens (one step ahead: the host's emit, detokenise and stop "
                          "checks run while the device computes); false: read each step first")
+  warmup: bool = option(True, "before listening, compile the step shapes of 1 to max_batch "
+                        "requests arriving together (dummy one-page prompts, two tokens each; "
+                        "nothing cached), so that no request waits for a compile of those "
+                        "shapes; false: each compiles on first use")
   max_queue: int = option(64, "waiting requests before new ones get HTTP 429")
   host: str = option("127.0.0.1", "address to listen on (loopback by default: the API has no "
                      "authentication)")

@@ -29,7 +29,7 @@ TRAIN = ["--seq_len=128", "--batch_size=2", "--eval_every=1000", "--log_every=20
 LAUNCH = """
 import runpy, sys
 sys.argv = ["main.py", "serve", "--hf_dir={hf}", "--served_model_name=sft", "--port={port}",
-            "--max_batch=1", "--prefix_cache_bytes=0"]
+            "--max_batch=1", "--prefix_cache_bytes=0", "--nowarmup"]
 runpy.run_path("main.py", run_name="__main__")
 """
 

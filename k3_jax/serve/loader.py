@@ -243,6 +243,14 @@ def run_server(opts: ServeOptions) -> None:
   if relay is not None:
     relay.group.ready()
     relay.group.wait_ready(lambda m: print(m, flush=True))
+  if opts.serve.warmup and relay is not None:
+    print("warm-up: skipped in a multi-host job (each shape compiles on first use)", flush=True)
+  elif opts.serve.warmup:
+    from k3_jax.serve.warmup import warm_up
+    print(f"warming up: compiling the steps of 1 to {engine.max_batch} requests at once "
+          "(--nowarmup skips it)", flush=True)
+    shapes, seconds = warm_up(engine)
+    print(f"warm-up: {shapes} step shapes compiled in {seconds:.1f} s", flush=True)
   app = build_app(engine, tok, name)
   hosts = "" if relay is None else f" across {jax.process_count()} processes"
   print(f"serving {name} on http://{host}:{port}/v1 ({engine.max_batch} slots, "

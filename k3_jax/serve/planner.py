@@ -8,7 +8,8 @@ testable on plain objects (tests/serve/test_planner.py).
     feed        the tokens a request's prefill runs when it is (re)admitted
     prefill     this step's prefill pieces: at most the token budget, oldest request first
     rounds      those pieces as model calls: round k runs every request's k-th piece, the
-                pieces of one size together, at most `rows` prompts a call
+                pieces of one size together, a power-of-two count of prompts a call (at
+                most `rows`)
     decode_rows which decoding requests this step runs, and which of them run one step
                 ahead of the host (overlap: their last token is still on the device)
     decode_slots  the slots the decode step runs (all, or without batch invariance only
@@ -81,13 +82,21 @@ def rounds(plans: list[tuple[Request, list[int]]]) -> int:
 def calls(plans: list[tuple[Request, list[int]]], k: int, rows: int, alive=lambda r: True
           ) -> list[tuple[int, list[Request]]]:
   """Round k of `plans` as model calls (size, requests): every request's k-th piece that is
-  still `alive`, the pieces of one size together in calls of at most `rows` prompts."""
+  still `alive`, the pieces of one size together in calls of a power-of-two count of
+  prompts, the largest that fits first, at most `rows` (7 prompts: 4, 2, 1). A call is
+  padded to a power of two (runner.prefill), so 3 prompts padded to 4 would compute a
+  fourth prompt's worth of padding; two calls of 2 and 1 compute none."""
   groups: dict[int, list[Request]] = {}
   for r, sizes in plans:
     if k < len(sizes) and alive(r):
       groups.setdefault(sizes[k], []).append(r)
-  return [(size, reqs[i:i + rows]) for size, reqs in groups.items()
-          for i in range(0, len(reqs), rows)]
+  out = []
+  for size, reqs in groups.items():
+    while reqs:
+      n = 1 << (min(len(reqs), rows).bit_length() - 1)
+      out.append((size, reqs[:n]))
+      reqs = reqs[n:]
+  return out
 
 
 def read_first(pending: bool, overlap: bool, dec: list[Request]) -> bool:

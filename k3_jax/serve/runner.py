@@ -178,7 +178,7 @@ class Runner:
     # another mesh (or kernels) is another engine, with its own compiles.
     from sharding.install import parallel_for
     self.par = parallel_for(self.mesh, kernels=self.kernels)
-    seen = self._compiled = set()
+    seen = self.compiled = set()   # (step name, shapes) compiled so far
     (p_leaves, p_def), (r_leaves, r_def) = (jax.tree.flatten(t) for t in (self.params,
                                                                             self.rest))
     self.weights = (p_leaves, r_leaves)       # what prefill / decode / encode take

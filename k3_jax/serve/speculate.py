@@ -53,7 +53,7 @@ class Speculator:
     fn = jax.jit(steps.flat_params(steps.bind(vf.verify_step, run.graphdef, run.par),
                                    (p_def, r_def)),
                  donate_argnums=(2, 3))
-    self._verify = guard("verify", run.relayed("verify", fn), run._compiled)
+    self._verify = guard("verify", run.relayed("verify", fn), run.compiled)
     # totals (/metrics, benchmarks): verify steps, requests in them, tokens emitted,
     # drafts verified and kept
     self.steps = self.rows = self.tokens = self.drafted = self.accepted = 0

@@ -27,7 +27,7 @@ from k3_jax.config import ServeConfig
 run_server(ServeOptions(config="k3_tiny", overrides=("max_seq_len=1024", "num_layers=5",
            "mla_layers=(4,5)"), seed=3, model_name="k3-test",
            serve=ServeConfig(max_batch=4, max_queue=64, prefix_cache_bytes=1 << 22, max_len=64,
-                             request_timeout=30, batch_invariant=True,
+                             request_timeout=30, batch_invariant=True, warmup=False,
                              host="127.0.0.1", port={port})))
 """
 

@@ -33,7 +33,7 @@ LAUNCH = """
 from k3_jax.serve.loader import ServeOptions, run_server
 from k3_jax.config import ServeConfig
 run_server(ServeOptions(hf_dir={hf_dir!r}, model_name={model!r},
-           serve=ServeConfig(max_batch=4, max_len=256, prefix_cache_bytes=0,
+           serve=ServeConfig(max_batch=4, max_len=256, prefix_cache_bytes=0, warmup=False,
                              host="127.0.0.1", port={port})))
 """
 

@@ -45,6 +45,9 @@ def test_calls_group_one_size_in_rows():
   assert [(size, [rs.index(r) for r in g]) for size, g in calls] == [(16, [1, 2]),
                                                                     (4, [3, 4])]
   assert planner.calls(plans, 2, 4) == []
+  seven = [(r, [512]) for r in [req(512) for _ in range(7)]]      # no call needs padding
+  assert [len(g) for _, g in planner.calls(seven, 0, 8)] == [4, 2, 1]
+  assert [len(g) for _, g in planner.calls(seven, 0, 3)] == [2, 2, 2, 1]
 
 
 def test_decode_rows_run_ahead_only_when_the_unread_token_cannot_end_it():

@@ -1,6 +1,6 @@
 """Prefill batching (docs/serving.md): with batch_invariant=False the same-size prompt pieces
-of several requests run as one prefill call (steps.prefill_step over R rows, padded to a
-power of two), and give what one-request-per-call prefill gives.
+of several requests run as one prefill call (steps.prefill_step over R rows, a power of
+two), and give what one-request-per-call prefill gives.
 
 Tolerance: 1e-5 on float32 logits of O(1). The rows compute the same functions as single
 calls, but XLA:CPU blocks a matmul by its row count, so the summation order of a row's dot
@@ -23,9 +23,9 @@ from k3_jax.serve.steps import row_major_features
 from tests.serve.test_engine import prompt_of
 
 TOL = 1e-5
-# pieces (prefill_chunks.prefill_plan): 20 = 16 + 4, 68 = 64 + 4: round 0 runs three 16-token
-# pieces in one call (4 rows, one of them padding) and one 64-token piece; round 1 four
-# 4-token pieces in one call
+# pieces (prefill_chunks.prefill_plan): 20 = 16 + 4, 68 = 64 + 4: round 0 runs the three
+# 16-token pieces as calls of 2 and 1 rows (planner.calls: power-of-two counts, no padding
+# row) and one 64-token piece; round 1 the four 4-token pieces in one call
 LENGTHS = (20, 20, 20, 68)
 
 
@@ -54,12 +54,12 @@ def test_batched_prefill_matches_one_prompt_per_call(engine8):
     together = _run(engine8, prompts, shapes=shapes)
   finally:
     engine8.prefill_rows = 1
-  assert sorted(shapes) == [(1, 64), (4, 4), (4, 16)]
+  assert sorted(shapes) == [(1, 16), (1, 64), (2, 16), (4, 4)]
   for a, b in zip(together, solo):
     assert a.output_ids == b.output_ids
     for x, y in zip(a.logits, b.logits):
       np.testing.assert_allclose(x, y, atol=TOL, rtol=0)
-  counts = engine8.resource_counts()          # the padding row held nothing
+  counts = engine8.resource_counts()          # every slot and page given back
   assert counts["free_slots"] == 8 and counts["used_pages"] == 0
 
 

@@ -28,7 +28,7 @@ from k3_jax.serve.loader import ServeOptions, run_server
 from k3_jax.config import ServeConfig
 run_server(ServeOptions(config="k3_tiny", overrides={overrides}, vision=True,
            seed=3, model_name="{model}",
-           serve=ServeConfig(max_batch=4, max_queue=16, prefix_cache_bytes=1 << 22,
+           serve=ServeConfig(max_batch=4, max_queue=16, prefix_cache_bytes=1 << 22, warmup=False,
                              host="127.0.0.1", port={port})))
 """
 

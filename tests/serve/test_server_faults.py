@@ -46,7 +46,7 @@ from k3_jax.serve.loader import ServeOptions, run_server
 from k3_jax.config import ServeConfig
 run_server(ServeOptions(config="k3_tiny", overrides=("max_seq_len=1024", "num_layers=5",
            "mla_layers=(4,5)"), seed=3, model_name="{model}",
-           serve=ServeConfig(max_batch=4, max_queue=16, prefix_cache_bytes=1 << 22,
+           serve=ServeConfig(max_batch=4, max_queue=16, prefix_cache_bytes=1 << 22, warmup=False,
                              max_len=1024, max_body_bytes=4096, drain_timeout=60,
                              batch_invariant=True,   # one step shape per piece: fewer compiles
                              host="127.0.0.1", port={port})))

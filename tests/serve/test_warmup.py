@@ -1,0 +1,58 @@
+"""The start-up warm-up (serve/warmup.py): which step shapes it runs, and that it leaves
+nothing behind (prefix cache, counters, slots, pages, a request's output bit for bit).
+
+Runs on the session's 2-slot prefix-cache engine (conftest.prefix_setup), whose compiled
+steps the other engine tests share, so it compiles little of its own."""
+
+import numpy as np
+
+from k3_jax.serve.engine import SamplingParams
+from k3_jax.serve.kv_pages import PAGE
+from k3_jax.serve.warmup import groups, warm_up
+
+
+def test_groups_double_up_to_max_batch():
+  assert groups(1) == [1]
+  assert groups(8) == [1, 2, 4, 8]
+  assert groups(6) == [1, 2, 4, 6]
+
+
+def _run(eng, prompt):
+  req = eng.submit(prompt, SamplingParams(max_tokens=3), record_logits=True,
+                   use_prefix_cache=False)
+  eng.run_until_done([req])
+  return req
+
+
+def test_warm_up_runs_each_row_count_and_leaves_nothing_behind(prefix_setup):
+  _, _, eng = prefix_setup
+  prompt = np.random.default_rng(11).integers(1, 256, 300).astype(np.int32)
+  before_req = _run(eng, prompt)
+  seen = []                                      # (what, rows, tokens a row) of each step
+  real_prefill, real_decode = eng.runner.prefill, eng.runner.decode
+
+  def prefill(live, size, *a):
+    seen.append(("prefill", len(live), size))
+    return real_prefill(live, size, *a)
+
+  def decode(now, *a, **kw):
+    seen.append(("decode", len(now), 1))
+    return real_decode(now, *a, **kw)
+
+  state = lambda: (eng.resource_counts(), eng.prefix.stats(), eng.generated_tokens,
+                   eng.finished_requests, eng.failed_requests, eng.kv.preemptions)
+  before = state()
+  eng.runner.prefill, eng.runner.decode = prefill, decode
+  try:
+    shapes, seconds = warm_up(eng)
+  finally:
+    del eng.runner.prefill, eng.runner.decode        # the class's methods again
+  assert shapes >= 0 and seconds > 0
+  # one request alone, then both slots' prompts in one call and a decode step over both
+  assert ("prefill", 1, PAGE) in seen and ("prefill", 2, PAGE) in seen
+  assert ("decode", 1, 1) in seen and ("decode", 2, 1) in seen
+  assert state() == before                     # no cache entry, count, slot or page left
+  after_req = _run(eng, prompt)
+  assert after_req.output_ids == before_req.output_ids
+  for a, b in zip(after_req.logits, before_req.logits):
+    np.testing.assert_array_equal(a, b)        # the same computations on a clean slot
