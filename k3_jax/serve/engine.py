@@ -69,8 +69,8 @@ class Engine:
     if self.max_len > cfg.max_seq_len:
       raise ValueError(f"max_len={self.max_len} exceeds the model's max_seq_len={cfg.max_seq_len}")
     self.pages_per_slot = math.ceil(self.max_len / PAGE)
-    self.runner = Runner(cfg, graphdef, params, rest, serve.max_batch, mesh, relay, kernels)
-    self.graphdef, self.params, self.rest = graphdef, self.runner.params, self.runner.rest
+    run = self.runner = Runner(cfg, graphdef, params, rest, serve.max_batch, mesh, relay, kernels)
+    self.graphdef, self.params, self.rest = run.graphdef, run.params, run.rest   # expert layout
     self.page_bytes, self.ckpt_bytes = self.runner.page_bytes, self.runner.ckpt_bytes
     self.num_pages, self.pool_summary, prefix = self.runner.size_memory(
         serve, self.pages_per_slot, self.max_len)
