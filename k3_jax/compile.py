@@ -23,6 +23,7 @@ from k3_jax.cache import MLACache, ModelCache
 from k3_jax.config import (EXPERT_FORMATS, ConfigError, ModelConfig, TrainConfig,
                            validate, validate_train)
 from k3_jax.execution import DEFAULT_KERNELS, ExecConfig, Kernels, PodLayout
+from k3_jax.layers.linear import SMALL_ROWS
 from k3_jax.model import create_model, param_counts
 from k3_jax.ops.mx_gmm import EXPERT_WEIGHTS
 from k3_jax.serve import kv_pages as kv
@@ -215,7 +216,7 @@ def decode_page_split(batch: int, mesh, given: str = "auto") -> str:
   return "slot" if shards > 1 and batch % shards == 0 else "column"
 
 
-def weights_by_output(params, mesh):
+def weights_by_output(params, mesh, rows: int | None = None):
   """Shardings of the served parameters for a decode whose batch fills the mesh: a weight
   whose model dimension ("embed") is an input (not its last dimension) is split on its last
   (output) dimension instead, over the same mesh axes, where that divides; the others
@@ -234,7 +235,11 @@ def weights_by_output(params, mesh):
   query up-projection q_b [(layers,) Q, H, n + p] moves its split from its low-rank input Q
   to its last dimension, where that divides (the model gathers the small [B, Q] input and
   sends the output back by sequence: Parallel.by_output, by_batch): split on Q, every MLA
-  layer all-reduced its [B, H, n + p] partial sums (k3 1,024 x 32K: ~2.5 GB a chip a step)."""
+  layer all-reduced its [B, H, n + p] partial sums (k3 1,024 x 32K: ~2.5 GB a chip a step).
+  rows: the tokens of a step; at most SMALL_ROWS (layers/linear.py), KDA's low-rank
+  up-projections [(layers,) r, H, K] (whole by the default rule) are split on K too, as
+  layers/kda.py then gathers their small inputs (whole, every chip read each, 3 MB a layer;
+  at 1,024 rows the moved [B, H, K] outputs cost more than that)."""
   from jax.sharding import NamedSharding, PartitionSpec
   from sharding.rules import logical_to_spec
   default = tree_shardings(params, mesh)
@@ -257,6 +262,11 @@ def weights_by_output(params, mesh):
         spec[last], spec[d] = spec[d], None
         return NamedSharding(mesh, PartitionSpec(*spec))
       return sh
+    if (rows is not None and rows <= SMALL_ROWS
+        and tuple(axes[-3:]) == ("rank", "heads", "head_dim")):       # KDA's f_up (g_up)
+      on = logical_to_spec((x.shape[-1],), ("embed",), mesh)[0]
+      return sh if on is None else NamedSharding(
+          mesh, PartitionSpec(*([None] * (len(axes) - 1)), on))
     router = axes[-1] == "experts" and "experts" not in axes[:-1]     # [(layers,) D, E]
     if "experts" in axes and not router:                               # the routed experts
       return sh
@@ -522,7 +532,8 @@ def _serving_program(cfg: ModelConfig, mesh, step: str, batch: int, seq: int, le
   p_sh, r_sh = tree_shardings(params, mesh), tree_shardings(rest, mesh)
   decoding = step in ("decode", "verify")
   if decoding and page_split == "slot":     # the batch fills the mesh
-    p_sh = weights_by_output(params, mesh)
+    p_sh = weights_by_output(params, mesh, batch * (1 + draft_tokens if step == "verify"
+                                                    else 1))
   p_args = (arrays.with_shardings(params, p_sh), arrays.with_shardings(rest, r_sh))
   if decoding:
     return _paged_decode_program(cfg, mesh, graphdef, parallel_for(mesh, page_split, kernels),

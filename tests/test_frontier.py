@@ -91,6 +91,23 @@ def test_weights_by_output_moves_q_b_off_its_low_rank_input():
              for k in q_b)                                                  # on n + p
 
 
+def test_weights_by_output_splits_kda_f_up_only_for_few_rows():
+  """KDA's decay up-projection f_up [r, H, K] (whole by the default rule) is split on K for
+  a step of at most SMALL_ROWS tokens (layers/kda.py gathers its small input there), and
+  stays whole for more tokens or when no row count is given."""
+  from k3_jax.layers.linear import SMALL_ROWS
+  mesh = make_mesh(parse_mesh("expert:8"))
+  cfg = comp.validate(configs.get("k3_tiny"))
+  _, params, _ = comp.serving_params(cfg)
+  flat = lambda t: dict(jax.tree_util.tree_leaves_with_path(t))
+  f_up = lambda t: [v.spec for k, v in flat(t).items() if "f_up" in jax.tree_util.keystr(k)]
+  assert f_up(comp.weights_by_output(params, mesh))
+  for rows, split in ((None, False), (SMALL_ROWS + 1, False), (SMALL_ROWS, True)):
+    specs = f_up(comp.weights_by_output(params, mesh, rows))
+    assert all((tuple(s)[-1:] == ("expert",) and "expert" not in tuple(s)[:-1]) == split
+               and (split or not any(s)) for s in specs), (rows, specs)
+
+
 def test_frontier_table_and_plot(tmp_path):
   def pt(batch, length, step_s, fits=True):
     return {"step": "decode", "batch": batch, "cache_len": length, "fits": fits,

@@ -46,6 +46,12 @@ def _decay_bias(log_dt, g_min):
   return jnp.log(p) - jnp.log1p(-p)
 
 
+def _few_rows(x: jax.Array, par: Parallel) -> bool:
+  """Does x [B, T, ...] hold at most SMALL_ROWS tokens in the decode layout of a batch that
+  fills the mesh (where KDA's projections run one by one on their output splits)?"""
+  return par.batch_fills_mesh and x.shape[0] * x.shape[1] <= SMALL_ROWS
+
+
 class KDA(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, init: Init, out_std: float | None = None):
     c, d = cfg.kda, cfg.d_model
@@ -109,9 +115,11 @@ class KDA(nnx.Module):
     with the weights split on their output were gathered whole by the partitioner, each,
     every layer (k3 v5p-128, 64 x 1M: ~340 GB a chip a step; so too with the tokens
     constrained whole first); stacked, the tokens travel (an all-gather of [B, D], an
-    all-to-all out)."""
+    all-to-all out). At most SMALL_ROWS tokens there: one by one after all (`_by_output`)."""
     small = 0 if par.batch_fills_mesh else SMALL_ROWS
     heads = [self.q_proj, self.k_proj, self.v_proj] + ([] if self.c.gate_rank else [self.g_proj])
+    if _few_rows(x, par):
+      return self._by_output(x, heads, par)
     out = apply_stacked(x, heads, small)
     if self.c.gate_rank and self.g_down.out_shape == self.f_down.out_shape:
       zf, zg = apply_stacked(x, (self.f_down, self.g_down), small)
@@ -120,12 +128,36 @@ class KDA(nnx.Module):
     gate = self.g_up(zg) if self.c.gate_rank else out[3]
     return out[0], out[1], out[2], par.by_batch(zf), gate
 
+  def _by_output(self, x, heads, par: Parallel):
+    """`_inputs` where the batch fills the mesh with at most SMALL_ROWS tokens (node
+    decode): the tokens gathered once, each projection computed one by one on its weight's
+    output split where it lies (no per-layer stack of the weights: k3 v5p-128, 64 x 1M, the
+    stack was relaid out and copied, ~0.5 GB a chip a step), its output sent back by
+    sequence; the low-rank decay (and gate) inputs split on their rank, then whole for their
+    up-projections, which `compile.weights_by_output` splits on their output at this size
+    (`_decay`; whole on every chip, each read 3 MB a layer: 0.2 GB a step; and the decay's
+    down-projection was gathered whole, as one by one here it is not)."""
+    whole = lambda a: par.constrain(a, (None,) * a.ndim)
+    split = lambda a: par.by_batch(par.by_output(a))
+    xw = whole(x)
+    out = [split(lin(xw)) for lin in heads]
+    zf = whole(par.by_output(self.f_down(xw)))
+    if self.c.gate_rank:
+      out.append(split(self.g_up(whole(par.by_output(self.g_down(xw))))))
+    return out[0], out[1], out[2], zf, out[3]
+
   @jax.named_scope("decay")
-  def _decay(self, zf):
-    z = self.f_up(zf).astype(jnp.float32) + self.dt_bias[...]                # [B, T, H, K]
+  def _decay(self, zf, par: Parallel = SINGLE):
+    z = self.f_up(zf)
+    few = _few_rows(zf, par)
+    if few:                                      # (_by_output: f_up split on its output)
+      z = par.by_output(z)
+    z = z.astype(jnp.float32) + self.dt_bias[...]                            # [B, T, H, K]
     if self.c.decay == "softplus":
-      return kda_ops.kda_gate_softplus(z, self.a_log[...])
-    return kda_ops.kda_gate_lower_bound(z, self.a_log[...], self.c.g_min)
+      g = kda_ops.kda_gate_softplus(z, self.a_log[...])
+    else:
+      g = kda_ops.kda_gate_lower_bound(z, self.a_log[...], self.c.g_min)
+    return par.by_batch(g) if few else g
 
   def init_cache(self, batch: int) -> KDAState:
     h, k, w = self.c.num_heads, self.c.head_dim, self.c.conv_size
@@ -159,8 +191,8 @@ class KDA(nnx.Module):
     v, cv = self._conv(xv, self.v_conv, segment_ids, get("conv_v"), par)
     q, k = kda_ops.l2_normalize(q), kda_ops.l2_normalize(k)            # [B, T, H, K] f32
     q = par.constrain(q, ("batch", "seq", "heads", None))
-    beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))          # [B, T, H]
-    g = self._decay(zf)                                                # [B, T, H, K] f32
+    beta = jax.nn.sigmoid(par.by_batch(self.b_proj(par.by_input(x))).astype(jnp.float32))
+    g = self._decay(zf, par)                                           # [B, T, H, K] f32
     if cache is not None and t == 1:
       # idle rows keep their state inside the step (the kernel selects as it writes)
       # (a scanned layer's: the whole stacked state, updated in place at its unit)
