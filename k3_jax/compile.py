@@ -252,7 +252,8 @@ def weights_by_output(params, mesh, rows: int | None = None):
     if axes is None or len(axes) != len(x.shape) or len(axes) < 2:
       return sh
     if "kv_lora" in axes and "heads" in axes:    # MLA's kv_b [(layers,) R, H, n + v]: whole
-      return NamedSharding(mesh, PartitionSpec())
+      few = rows is not None and rows <= SMALL_ROWS      # (few rows: on R, layers/mla.py)
+      return sh if few else NamedSharding(mesh, PartitionSpec())
     if "q_lora" in axes and "heads" in axes:     # MLA's q_b [(layers,) Q, H, n + p]: output
       spec = list(sh.spec) + [None] * (len(axes) - len(sh.spec))
       d, last = axes.index("q_lora"), len(axes) - 1

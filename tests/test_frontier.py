@@ -91,21 +91,27 @@ def test_weights_by_output_moves_q_b_off_its_low_rank_input():
              for k in q_b)                                                  # on n + p
 
 
-def test_weights_by_output_splits_kda_f_up_only_for_few_rows():
-  """KDA's decay up-projection f_up [r, H, K] (whole by the default rule) is split on K for
-  a step of at most SMALL_ROWS tokens (layers/kda.py gathers its small input there), and
-  stays whole for more tokens or when no row count is given."""
+def test_weights_by_output_few_rows_split_kda_f_up_and_mla_kv_b():
+  """For a step of at most SMALL_ROWS tokens KDA's decay up-projection f_up [r, H, K] (whole
+  by the default rule) is split on K and MLA's kv_b keeps the default split on R (the
+  layers move the few tokens there); for more tokens, or no row count, f_up and kv_b stay
+  whole."""
   from k3_jax.layers.linear import SMALL_ROWS
   mesh = make_mesh(parse_mesh("expert:8"))
   cfg = comp.validate(configs.get("k3_tiny"))
   _, params, _ = comp.serving_params(cfg)
   flat = lambda t: dict(jax.tree_util.tree_leaves_with_path(t))
-  f_up = lambda t: [v.spec for k, v in flat(t).items() if "f_up" in jax.tree_util.keystr(k)]
-  assert f_up(comp.weights_by_output(params, mesh))
+  f_up = lambda t: [v.spec for k, v in t.items() if "f_up" in jax.tree_util.keystr(k)]
+  assert f_up(flat(comp.weights_by_output(params, mesh)))
+  default = flat(comp.tree_shardings(params, mesh))
   for rows, split in ((None, False), (SMALL_ROWS + 1, False), (SMALL_ROWS, True)):
-    specs = f_up(comp.weights_by_output(params, mesh, rows))
+    moved = flat(comp.weights_by_output(params, mesh, rows))
+    specs = f_up(moved)
     assert all((tuple(s)[-1:] == ("expert",) and "expert" not in tuple(s)[:-1]) == split
                and (split or not any(s)) for s in specs), (rows, specs)
+    kv_b = [k for k in moved if "kv_b" in jax.tree_util.keystr(k)]
+    assert kv_b and all((moved[k].spec == default[k].spec) if split else not any(moved[k].spec)
+                        for k in kv_b)
 
 
 def test_frontier_table_and_plot(tmp_path):

@@ -22,7 +22,7 @@ from k3_jax.cache import KDAState
 from k3_jax.config import ModelConfig, jnp_dtype
 from k3_jax.layers.init import Init
 from k3_jax.layers.kda_window import window_call
-from k3_jax.layers.linear import SMALL_ROWS, Linear, apply_stacked
+from k3_jax.layers.linear import SMALL_ROWS, Linear, apply_stacked, few_rows
 from k3_jax.ops import conv as conv_ops
 from k3_jax.ops import kda as kda_ops
 from k3_jax.ops.norms import rms_norm
@@ -44,12 +44,6 @@ def _decay_bias(log_dt, g_min):
     return jnp.log(jnp.expm1(dt))
   p = dt / abs(g_min)
   return jnp.log(p) - jnp.log1p(-p)
-
-
-def _few_rows(x: jax.Array, par: Parallel) -> bool:
-  """Does x [B, T, ...] hold at most SMALL_ROWS tokens in the decode layout of a batch that
-  fills the mesh (where KDA's projections run one by one on their output splits)?"""
-  return par.batch_fills_mesh and x.shape[0] * x.shape[1] <= SMALL_ROWS
 
 
 class KDA(nnx.Module):
@@ -118,7 +112,7 @@ class KDA(nnx.Module):
     all-to-all out). At most SMALL_ROWS tokens there: one by one after all (`_by_output`)."""
     small = 0 if par.batch_fills_mesh else SMALL_ROWS
     heads = [self.q_proj, self.k_proj, self.v_proj] + ([] if self.c.gate_rank else [self.g_proj])
-    if _few_rows(x, par):
+    if few_rows(x, par):
       return self._by_output(x, heads, par)
     out = apply_stacked(x, heads, small)
     if self.c.gate_rank and self.g_down.out_shape == self.f_down.out_shape:
@@ -149,7 +143,7 @@ class KDA(nnx.Module):
   @jax.named_scope("decay")
   def _decay(self, zf, par: Parallel = SINGLE):
     z = self.f_up(zf)
-    few = _few_rows(zf, par)
+    few = few_rows(zf, par)
     if few:                                      # (_by_output: f_up split on its output)
       z = par.by_output(z)
     z = z.astype(jnp.float32) + self.dt_bias[...]                            # [B, T, H, K]
