@@ -236,10 +236,10 @@ def weights_by_output(params, mesh, rows: int | None = None):
   to its last dimension, where that divides (the model gathers the small [B, Q] input and
   sends the output back by sequence: Parallel.by_output, by_batch): split on Q, every MLA
   layer all-reduced its [B, H, n + p] partial sums (k3 1,024 x 32K: ~2.5 GB a chip a step).
-  rows: the tokens of a step; at most SMALL_ROWS (layers/linear.py), KDA's low-rank
-  up-projections [(layers,) r, H, K] (whole by the default rule) are split on K too, as
-  layers/kda.py then gathers their small inputs (whole, every chip read each, 3 MB a layer;
-  at 1,024 rows the moved [B, H, K] outputs cost more than that)."""
+  KDA's low-rank up-projections [(layers,) r, H, K] (whole by the default rule: every chip
+  read each, 3 MB a layer) are split on K (layers/kda.py gathers their small inputs).
+  rows: the tokens of a step; at most SMALL_ROWS (layers/linear.py few_rows) kv_b keeps
+  the default split on R instead (layers/mla.py moves the few queries to it)."""
   from jax.sharding import NamedSharding, PartitionSpec
   from sharding.rules import logical_to_spec
   default = tree_shardings(params, mesh)
@@ -263,8 +263,7 @@ def weights_by_output(params, mesh, rows: int | None = None):
         spec[last], spec[d] = spec[d], None
         return NamedSharding(mesh, PartitionSpec(*spec))
       return sh
-    if (rows is not None and rows <= SMALL_ROWS
-        and tuple(axes[-3:]) == ("rank", "heads", "head_dim")):       # KDA's f_up (g_up)
+    if tuple(axes[-3:]) == ("rank", "heads", "head_dim"):             # KDA's f_up (g_up)
       on = logical_to_spec((x.shape[-1],), ("embed",), mesh)[0]
       return sh if on is None else NamedSharding(
           mesh, PartitionSpec(*([None] * (len(axes) - 1)), on))

@@ -22,7 +22,7 @@ from k3_jax.cache import KDAState
 from k3_jax.config import ModelConfig, jnp_dtype
 from k3_jax.layers.init import Init
 from k3_jax.layers.kda_window import window_call
-from k3_jax.layers.linear import SMALL_ROWS, Linear, apply_stacked, few_rows
+from k3_jax.layers.linear import Linear, apply_stacked
 from k3_jax.ops import conv as conv_ops
 from k3_jax.ops import kda as kda_ops
 from k3_jax.ops.norms import rms_norm
@@ -105,32 +105,29 @@ class KDA(nnx.Module):
     apply_stacked): q, k, v (and the full-rank output gate) as one; the decay's and the
     low-rank gate's down projections as one when their ranks agree. Returns (q, k, v
     [B, T, H, K] before the conv, decay input z_f [B, T, r], gate logits [B, T, H, K]).
-    Stacked at any size where the batch fills the mesh: a decode's one-by-one projections
-    with the weights split on their output were gathered whole by the partitioner, each,
-    every layer (k3 v5p-128, 64 x 1M: ~340 GB a chip a step; so too with the tokens
-    constrained whole first); stacked, the tokens travel (an all-gather of [B, D], an
-    all-to-all out). At most SMALL_ROWS tokens there: one by one after all (`_by_output`)."""
-    small = 0 if par.batch_fills_mesh else SMALL_ROWS
+    Where the batch fills the mesh: one by one on the weights' output splits (`_by_output`).
+    """
     heads = [self.q_proj, self.k_proj, self.v_proj] + ([] if self.c.gate_rank else [self.g_proj])
-    if few_rows(x, par):
+    if par.batch_fills_mesh:
       return self._by_output(x, heads, par)
-    out = apply_stacked(x, heads, small)
+    out = apply_stacked(x, heads)
     if self.c.gate_rank and self.g_down.out_shape == self.f_down.out_shape:
-      zf, zg = apply_stacked(x, (self.f_down, self.g_down), small)
+      zf, zg = apply_stacked(x, (self.f_down, self.g_down))
     else:
       zf, zg = self.f_down(x), self.g_down(x) if self.c.gate_rank else None
     gate = self.g_up(zg) if self.c.gate_rank else out[3]
     return out[0], out[1], out[2], par.by_batch(zf), gate
 
   def _by_output(self, x, heads, par: Parallel):
-    """`_inputs` where the batch fills the mesh with at most SMALL_ROWS tokens (node
-    decode): the tokens gathered once, each projection computed one by one on its weight's
-    output split where it lies (no per-layer stack of the weights: k3 v5p-128, 64 x 1M, the
-    stack was relaid out and copied, ~0.5 GB a chip a step), its output sent back by
-    sequence; the low-rank decay (and gate) inputs split on their rank, then whole for their
-    up-projections, which `compile.weights_by_output` splits on their output at this size
-    (`_decay`; whole on every chip, each read 3 MB a layer: 0.2 GB a step; and the decay's
-    down-projection was gathered whole, as one by one here it is not)."""
+    """`_inputs` where the batch fills the mesh (node decode): the tokens gathered once,
+    each projection computed one by one on its weight's output split where it lies, its
+    output sent back by sequence (no per-layer stack of the weights: the stack was relaid
+    out and copied, k3 v5p-128 64 x 1M ~0.5 GB a chip a step; one by one without these
+    constraints the partitioner gathered each weight whole, ~340 GB); the low-rank decay
+    (and gate) inputs split on their rank, then whole for their up-projections, which
+    `compile.weights_by_output` splits on their output (`_decay`; whole on every chip,
+    each read 3 MB a layer: 0.2 GB a step; and the decay's down-projection, alone, was
+    gathered whole)."""
     whole = lambda a: par.constrain(a, (None,) * a.ndim)
     split = lambda a: par.by_batch(par.by_output(a))
     xw = whole(x)
@@ -142,16 +139,11 @@ class KDA(nnx.Module):
 
   @jax.named_scope("decay")
   def _decay(self, zf, par: Parallel = SINGLE):
-    z = self.f_up(zf)
-    few = few_rows(zf, par)
-    if few:                                      # (_by_output: f_up split on its output)
-      z = par.by_output(z)
-    z = z.astype(jnp.float32) + self.dt_bias[...]                            # [B, T, H, K]
+    # (by_output, by_batch: node decode, f_up split on its output, `_by_output`)
+    z = par.by_output(self.f_up(zf)).astype(jnp.float32) + self.dt_bias[...]   # [B, T, H, K]
     if self.c.decay == "softplus":
-      g = kda_ops.kda_gate_softplus(z, self.a_log[...])
-    else:
-      g = kda_ops.kda_gate_lower_bound(z, self.a_log[...], self.c.g_min)
-    return par.by_batch(g) if few else g
+      return par.by_batch(kda_ops.kda_gate_softplus(z, self.a_log[...]))
+    return par.by_batch(kda_ops.kda_gate_lower_bound(z, self.a_log[...], self.c.g_min))
 
   def init_cache(self, batch: int) -> KDAState:
     h, k, w = self.c.num_heads, self.c.head_dim, self.c.conv_size
