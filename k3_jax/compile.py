@@ -23,6 +23,7 @@ from k3_jax.cache import MLACache, ModelCache
 from k3_jax.config import (EXPERT_FORMATS, ConfigError, ModelConfig, TrainConfig,
                            validate, validate_train)
 from k3_jax.execution import DEFAULT_KERNELS, ExecConfig, Kernels, PodLayout
+from k3_jax.layers.linear import SMALL_ROWS
 from k3_jax.model import create_model, param_counts
 from k3_jax.ops.mx_gmm import EXPERT_WEIGHTS
 from k3_jax.serve import kv_pages as kv
@@ -215,7 +216,7 @@ def decode_page_split(batch: int, mesh, given: str = "auto") -> str:
   return "slot" if shards > 1 and batch % shards == 0 else "column"
 
 
-def weights_by_output(params, mesh):
+def weights_by_output(params, mesh, rows: int | None = None):
   """Shardings of the served parameters for a decode whose batch fills the mesh: a weight
   whose model dimension ("embed") is an input (not its last dimension) is split on its last
   (output) dimension instead, over the same mesh axes, where that divides; the others
@@ -234,7 +235,11 @@ def weights_by_output(params, mesh):
   query up-projection q_b [(layers,) Q, H, n + p] moves its split from its low-rank input Q
   to its last dimension, where that divides (the model gathers the small [B, Q] input and
   sends the output back by sequence: Parallel.by_output, by_batch): split on Q, every MLA
-  layer all-reduced its [B, H, n + p] partial sums (k3 1,024 x 32K: ~2.5 GB a chip a step)."""
+  layer all-reduced its [B, H, n + p] partial sums (k3 1,024 x 32K: ~2.5 GB a chip a step).
+  KDA's low-rank up-projections [(layers,) r, H, K] (whole by the default rule: every chip
+  read each, 3 MB a layer) are split on K (layers/kda.py gathers their small inputs).
+  rows: the tokens of a step; at most SMALL_ROWS (layers/linear.py few_rows) kv_b keeps
+  the default split on R instead (layers/mla.py moves the few queries to it)."""
   from jax.sharding import NamedSharding, PartitionSpec
   from sharding.rules import logical_to_spec
   default = tree_shardings(params, mesh)
@@ -247,7 +252,8 @@ def weights_by_output(params, mesh):
     if axes is None or len(axes) != len(x.shape) or len(axes) < 2:
       return sh
     if "kv_lora" in axes and "heads" in axes:    # MLA's kv_b [(layers,) R, H, n + v]: whole
-      return NamedSharding(mesh, PartitionSpec())
+      few = rows is not None and rows <= SMALL_ROWS      # (few rows: on R, layers/mla.py)
+      return sh if few else NamedSharding(mesh, PartitionSpec())
     if "q_lora" in axes and "heads" in axes:     # MLA's q_b [(layers,) Q, H, n + p]: output
       spec = list(sh.spec) + [None] * (len(axes) - len(sh.spec))
       d, last = axes.index("q_lora"), len(axes) - 1
@@ -257,6 +263,10 @@ def weights_by_output(params, mesh):
         spec[last], spec[d] = spec[d], None
         return NamedSharding(mesh, PartitionSpec(*spec))
       return sh
+    if tuple(axes[-3:]) == ("rank", "heads", "head_dim"):             # KDA's f_up (g_up)
+      on = logical_to_spec((x.shape[-1],), ("embed",), mesh)[0]
+      return sh if on is None else NamedSharding(
+          mesh, PartitionSpec(*([None] * (len(axes) - 1)), on))
     router = axes[-1] == "experts" and "experts" not in axes[:-1]     # [(layers,) D, E]
     if "experts" in axes and not router:                               # the routed experts
       return sh
@@ -522,7 +532,8 @@ def _serving_program(cfg: ModelConfig, mesh, step: str, batch: int, seq: int, le
   p_sh, r_sh = tree_shardings(params, mesh), tree_shardings(rest, mesh)
   decoding = step in ("decode", "verify")
   if decoding and page_split == "slot":     # the batch fills the mesh
-    p_sh = weights_by_output(params, mesh)
+    p_sh = weights_by_output(params, mesh, batch * (1 + draft_tokens if step == "verify"
+                                                    else 1))
   p_args = (arrays.with_shardings(params, p_sh), arrays.with_shardings(rest, r_sh))
   if decoding:
     return _paged_decode_program(cfg, mesh, graphdef, parallel_for(mesh, page_split, kernels),
@@ -607,6 +618,8 @@ def _paged_decode_program(cfg: ModelConfig, mesh, graphdef, par, p_args, p_shard
                              b((batch,), jnp.bool_), sampling, b((batch,), i32),
                              b((batch,), jnp.bool_))
   d_sh = arrays.batch_shardings(dbatch, mesh, 0)
+  if page_split == "slot":     # the batch fills the mesh: the weights as the program reads them
+    p_shardings = (layouts_chosen(p_shardings[0]), p_shardings[1])
   out_sh = arrays.batch_shardings(jax.eval_shape(
       lambda: steps.Sampled(*(jnp.zeros(s, d) for s, d in (
           ((batch,), i32), ((batch,), f32), ((batch, steps.TOP_K), i32),
@@ -616,6 +629,22 @@ def _paged_decode_program(cfg: ModelConfig, mesh, graphdef, par, p_args, p_shard
                donate_argnums=(2, 3))
   return fn, (*p_args, arrays.with_shardings(cache, c_sh), arrays.with_shardings(counts, n_sh),
               arrays.with_shardings(dbatch, d_sh))
+
+
+def layouts_chosen(shardings):
+  """A tree of NamedShardings as Formats that leave each array's layout in memory to the
+  compiler (jax Layout.AUTO): the parameters of the served decode where the batch fills the
+  mesh are stored as its compiled program reads them (a deployment places them with
+  `jax.device_put(w, compiled.input_formats[...])`, once, at load). With the default
+  layouts the TPU compiler holds a KDA projection split to 2 columns a chip
+  ([22, 7168, 96, 2]) with its 2-wide dimension in tiles of 2 rows, and writes each
+  layer's slice out of the stack to prefetch it back before its matmul (k3 v5p-128,
+  64 x 1M: 0.67 GB a chip a step over the slices' one read); in the layout it chooses
+  ([22, 2, 96, 7168] in 8 x 128 tiles) the matmul reads the slice in place."""
+  from jax.experimental.layout import Format, Layout
+  from jax.sharding import NamedSharding
+  return jax.tree.map(lambda s: Format(Layout.AUTO, s), shardings,
+                      is_leaf=lambda s: isinstance(s, NamedSharding))
 
 
 def cache_shardings(cache: ModelCache, mesh) -> ModelCache:

@@ -133,6 +133,17 @@ class Parallel:
       return y
     return self.constrain(y, (None,) * (y.ndim - 1) + ("embed",))
 
+  def by_input(self, x: jax.Array) -> jax.Array:
+    """The input x [..., D] of a projection whose weight keeps its model dimension split in
+    the decode layout of a batch that fills the mesh (`batch_fills_mesh`; a weight whose
+    output the mesh does not divide, e.g. KDA's b_proj [D, 96] on 64 chips) constrained to
+    that split: each chip contracts its own slice of D and the small [..., F] partial sums
+    are reduced, where the partitioner gathered the weight whole every layer. Identity in
+    any other layout."""
+    if not self.batch_fills_mesh:
+      return x
+    return self.constrain(x, (None,) * (x.ndim - 1) + ("embed",))
+
   def by_batch(self, y: jax.Array) -> jax.Array:
     """A by-output projection's low-rank output y [B, ..., r] split by sequence again in
     the decode layout of a batch that fills the mesh, before a projection that contracts r

@@ -66,7 +66,8 @@ def test_weights_by_output_moves_the_model_dimension():
   assert whole and all(not any(m[k].spec) for k in whole)   # MLA's kv_b: on every chip
   q_b = [k for k in d if "q_b" in jax.tree_util.keystr(k)]  # MLA's q_b: n + p = 12 stays on Q
   assert q_b and all(m[k].spec == d[k].spec for k in q_b)
-  changed = [k for k in d if d[k].spec != m[k].spec and k not in whole]
+  f_up = [k for k in d if "f_up" in jax.tree_util.keystr(k)]   # whole -> on K (below)
+  changed = [k for k in d if d[k].spec != m[k].spec and k not in whole + f_up]
   assert changed                                    # the dense projections moved
   for k in changed:                                 # the same axis, on another dimension
     assert "expert" in tuple(d[k].spec) and "expert" in tuple(m[k].spec)
@@ -89,6 +90,40 @@ def test_weights_by_output_moves_q_b_off_its_low_rank_input():
   assert q_b and all(tuple(d[k].spec)[-3] == "expert" for k in q_b)          # on Q
   assert all(tuple(m[k].spec)[-1] == "expert" and "expert" not in tuple(m[k].spec)[:-1]
              for k in q_b)                                                  # on n + p
+
+
+def test_weights_by_output_splits_kda_f_up_and_few_rows_keep_mla_kv_b_on_r():
+  """KDA's decay up-projection f_up [r, H, K] (whole by the default rule) is split on K;
+  MLA's kv_b is whole on every chip, but keeps the default split on R for a step of at
+  most SMALL_ROWS tokens (layers/mla.py moves the few queries to it)."""
+  from k3_jax.layers.linear import SMALL_ROWS
+  mesh = make_mesh(parse_mesh("expert:8"))
+  cfg = comp.validate(configs.get("k3_tiny"))
+  _, params, _ = comp.serving_params(cfg)
+  flat = lambda t: dict(jax.tree_util.tree_leaves_with_path(t))
+  default = flat(comp.tree_shardings(params, mesh))
+  for rows, few in ((None, False), (SMALL_ROWS + 1, False), (SMALL_ROWS, True)):
+    moved = flat(comp.weights_by_output(params, mesh, rows))
+    f_up = [v.spec for k, v in moved.items() if "f_up" in jax.tree_util.keystr(k)]
+    assert f_up and all(tuple(s)[-1:] == ("expert",) and "expert" not in tuple(s)[:-1]
+                        for s in f_up), (rows, f_up)
+    kv_b = [k for k in moved if "kv_b" in jax.tree_util.keystr(k)]
+    assert kv_b and all((moved[k].spec == default[k].spec) if few else not any(moved[k].spec)
+                        for k in kv_b)
+
+
+def test_layouts_chosen_leaves_each_weights_layout_to_the_compiler():
+  """The slot decode's parameters: every sharding kept, each layout Layout.AUTO."""
+  from jax.experimental.layout import Format, Layout
+  mesh = make_mesh(parse_mesh("expert:8"))
+  cfg = comp.validate(configs.get("k3_tiny"))
+  _, params, _ = comp.serving_params(cfg)
+  sh = comp.weights_by_output(params, mesh, 8)
+  got = jax.tree.leaves(comp.layouts_chosen(sh), is_leaf=lambda f: isinstance(f, Format))
+  want = jax.tree.leaves(sh)
+  assert got and len(got) == len(want)
+  assert all(isinstance(f, Format) and f.layout == Layout.AUTO and f.sharding == w
+             for f, w in zip(got, want))
 
 
 def test_frontier_table_and_plot(tmp_path):

@@ -22,7 +22,7 @@ from k3_jax.cache import KDAState
 from k3_jax.config import ModelConfig, jnp_dtype
 from k3_jax.layers.init import Init
 from k3_jax.layers.kda_window import window_call
-from k3_jax.layers.linear import SMALL_ROWS, Linear, apply_stacked
+from k3_jax.layers.linear import Linear, apply_stacked
 from k3_jax.ops import conv as conv_ops
 from k3_jax.ops import kda as kda_ops
 from k3_jax.ops.norms import rms_norm
@@ -105,27 +105,45 @@ class KDA(nnx.Module):
     apply_stacked): q, k, v (and the full-rank output gate) as one; the decay's and the
     low-rank gate's down projections as one when their ranks agree. Returns (q, k, v
     [B, T, H, K] before the conv, decay input z_f [B, T, r], gate logits [B, T, H, K]).
-    Stacked at any size where the batch fills the mesh: a decode's one-by-one projections
-    with the weights split on their output were gathered whole by the partitioner, each,
-    every layer (k3 v5p-128, 64 x 1M: ~340 GB a chip a step; so too with the tokens
-    constrained whole first); stacked, the tokens travel (an all-gather of [B, D], an
-    all-to-all out)."""
-    small = 0 if par.batch_fills_mesh else SMALL_ROWS
+    Where the batch fills the mesh: one by one on the weights' output splits (`_by_output`).
+    """
     heads = [self.q_proj, self.k_proj, self.v_proj] + ([] if self.c.gate_rank else [self.g_proj])
-    out = apply_stacked(x, heads, small)
+    if par.batch_fills_mesh:
+      return self._by_output(x, heads, par)
+    out = apply_stacked(x, heads)
     if self.c.gate_rank and self.g_down.out_shape == self.f_down.out_shape:
-      zf, zg = apply_stacked(x, (self.f_down, self.g_down), small)
+      zf, zg = apply_stacked(x, (self.f_down, self.g_down))
     else:
       zf, zg = self.f_down(x), self.g_down(x) if self.c.gate_rank else None
     gate = self.g_up(zg) if self.c.gate_rank else out[3]
     return out[0], out[1], out[2], par.by_batch(zf), gate
 
+  def _by_output(self, x, heads, par: Parallel):
+    """`_inputs` where the batch fills the mesh (node decode): the tokens gathered once,
+    each projection computed one by one on its weight's output split where it lies, its
+    output sent back by sequence (no per-layer stack of the weights: the stack was relaid
+    out and copied, k3 v5p-128 64 x 1M ~0.5 GB a chip a step; one by one without these
+    constraints the partitioner gathered each weight whole, ~340 GB); the low-rank decay
+    (and gate) inputs split on their rank, then whole for their up-projections, which
+    `compile.weights_by_output` splits on their output (`_decay`; whole on every chip,
+    each read 3 MB a layer: 0.2 GB a step; and the decay's down-projection, alone, was
+    gathered whole)."""
+    whole = lambda a: par.constrain(a, (None,) * a.ndim)
+    split = lambda a: par.by_batch(par.by_output(a))
+    xw = whole(x)
+    out = [split(lin(xw)) for lin in heads]
+    zf = whole(par.by_output(self.f_down(xw)))
+    if self.c.gate_rank:
+      out.append(split(self.g_up(whole(par.by_output(self.g_down(xw))))))
+    return out[0], out[1], out[2], zf, out[3]
+
   @jax.named_scope("decay")
-  def _decay(self, zf):
-    z = self.f_up(zf).astype(jnp.float32) + self.dt_bias[...]                # [B, T, H, K]
+  def _decay(self, zf, par: Parallel = SINGLE):
+    # (by_output, by_batch: node decode, f_up split on its output, `_by_output`)
+    z = par.by_output(self.f_up(zf)).astype(jnp.float32) + self.dt_bias[...]   # [B, T, H, K]
     if self.c.decay == "softplus":
-      return kda_ops.kda_gate_softplus(z, self.a_log[...])
-    return kda_ops.kda_gate_lower_bound(z, self.a_log[...], self.c.g_min)
+      return par.by_batch(kda_ops.kda_gate_softplus(z, self.a_log[...]))
+    return par.by_batch(kda_ops.kda_gate_lower_bound(z, self.a_log[...], self.c.g_min))
 
   def init_cache(self, batch: int) -> KDAState:
     h, k, w = self.c.num_heads, self.c.head_dim, self.c.conv_size
@@ -159,8 +177,8 @@ class KDA(nnx.Module):
     v, cv = self._conv(xv, self.v_conv, segment_ids, get("conv_v"), par)
     q, k = kda_ops.l2_normalize(q), kda_ops.l2_normalize(k)            # [B, T, H, K] f32
     q = par.constrain(q, ("batch", "seq", "heads", None))
-    beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))          # [B, T, H]
-    g = self._decay(zf)                                                # [B, T, H, K] f32
+    beta = jax.nn.sigmoid(par.by_batch(self.b_proj(par.by_input(x))).astype(jnp.float32))
+    g = self._decay(zf, par)                                           # [B, T, H, K] f32
     if cache is not None and t == 1:
       # idle rows keep their state inside the step (the kernel selects as it writes)
       # (a scanned layer's: the whole stacked state, updated in place at its unit)

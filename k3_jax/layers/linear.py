@@ -51,6 +51,14 @@ class Linear(nnx.Module):
 SMALL_ROWS = 64   # inputs of at most this many rows (decode) skip the stacking
 
 
+def few_rows(x: jax.Array, par) -> bool:
+  """Does x [B, T, ...] hold at most SMALL_ROWS tokens in the decode layout of a batch that
+  fills the mesh (`par.batch_fills_mesh`)? There the node decode moves the step's few tokens
+  to the weights' splits rather than the weights (layers/kda.py, layers/mla.py; the weights
+  so split: k3_jax/compile.py weights_by_output's `rows`)."""
+  return par.batch_fills_mesh and x.shape[0] * x.shape[1] <= SMALL_ROWS
+
+
 def apply_stacked(x: jax.Array, linears, small_rows: int = SMALL_ROWS) -> list[jax.Array]:
   """[lin(x) for lin in linears] as ONE matmul: the weights (same in/out shapes and dtype)
   are stacked on a new output axis ([*in, n, *out]), so the projections of one input read

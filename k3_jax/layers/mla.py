@@ -24,7 +24,7 @@ from flax import nnx
 from k3_jax.cache import MLACache, PagedMLACache
 from k3_jax.config import ModelConfig, jnp_dtype
 from k3_jax.layers.init import Init
-from k3_jax.layers.linear import Linear
+from k3_jax.layers.linear import Linear, few_rows
 from k3_jax.layers.norm import RMSNorm
 from k3_jax.ops import attention as attn_ops
 from k3_jax.ops.mx_gmm import StackedLayer
@@ -128,8 +128,10 @@ class MLA(nnx.Module):
     return attend(q_nope, q_rope, c_kv, k_r, self.kv_b.w[...], self.scale, self.dtype,
                   segment_ids, segment_ids)
 
-  def _absorb_query(self, q_nope, q_rope):
-    """(q_nope . W_kvb_k [B, T, H, R], q_rope [B, T, H, P]) in f32, and W_kvb_v [R, H, V]."""
+  def _absorb_query(self, q_nope, q_rope, par: Parallel = SINGLE):
+    """(q_nope . W_kvb_k [B, T, H, R], q_rope [B, T, H, P]) in f32, and W_kvb_v [R, H, V].
+    Node decode of few rows (`few_rows`; kv_b split on R there: compile.weights_by_output):
+    q_nope gathered whole, q_lat computed on R's split and sent back by sequence."""
     n, held = self.c.qk_nope_head_dim, self.kv_b.w.get_value()
     if isinstance(held, StackedLayer):     # node decode: each half read in place (model.py)
       r, h, f = held.shape
@@ -139,7 +141,12 @@ class MLA(nnx.Module):
     else:
       w = self.kv_b.w[...].astype(jnp.float32)                         # [R, H, n + v]
       w_k, w_v = w[..., :n], w[..., n:]
+    few = few_rows(q_nope, par)
+    if few:
+      q_nope = par.constrain(q_nope, (None,) * q_nope.ndim)
     q_lat = jnp.einsum("bthn,rhn->bthr", q_nope.astype(jnp.float32), w_k)
+    if few:
+      q_lat = par.by_batch(par.by_output(q_lat))
     return q_lat, q_rope.astype(jnp.float32), w_v
 
   @jax.named_scope("absorbed_attention")
@@ -177,7 +184,7 @@ class MLA(nnx.Module):
     for a group of its rows (their queries as heads; window_group rows a read) and each
     row's window part (the rows t' <= t) comes from the call's own latents: the same keys,
     summed in another order."""
-    q_lat, q_rope, w_v = self._absorb_query(q_nope, q_rope)
+    q_lat, q_rope, w_v = self._absorb_query(q_nope, q_rope, par)
     q_lat, q_rope = q_lat[:, 0], q_rope[:, 0]                          # [B, H, R], [B, H, P]
     attend = par.ops.paged_attention or paged_attention
     w = window
@@ -196,7 +203,10 @@ class MLA(nnx.Module):
       own = attn_ops.token_partial(q_lat, q_rope, new_c[:, 0], new_r[:, 0], self.scale)
     part = attn_ops.merge_partials(cached, own)
     o_lat = attn_ops.finish_partial(part)[:, None]                     # [B, 1, H, R]
-    o = jnp.einsum("bthr,rhv->bthv", o_lat, w_v)                       # [B, 1, H, V]
+    few = few_rows(o_lat, par)    # node decode, kv_b split on R: o's partial sums reduced
+    o = jnp.einsum("bthr,rhv->bthv", par.by_input(o_lat) if few else o_lat, w_v)
+    if few:                       # whole, as o_proj (split on its output) takes it
+      o = par.constrain(o, (None,) * o.ndim)
     return self._output(x, o), part.m.max(axis=0)
 
   def _paged(self, x, q_nope, q_rope, c_kv, k_r, cache, pos, par: Parallel = SINGLE):

@@ -126,7 +126,7 @@ def test_batch_filling_decode_layout_matches_one_device():
                             active, sampling, z, np.zeros(b, bool))
   counts = lambda: jnp.zeros((b, v), jnp.int32)
   one = steps.jit_steps(g, parallel_for(None)).decode(p, r, cache, counts(), batch)[0].logits
-  ps = jax.device_put(p, comp.weights_by_output(p, mesh))
+  ps = jax.device_put(p, comp.weights_by_output(p, mesh, b))
   rs = jax.device_put(r, tree_shardings(r, mesh))
   cs = jax.device_put(fresh(), kv.paged_cache_shardings(shapes, mesh))
   got = steps.jit_steps(g, parallel_for(mesh, "slot", Kernels(ep_capacity=cap))).decode(
