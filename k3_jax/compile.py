@@ -618,8 +618,6 @@ def _paged_decode_program(cfg: ModelConfig, mesh, graphdef, par, p_args, p_shard
                              b((batch,), jnp.bool_), sampling, b((batch,), i32),
                              b((batch,), jnp.bool_))
   d_sh = arrays.batch_shardings(dbatch, mesh, 0)
-  if page_split == "slot":     # the batch fills the mesh: the weights as the program reads them
-    p_shardings = (layouts_chosen(p_shardings[0]), p_shardings[1])
   out_sh = arrays.batch_shardings(jax.eval_shape(
       lambda: steps.Sampled(*(jnp.zeros(s, d) for s, d in (
           ((batch,), i32), ((batch,), f32), ((batch, steps.TOP_K), i32),
@@ -629,22 +627,6 @@ def _paged_decode_program(cfg: ModelConfig, mesh, graphdef, par, p_args, p_shard
                donate_argnums=(2, 3))
   return fn, (*p_args, arrays.with_shardings(cache, c_sh), arrays.with_shardings(counts, n_sh),
               arrays.with_shardings(dbatch, d_sh))
-
-
-def layouts_chosen(shardings):
-  """A tree of NamedShardings as Formats that leave each array's layout in memory to the
-  compiler (jax Layout.AUTO): the parameters of the served decode where the batch fills the
-  mesh are stored as its compiled program reads them (a deployment places them with
-  `jax.device_put(w, compiled.input_formats[...])`, once, at load). With the default
-  layouts the TPU compiler holds a KDA projection split to 2 columns a chip
-  ([22, 7168, 96, 2]) with its 2-wide dimension in tiles of 2 rows, and writes each
-  layer's slice out of the stack to prefetch it back before its matmul (k3 v5p-128,
-  64 x 1M: 0.67 GB a chip a step over the slices' one read); in the layout it chooses
-  ([22, 2, 96, 7168] in 8 x 128 tiles) the matmul reads the slice in place."""
-  from jax.experimental.layout import Format, Layout
-  from jax.sharding import NamedSharding
-  return jax.tree.map(lambda s: Format(Layout.AUTO, s), shardings,
-                      is_leaf=lambda s: isinstance(s, NamedSharding))
 
 
 def cache_shardings(cache: ModelCache, mesh) -> ModelCache:

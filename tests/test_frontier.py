@@ -112,20 +112,6 @@ def test_weights_by_output_splits_kda_f_up_and_few_rows_keep_mla_kv_b_on_r():
                         for k in kv_b)
 
 
-def test_layouts_chosen_leaves_each_weights_layout_to_the_compiler():
-  """The slot decode's parameters: every sharding kept, each layout Layout.AUTO."""
-  from jax.experimental.layout import Format, Layout
-  mesh = make_mesh(parse_mesh("expert:8"))
-  cfg = comp.validate(configs.get("k3_tiny"))
-  _, params, _ = comp.serving_params(cfg)
-  sh = comp.weights_by_output(params, mesh, 8)
-  got = jax.tree.leaves(comp.layouts_chosen(sh), is_leaf=lambda f: isinstance(f, Format))
-  want = jax.tree.leaves(sh)
-  assert got and len(got) == len(want)
-  assert all(isinstance(f, Format) and f.layout == Layout.AUTO and f.sharding == w
-             for f, w in zip(got, want))
-
-
 def test_frontier_table_and_plot(tmp_path):
   def pt(batch, length, step_s, fits=True):
     return {"step": "decode", "batch": batch, "cache_len": length, "fits": fits,
