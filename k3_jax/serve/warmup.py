@@ -30,6 +30,12 @@ COUNTERS = (("generated_tokens",), ("roster", "finished_requests"), ("kv", "pree
             ("speculator", "accepted"))
 
 
+def prompt_tokens(max_len: int, count: int) -> int:
+  """The warm-up prompt's length for a group of `count` requests: a page, or what leaves
+  room for its count + 2 generated tokens within max_len (0: the group is skipped)."""
+  return max(0, min(PAGE, max_len - count - 2))
+
+
 def groups(max_batch: int) -> list[int]:
   """The request counts the warm-up submits together: 1, 2, 4, ... and max_batch."""
   out = [1]
@@ -47,8 +53,8 @@ def _uncached(engine):
     for name in path[:-1]:
       obj = getattr(obj, name, None)
     return obj
-  kept = [(owner(p), p[-1], getattr(owner(p), p[-1])) for p in COUNTERS
-          if owner(p) is not None and hasattr(owner(p), p[-1])]
+  owners = [(owner(p), p[-1]) for p in COUNTERS]
+  kept = [(obj, name, getattr(obj, name)) for obj, name in owners if hasattr(obj, name)]
   kv, roster = engine.kv, engine.roster
   saved = kv.prefix, kv.tiers, roster.on_done
   kv.prefix, kv.tiers, roster.on_done = None, None, None
@@ -65,10 +71,12 @@ def warm_up(engine) -> tuple[int, float]:
   seconds). Call it before the engine serves (nothing else may be submitted meanwhile)."""
   t0 = time.monotonic()
   before = len(engine.runner.compiled)
-  n = max(1, min(PAGE, engine.max_len - 2))               # prompt + 2 tokens fit max_len
-  prompt = (np.arange(n) % (engine.cfg.vocab_size - 1) + 1).astype(np.int32)
   with _uncached(engine):
     for count in [1] if engine.serve.batch_invariant else groups(engine.max_batch):
+      n = prompt_tokens(engine.max_len, count)
+      if not n:
+        continue
+      prompt = (np.arange(n) % (engine.cfg.vocab_size - 1) + 1).astype(np.int32)
       reqs = [engine.submit(prompt, SamplingParams(max_tokens=count + 2),
                             use_prefix_cache=False, timeout=None) for _ in range(count)]
       engine.run_until_done(reqs)
@@ -78,4 +86,4 @@ def warm_up(engine) -> tuple[int, float]:
   return len(engine.runner.compiled) - before, time.monotonic() - t0
 
 
-__all__ = ["warm_up", "groups"]
+__all__ = ["warm_up", "groups", "prompt_tokens"]

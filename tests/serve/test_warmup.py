@@ -9,13 +9,16 @@ import numpy as np
 
 from k3_jax.serve.engine import SamplingParams
 from k3_jax.serve.kv_pages import PAGE
-from k3_jax.serve.warmup import groups, warm_up
+from k3_jax.serve.warmup import groups, prompt_tokens, warm_up
 
 
-def test_groups_double_up_to_max_batch():
+def test_groups_double_up_to_max_batch_and_prompts_fit_max_len():
   assert groups(1) == [1]
   assert groups(8) == [1, 2, 4, 8]
   assert groups(6) == [1, 2, 4, 6]
+  assert prompt_tokens(1 << 20, 8) == PAGE         # a page where there is room
+  assert prompt_tokens(64, 8) == 54                # prompt + 10 generated tokens = max_len
+  assert prompt_tokens(9, 8) == 0                  # no room: that group is skipped
 
 
 def _run(eng, prompt):
