@@ -122,6 +122,10 @@ class Parallel:
                        f"{x.ndim}")
     return jax.lax.with_sharding_constraint(x, self.resolver(x.shape, axes))
 
+  def whole(self, x: jax.Array) -> jax.Array:
+    """x constrained whole on every device (no dimension split); identity without rules."""
+    return self.constrain(x, (None,) * x.ndim)
+
   def by_output(self, y: jax.Array) -> jax.Array:
     """A projection's output y [..., F] in the decode layout of a batch that fills the mesh
     (`batch_fills_mesh`: the dense weights split on their output dimension over the model
@@ -138,11 +142,10 @@ class Parallel:
     the decode layout of a batch that fills the mesh (`batch_fills_mesh`; a weight whose
     output the mesh does not divide, e.g. KDA's b_proj [D, 96] on 64 chips) constrained to
     that split: each chip contracts its own slice of D and the small [..., F] partial sums
-    are reduced, where the partitioner gathered the weight whole every layer. Identity in
-    any other layout."""
-    if not self.batch_fills_mesh:
-      return x
-    return self.constrain(x, (None,) * (x.ndim - 1) + ("embed",))
+    are reduced, where the partitioner gathered the weight whole every layer. The same
+    constraint as `by_output` (the model dimension's axes on the last dimension), on the
+    other side of a matmul. Identity in any other layout."""
+    return self.by_output(x)
 
   def by_batch(self, y: jax.Array) -> jax.Array:
     """A by-output projection's low-rank output y [B, ..., r] split by sequence again in

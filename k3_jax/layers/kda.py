@@ -128,8 +128,7 @@ class KDA(nnx.Module):
     `compile.weights_by_output` splits on their output (`_decay`; whole on every chip,
     each read 3 MB a layer: 0.2 GB a step; and the decay's down-projection, alone, was
     gathered whole)."""
-    whole = lambda a: par.constrain(a, (None,) * a.ndim)
-    split = lambda a: par.by_batch(par.by_output(a))
+    whole, split = par.whole, lambda a: par.by_batch(par.by_output(a))
     xw = whole(x)
     out = [split(lin(xw)) for lin in heads]
     zf = whole(par.by_output(self.f_down(xw)))

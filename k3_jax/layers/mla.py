@@ -143,7 +143,7 @@ class MLA(nnx.Module):
       w_k, w_v = w[..., :n], w[..., n:]
     few = few_rows(q_nope, par)
     if few:
-      q_nope = par.constrain(q_nope, (None,) * q_nope.ndim)
+      q_nope = par.whole(q_nope)
     q_lat = jnp.einsum("bthn,rhn->bthr", q_nope.astype(jnp.float32), w_k)
     if few:
       q_lat = par.by_batch(par.by_output(q_lat))
@@ -206,7 +206,7 @@ class MLA(nnx.Module):
     few = few_rows(o_lat, par)    # node decode, kv_b split on R: o's partial sums reduced
     o = jnp.einsum("bthr,rhv->bthv", par.by_input(o_lat) if few else o_lat, w_v)
     if few:                       # whole, as o_proj (split on its output) takes it
-      o = par.constrain(o, (None,) * o.ndim)
+      o = par.whole(o)
     return self._output(x, o), part.m.max(axis=0)
 
   def _paged(self, x, q_nope, q_rope, c_kv, k_r, cache, pos, par: Parallel = SINGLE):

@@ -114,7 +114,7 @@ class MoE(nnx.Module):
     b, t, d = x.shape
     xf = x.reshape(b * t, d)                                           # [N, D]
     if par.batch_fills_mesh:   # node decode: the tokens gathered once for the router, latent
-      xf = par.constrain(xf, (None, None))   # and shared projections (each gathered its own)
+      xf = par.whole(xf)                     # and shared projections (each gathered its own)
     with jax.named_scope("router"):
       scores = moe_ops.router_scores(xf, self.router[...])             # [N, E] f32
       if par.batch_fills_mesh:      # node decode: computed split on E, then per token whole
