@@ -17,6 +17,8 @@ per-sequence [B] position.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -167,7 +169,8 @@ class MLA(nnx.Module):
     else:
       q_lat, q_rope = (par.constrain(a, ("batch", "seq", "heads", None))
                        for a in (q_lat, q_rope))
-      attend = par.ops.absorbed_attention or attn_ops.blockwise_absorbed_attention
+      attend = par.ops.absorbed_attention or functools.partial(
+          attn_ops.blockwise_absorbed_attention, **attn_ops.prefill_blocks(par.platform))
       o_lat, max_logit = attend(q_lat, q_rope, c_kv_all, k_r_all, self.scale, q_pos)
     o = jnp.einsum("bthr,rhv->bthv", o_lat, w_v)                       # [B, T, H, V]
     return self._output(x, o), max_logit
