@@ -83,6 +83,7 @@ def warm_up(engine) -> tuple[int, float]:
       failed = [r for r in reqs if r.error is not None]
       if failed:
         raise RuntimeError(f"the warm-up request failed: {failed[0].error}")
+  engine.runner.compile_ckpt_steps()     # the prefix cache's first checkpoint save / load
   return len(engine.runner.compiled) - before, time.monotonic() - t0
 
 

@@ -4,6 +4,8 @@ nothing behind (prefix cache, counters, slots, pages, a request's output bit for
 Runs on the session's 2-slot prefix-cache engine (conftest.prefix_setup), whose compiled
 steps the other engine tests share, so it compiles little of its own."""
 
+import logging
+
 import jax
 import numpy as np
 
@@ -83,3 +85,21 @@ def test_loaded_weights_state_starts_where_the_steps_return_it(prefix_setup):
   assert run.ckpts is not None and state
   assert all(isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh and x.committed
              for x in state)
+  # The prefix cache's checkpoint steps compile ahead (the warm-up's last act), and the
+  # first save / load on that state then finds them compiled: no XLA compile of either.
+  assert run.compile_ckpt_steps() == 2 and run.compile_ckpt_steps() == 0
+  compiles = []
+
+  class Catch(logging.Handler):
+    def emit(self, record):
+      compiles.append(record.getMessage())
+  catch, logger = Catch(), logging.getLogger("jax._src.dispatch")
+  logger.addHandler(catch)
+  try:
+    with jax.log_compiles(True):
+      run.save_ckpt(0, 0)
+      run.load_ckpt(0, 0)
+      jax.block_until_ready(run.cache)
+  finally:
+    logger.removeHandler(catch)
+  assert not [m for m in compiles if "save_ckpt" in m or "load_slot" in m], compiles
