@@ -367,10 +367,9 @@ class Runner:
     b = self.max_batch
     tokens, pos, active = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, bool)
     from_prev = np.zeros(b, bool)
-    table = np.zeros_like(tables)                     # idle rows: the null page
     for r in now:
       s = r.slot
-      active[s], table[s] = True, tables[s]
+      active[s] = True
       if id(r) in ahead:
         from_prev[s], pos[s] = True, r.pos + 1
       else:
@@ -378,13 +377,16 @@ class Runner:
     sampling = self.sampling(now, b, biases, ahead=ahead)
     # Attend over a power-of-two bucket of pages that covers the longest active sequence
     # (at least DECODE_MIN_PAGES), not the whole max_len: short requests on a long-context
-    # engine stay cheap, and only log2(max_len / 4K) decode shapes ever compile.
+    # engine stay cheap, and only log2(max_len / 4K) decode shapes ever compile. Only those
+    # columns are copied (a 1M-token max_len's tables are 2,048 columns a slot).
     width = bucket(int(pos.max()) + 1, pages_per_slot)
-    batch = steps.DecodeBatch(tokens, pos, table[:, :width], active, sampling, self.prev,
-                              from_prev)
+    table = np.zeros((b, width), np.int32)            # idle rows: the null page
+    for r in now:
+      table[r.slot] = tables[r.slot, :width]
+    batch = steps.DecodeBatch(tokens, pos, table, active, sampling, self.prev, from_prev)
     if rows is not None:        # fewer requests than slots: run only their rows
       batch = steps.DecodeBatch(
-          tokens[rows], pos[rows], table[rows, :width], active[rows],
+          tokens[rows], pos[rows], table[rows], active[rows],
           self.sampling_rows(sampling, rows, bool(biases)), self.prev, from_prev[rows], rows)
     got, self.cache, self.counts = self.steps.decode(*self.weights, self.cache, self.counts,
                                                      batch)
