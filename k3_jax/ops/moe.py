@@ -431,7 +431,8 @@ def _moe_tile_loop(x, weights, expert_ids, w_gate, w_up, w_down, activation, bet
   rows = num_tiles * t
   f32 = jnp.float32
   with jax.named_scope("dispatch"):
-    dest, src, tile_expert, used = _tiled_layout(expert_ids, n, k, e, t, num_tiles, rows)
+    dest, src, tile_expert, used = _tiled_layout(expert_ids, n, k, e, t, num_tiles, rows,
+                                                 search="compare_all")
     row_weight = jnp.zeros((rows,), f32).at[dest].set(
         weights.reshape(-1).astype(f32)).reshape(num_tiles, t)           # 0 on padding
     xe = jnp.concatenate([x, jnp.zeros((1, din), x.dtype)], axis=0)      # [N+1, Din]
@@ -483,10 +484,12 @@ def _moe_tiles_batched(x, weights, expert_ids, w_gate, w_up, w_down, activation,
   return y.astype(x.dtype)
 
 
-def _tiled_layout(expert_ids, n, k, e, t, num_tiles, rows):
+def _tiled_layout(expert_ids, n, k, e, t, num_tiles, rows, search: str = "scan"):
   """_moe_tiled's layout: (dest [M] padded row of each pair, src [rows] token of each
   padded row (n = the zero pad row), tile_group [tiles] expert of each tile, used: how many
-  tiles hold rows, the rest padding)."""
+  tiles hold rows, the rest padding). search: jnp.searchsorted's method for each tile's
+  expert (the same integers either way); "compare_all" ([tiles, E] compares, one fusion)
+  for XLA:CPU's loop, where "scan" is a while loop of ~5 small steps in every MoE layer."""
   m = n * k
   flat_ids = expert_ids.reshape(-1)                                      # [M] pair -> expert
   order = jnp.argsort(flat_ids, stable=True)                             # [M] sorted row -> pair
@@ -502,7 +505,7 @@ def _tiled_layout(expert_ids, n, k, e, t, num_tiles, rows):
   src = jnp.full((rows,), n, jnp.int32).at[dest_sorted].set(
       (order // k).astype(jnp.int32))                                    # [rows] token (n = pad)
   tile_group = jnp.minimum(jnp.searchsorted(padded_ends, jnp.arange(num_tiles) * t,
-                                            side="right"), e - 1)        # [tiles]
+                                            side="right", method=search), e - 1)  # [tiles]
   return dest, src, tile_group, padded_ends[-1] // t
 
 

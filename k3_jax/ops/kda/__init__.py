@@ -45,6 +45,7 @@ from k3_jax.ops.kda.chunk import chunk_kda as chunk_kda_reference
 from k3_jax.ops.kda.common import (BACKENDS, G_CLAMP, SUB_TILE, TILE, check_chunk_shapes,
                                    check_decode_shapes, default_scale, doc_index)
 from k3_jax.ops.kda.gate import kda_gate_lower_bound, kda_gate_softplus, l2_normalize
+from k3_jax.ops.kda.decode_cpu import decode_step_cpu
 from k3_jax.ops.kda.naive import kda_decode_step, recurrent_kda
 from k3_jax.partitioning import SINGLE, Parallel
 
@@ -157,6 +158,8 @@ def decode_step(q, k, v, g, beta, state, scale=None, backend: str = "reference",
     # paged_cache_shardings) runs the plain-JAX step, partitioned as it lies: each chip
     # updates its rows of K and the sums over K become all-reduces of [B, H, V]. The
     # kernel needs whole K, so it would gather every state onto every chip instead.
+    if par.mesh is None and par.platform == "cpu":    # one CPU device: fewer state passes
+      return decode_step_cpu(q, k, v, g, beta, state, scale, active, layer)
     old = state if layer is None else state[layer]
     o, new = kda_decode_step(q, k, v, g, beta, old, scale)
     if active is not None:
