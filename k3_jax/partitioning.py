@@ -27,6 +27,7 @@ import math
 from typing import Any, Callable, Hashable
 
 import jax
+import jax.numpy as jnp
 
 from k3_jax.execution import DEFAULT_KERNELS, Kernels
 
@@ -139,6 +140,22 @@ class Parallel:
       return x
     return staged_gather(x, self.mesh, self.resolver(x.shape, axes).spec)
 
+  def einsum_by_batch(self, subscripts: str, x: jax.Array, w: jax.Array,
+                      x_axes: tuple[str | None, ...], w_axes: tuple[str | None, ...]):
+    """einsum(subscripts, x, w) for a contraction over a dimension split alike in x and w
+    (laid out by the logical x_axes, w_axes), its output [B, ...] split by sequence. In the
+    decode layout of a batch that fills the mesh (`batch_fills_mesh`) the partial sums are
+    reduce-scattered in two stages (`staged_einsum_by_batch`), where the partitioner
+    all-reduced them whole (the TPU compiler's only form for a reduce-scatter over every
+    device). A plain einsum in any other layout."""
+    if self.batch_fills_mesh and self.resolver is not None:
+      y = staged_einsum_by_batch(subscripts, x, w, self.mesh,
+                                 self.resolver(x.shape, x_axes).spec,
+                                 self.resolver(w.shape, w_axes).spec)
+      if y is not None:
+        return y
+    return jnp.einsum(subscripts, x, w)
+
   def by_output(self, y: jax.Array) -> jax.Array:
     """A projection's output y [..., F] in the decode layout of a batch that fills the mesh
     (`batch_fills_mesh`: the dense weights split on their output dimension over the model
@@ -195,6 +212,28 @@ def _stages(n: int) -> tuple[int, int] | None:
   return None if inner is None else (n // inner, inner)
 
 
+_STAGED = ("gather_outer", "gather_inner")
+
+
+def _axes(entry) -> tuple:
+  return () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+
+
+def _staged_mesh(mesh, axes: tuple):
+  """`mesh`'s devices viewed as [outer, inner, the axes not in `axes`] (`_STAGED` names the
+  first two; shard s over `axes` = outer * inner_size + inner, as a spec splitting a
+  dimension over `axes` numbers them), or None where their device count has no two-stage
+  factoring (`_stages`)."""
+  from jax.sharding import Mesh
+  stages = _stages(math.prod(mesh.shape[a] for a in axes)) if axes else None
+  if stages is None:
+    return None
+  names = tuple(mesh.axis_names)
+  rest = tuple(a for a in names if a not in axes)
+  devices = mesh.devices.transpose([names.index(a) for a in axes + rest])
+  return Mesh(devices.reshape(stages + tuple(mesh.shape[a] for a in rest)), _STAGED + rest)
+
+
 def staged_gather(x: jax.Array, mesh, spec) -> jax.Array:
   """x (laid out by the PartitionSpec `spec` on `mesh`, one dimension split) gathered whole
   on every device by two all-gathers, over groups of `inner` then `outer` devices of that
@@ -204,24 +243,17 @@ def staged_gather(x: jax.Array, mesh, spec) -> jax.Array:
   it does one over every device as an all-reduce of a zero-filled buffer. Falls back to a
   plain constraint (x whole) when no dimension, or more than one, is split, or the split's
   device count has no two-stage factoring."""
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec
+  from jax.sharding import NamedSharding, PartitionSpec
   entries = list(spec) + [None] * (x.ndim - len(spec))
   split = [d for d, e in enumerate(entries) if e is not None]
   whole = lambda: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec()))
   if len(split) != 1:
     return whole()
   dim = split[0]
-  axes = entries[dim] if isinstance(entries[dim], tuple) else (entries[dim],)
-  stages = _stages(math.prod(mesh.shape[a] for a in axes))
-  if stages is None:
+  staged = _staged_mesh(mesh, _axes(entries[dim]))
+  if staged is None:
     return whole()
-  names = tuple(mesh.axis_names)
-  rest = tuple(a for a in names if a not in axes)
-  devices = mesh.devices.transpose([names.index(a) for a in axes + rest])
-  staged = Mesh(devices.reshape(stages + tuple(mesh.shape[a] for a in rest)),
-                ("gather_outer", "gather_inner") + rest)
-  in_spec = PartitionSpec(*[("gather_outer", "gather_inner") if d == dim else None
-                            for d in range(x.ndim)])
+  in_spec = PartitionSpec(*[_STAGED if d == dim else None for d in range(x.ndim)])
 
   def gather(v):
     v = jax.lax.all_gather(v, "gather_inner", axis=dim, tiled=True)
@@ -229,6 +261,30 @@ def staged_gather(x: jax.Array, mesh, spec) -> jax.Array:
 
   return jax.shard_map(gather, mesh=staged, in_specs=in_spec, out_specs=PartitionSpec(),
                        check_vma=False)(x)
+
+
+def staged_einsum_by_batch(subscripts: str, x: jax.Array, w: jax.Array, mesh, x_spec,
+                           w_spec) -> jax.Array | None:
+  """einsum(subscripts, x, w) contracting a dimension split over the same mesh axes in x
+  (laid out by the PartitionSpec x_spec) and w (w_spec), its partial sums reduce-scattered
+  on the output's first dimension (the batch) in two stages, over groups of `outer` then
+  `inner` devices (`_staged_mesh`): the output split by sequence over those axes. A
+  reduce-scatter over every device in one group the TPU compiler does as an all-reduce.
+  None where the two specs do not split over one set of axes, or it has no staging."""
+  from jax.sharding import PartitionSpec
+  found = {_axes(e) for e in list(x_spec) + list(w_spec)} - {()}
+  staged = _staged_mesh(mesh, found.pop()) if len(found) == 1 else None
+  if staged is None:
+    return None
+  on = lambda spec: PartitionSpec(*[_STAGED if e is not None else None for e in spec])
+
+  def body(a, b):
+    part = jnp.einsum(subscripts, a, b)
+    part = jax.lax.psum_scatter(part, "gather_outer", scatter_dimension=0, tiled=True)
+    return jax.lax.psum_scatter(part, "gather_inner", scatter_dimension=0, tiled=True)
+
+  return jax.shard_map(body, mesh=staged, in_specs=(on(x_spec), on(w_spec)),
+                       out_specs=PartitionSpec(_STAGED), check_vma=False)(x, w)
 
 
 def all_gather_in_stages(x: jax.Array, axis_name, size: int, tiled: bool = False) -> jax.Array:

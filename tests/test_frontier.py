@@ -74,6 +74,8 @@ def test_weights_by_output_moves_the_model_dimension():
     assert tuple(d[k].spec).index("expert") != tuple(m[k].spec).index("expert")
   experts = [k for k in d if "w_gate" in jax.tree_util.keystr(k)]
   assert experts and all(d[k].spec == m[k].spec for k in experts)   # routed experts stay
+  table = [k for k in d if "'embed'" in jax.tree_util.keystr(k)]  # the embedding table:
+  assert table and all(tuple(m[k].spec) == ("expert", None) for k in table)    # D -> V
 
 
 def test_weights_by_output_moves_q_b_off_its_low_rank_input():

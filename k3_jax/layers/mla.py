@@ -88,10 +88,11 @@ class MLA(nnx.Module):
 
   @jax.named_scope("output")
   def _output(self, x, o, par: Parallel = SINGLE):
-    if self.c.output_gate:     # node decode: the gate (split on its output) gathered whole
-      g = par.gathered(par.by_output(self.g_proj(x)), (None, None, None, "embed"))
+    if self.c.output_gate:     # node decode: the gate (split on its output) sent by sequence
+      g = par.by_batch(par.by_output(self.g_proj(x)))
       o = jax.nn.sigmoid(g.astype(jnp.float32)) * o.astype(jnp.float32)
-    return self.o_proj(o.astype(self.dtype))
+    # node decode: gathered whole for o_proj (split on its output, the model dimension)
+    return self.o_proj(par.gathered(o.astype(self.dtype), ("batch", None, None, None)))
 
   @jax.named_scope("mla")
   def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None,
@@ -208,10 +209,11 @@ class MLA(nnx.Module):
       own = attn_ops.token_partial(q_lat, q_rope, new_c[:, 0], new_r[:, 0], self.scale)
     part = attn_ops.merge_partials(cached, own)
     o_lat = attn_ops.finish_partial(part)[:, None]                     # [B, 1, H, R]
-    few = few_rows(o_lat, par)    # node decode, kv_b split on R: o's partial sums reduced
-    o = jnp.einsum("bthr,rhv->bthv", par.by_input(o_lat) if few else o_lat, w_v)
-    if few:                       # whole, as o_proj (split on its output) takes it
-      o = par.whole(o)
+    if few_rows(o_lat, par):      # node decode, kv_b split on R: o's partial sums
+      o = par.einsum_by_batch("bthr,rhv->bthv", o_lat, w_v,      # reduce-scattered by sequence
+                              (None, None, None, "embed"), ("embed", None, None))
+    else:
+      o = jnp.einsum("bthr,rhv->bthv", o_lat, w_v)
     return self._output(x, o, par), part.m.max(axis=0)
 
   def _paged(self, x, q_nope, q_rope, c_kv, k_r, cache, pos, par: Parallel = SINGLE):
