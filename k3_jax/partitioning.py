@@ -124,10 +124,6 @@ class Parallel:
                        f"{x.ndim}")
     return jax.lax.with_sharding_constraint(x, self.resolver(x.shape, axes))
 
-  def whole(self, x: jax.Array) -> jax.Array:
-    """x constrained whole on every device (no dimension split); identity without rules."""
-    return self.constrain(x, (None,) * x.ndim)
-
   def gathered(self, x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
     """x, laid out by the logical `axes` (e.g. ("batch", None): the step's tokens split by
     sequence), whole on every device. In the decode layout of a batch that fills the mesh
