@@ -159,7 +159,7 @@ def test_prefill_program_is_the_engines_step_over_its_paged_cache():
 def test_staged_gather_equals_the_whole_constraint_and_is_two_all_gathers():
   """partitioning.staged_gather (Parallel.gathered in the node decode's layout): an array
   split by rows over expert:8, or on its last dimension, gathered whole by two all-gathers
-  (over 2 then 4 devices) is the array itself, and its program holds two all-gathers and no
+  (over 2 then 4 devices; 4 then 2 at 8 rows a device) is the array itself, and its program holds two all-gathers and no
   all-reduce; an unsplit array is left whole; all_gather_in_stages (the same inside a
   shard_map, by axis_index_groups) equals jax.lax.all_gather, stacked or tiled."""
   import re
@@ -171,12 +171,13 @@ def test_staged_gather_equals_the_whole_constraint_and_is_two_all_gathers():
   from k3_jax.partitioning import all_gather_in_stages, staged_gather
   mesh = make_mesh(parse_mesh("expert:8"))
   x = jnp.arange(16 * 24, dtype=jnp.float32).reshape(16, 24)
-  for spec in (P("expert", None), P(None, "expert")):
-    xs = jax.device_put(x, NamedSharding(mesh, spec))
+  for spec, a in ((P("expert", None), x), (P(None, "expert"), x),   # 2 rows a device: 4 x 2
+                  (P("expert", None), jnp.tile(x, (4, 1)))):       # 8: 2 x 4 (_stages)
+    xs = jax.device_put(a, NamedSharding(mesh, spec))
     f = jax.jit(lambda a, spec=spec: staged_gather(a * 2, mesh, spec))
     out = f(xs)
     assert out.sharding.is_fully_replicated
-    np.testing.assert_array_equal(np.asarray(out), 2 * np.asarray(x))
+    np.testing.assert_array_equal(np.asarray(out), 2 * np.asarray(a))
     hlo = f.lower(xs).compile().as_text()
     assert len(re.findall(r"= \S+ all-gather(?:-start)?\(", hlo)) == 2
     assert "all-reduce(" not in hlo
