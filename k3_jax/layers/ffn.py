@@ -26,7 +26,10 @@ class GatedFFN(nnx.Module):
 
   @jax.named_scope("dense_ffn")
   def __call__(self, x: jax.Array, par: Parallel = SINGLE) -> jax.Array:
-    gate, up = apply_stacked(x, (self.gate, self.up))                  # one matmul
+    if par.batch_fills_mesh:   # node decode: one by one on their output splits (no stack)
+      gate, up = self.gate(x), self.up(x)
+    else:
+      gate, up = apply_stacked(x, (self.gate, self.up))                # one matmul
     h = glu(gate, up, self.kind, self.beta1, self.beta2)
     # node decode: the hidden, split on its width, gathered whole for the down-projection
     return self.down(par.gathered(h, (None,) * (h.ndim - 1) + ("embed",)))
