@@ -72,9 +72,9 @@ class MLA(nnx.Module):
 
   @jax.named_scope("projections")
   def _query(self, x, par: Parallel = SINGLE):
-    if self.c.q_lora_rank:     # node decode: q_a's output gathered for q_b, split on its output
-      q_low = par.gathered(par.by_output(self.q_a(x)), (None, None, "embed"))
-      q = par.by_batch(par.by_output(self.q_b(self.q_norm(q_low))))
+    if self.c.q_lora_rank:     # node decode: q_a's normed output gathered for q_b, split on
+      q_low = self.q_norm(par.by_output(self.q_a(x)))                  # its output
+      q = par.by_batch(par.by_output(self.q_b(par.gathered(q_low, (None, None, "embed")))))
     else:
       q = self.q_proj(x)
     n = self.c.qk_nope_head_dim
