@@ -239,7 +239,11 @@ def weights_by_output(params, mesh, rows: int | None = None):
   KDA's low-rank up-projections [(layers,) r, H, K] (whole by the default rule: every chip
   read each, 3 MB a layer) are split on K (layers/kda.py gathers their small inputs).
   rows: the tokens of a step; at most SMALL_ROWS (layers/linear.py few_rows) kv_b keeps
-  the default split on R instead (layers/mla.py moves the few queries to it)."""
+  the default split on R instead (layers/mla.py moves the few queries to it). The
+  embedding table [V, D] is split on V: on D (under 128 lanes a chip) the TPU compiler
+  holds each chip's [V, D / n] transposed and copied it whole to row-major for every
+  step's lookup (k3 v5p-128: 73 MB a chip a step); on V a lookup reads its rows where they
+  lie and the [B, D] rows are summed over the chips."""
   from jax.sharding import NamedSharding, PartitionSpec
   from sharding.rules import logical_to_spec
   default = tree_shardings(params, mesh)
@@ -263,6 +267,10 @@ def weights_by_output(params, mesh, rows: int | None = None):
         spec[last], spec[d] = spec[d], None
         return NamedSharding(mesh, PartitionSpec(*spec))
       return sh
+    if tuple(axes) == ("vocab", "embed"):        # the embedding table [V, D]: split on V
+      on = logical_to_spec((x.shape[-1],), ("embed",), mesh)[0]
+      n = math.prod(mesh.shape[a] for a in (on if isinstance(on, tuple) else (on,))) if on else 0
+      return sh if not n or x.shape[0] % n else NamedSharding(mesh, PartitionSpec(on, None))
     if tuple(axes[-3:]) == ("rank", "heads", "head_dim"):             # KDA's f_up (g_up)
       on = logical_to_spec((x.shape[-1],), ("embed",), mesh)[0]
       return sh if on is None else NamedSharding(

@@ -92,7 +92,7 @@ class DecoderLayer(nnx.Module):
     h = self.ffn_norm(x)
     if self.ffn_kind == "moe":
       return self.ffn(h, train, par=par)
-    return self.ffn(h), {}
+    return self.ffn(h, par), {}
 
   def __call__(self, x, segment_ids=None, cache=None, pos=0, layer_idx=0, train=False,
                par: Parallel = SINGLE):

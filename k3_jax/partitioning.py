@@ -23,9 +23,11 @@ the compile; and a step built without one is the single-device program by constr
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Hashable
 
 import jax
+import jax.numpy as jnp
 
 from k3_jax.execution import DEFAULT_KERNELS, Kernels
 
@@ -122,9 +124,33 @@ class Parallel:
                        f"{x.ndim}")
     return jax.lax.with_sharding_constraint(x, self.resolver(x.shape, axes))
 
-  def whole(self, x: jax.Array) -> jax.Array:
-    """x constrained whole on every device (no dimension split); identity without rules."""
-    return self.constrain(x, (None,) * x.ndim)
+  def gathered(self, x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
+    """x, laid out by the logical `axes` (e.g. ("batch", None): the step's tokens split by
+    sequence), whole on every device. In the decode layout of a batch that fills the mesh
+    (`batch_fills_mesh`) by explicit all-gathers in two stages (`staged_gather`): the TPU
+    compiler turns a gather over the whole mesh in one group (the partitioner's, or an
+    explicit one) into a dynamic-update-slice into zeros and an all-reduce, ~3 passes over
+    the gathered buffer where a gather writes it once (k3 v5p-128: ~1 GB a chip a step at
+    64 x 1M). Identity in any other layout."""
+    if not self.batch_fills_mesh or self.resolver is None:
+      return x
+    return staged_gather(x, self.mesh, self.resolver(x.shape, axes).spec)
+
+  def einsum_by_batch(self, subscripts: str, x: jax.Array, w: jax.Array,
+                      x_axes: tuple[str | None, ...], w_axes: tuple[str | None, ...]):
+    """einsum(subscripts, x, w) for a contraction over a dimension split alike in x and w
+    (laid out by the logical x_axes, w_axes), its output [B, ...] split by sequence. In the
+    decode layout of a batch that fills the mesh (`batch_fills_mesh`) the partial sums are
+    reduce-scattered in two stages (`staged_einsum_by_batch`), where the partitioner
+    all-reduced them whole (the TPU compiler's only form for a reduce-scatter over every
+    device). A plain einsum in any other layout."""
+    if self.batch_fills_mesh and self.resolver is not None:
+      y = staged_einsum_by_batch(subscripts, x, w, self.mesh,
+                                 self.resolver(x.shape, x_axes).spec,
+                                 self.resolver(w.shape, w_axes).spec)
+      if y is not None:
+        return y
+    return jnp.einsum(subscripts, x, w)
 
   def by_output(self, y: jax.Array) -> jax.Array:
     """A projection's output y [..., F] in the decode layout of a batch that fills the mesh
@@ -175,6 +201,112 @@ class Parallel:
     return fn if self.sharder is None else self.sharder(fn, in_axes, out_axes)
 
 
+def _stages(n: int, block: int = 1) -> tuple[int, int] | None:
+  """(outer, inner) group sizes for a collective over n devices in two stages: inner the
+  largest divisor of n at most sqrt(n), above 1, or 4 where each device's part of the split
+  dimension (`block`) is at least 8 rows (a tile's) and 4 divides n; None when n has no
+  divisor above 1 and below it (a prime, or < 4). Measured alone on the compile-only
+  v5p-128, a [B, 7,168] gather and a matmul after it: B = 64 (1 row a chip) 3.9 MB a chip
+  at 8 x 8, 5.7 at 16 x 4 (the first stage's [4, 1, 7,168] held in 2-row tiles); B = 1,024
+  (16 rows) 33.5 MB at 16 x 4, 35.4 at 8 x 8 (61.5 in one group)."""
+  if block >= 8 and n % 4 == 0 and n > 4:
+    return n // 4, 4
+  inner = max((d for d in range(2, math.isqrt(n) + 1) if n % d == 0), default=None)
+  return None if inner is None else (n // inner, inner)
+
+
+_STAGED = ("gather_outer", "gather_inner")
+
+
+def _axes(entry) -> tuple:
+  return () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+
+
+def _staged_mesh(mesh, axes: tuple, block: int = 1):
+  """`mesh`'s devices viewed as [outer, inner, the axes not in `axes`] (`_STAGED` names the
+  first two; shard s over `axes` = outer * inner_size + inner, as a spec splitting a
+  dimension over `axes` numbers them), or None where their device count has no two-stage
+  factoring (`_stages`, for a split dimension of `block` rows a device)."""
+  from jax.sharding import Mesh
+  stages = _stages(math.prod(mesh.shape[a] for a in axes), block) if axes else None
+  if stages is None:
+    return None
+  names = tuple(mesh.axis_names)
+  rest = tuple(a for a in names if a not in axes)
+  devices = mesh.devices.transpose([names.index(a) for a in axes + rest])
+  return Mesh(devices.reshape(stages + tuple(mesh.shape[a] for a in rest)), _STAGED + rest)
+
+
+def staged_gather(x: jax.Array, mesh, spec) -> jax.Array:
+  """x (laid out by the PartitionSpec `spec` on `mesh`, one dimension split) gathered whole
+  on every device by two all-gathers, over groups of `inner` then `outer` devices of that
+  dimension's mesh axes (`_stages`), in a `shard_map` over the same devices viewed as
+  [outer, inner, the other axes] (shard s of the dimension = outer * inner_size + inner, as
+  the spec splits it). The TPU compiler keeps a gather over part of the mesh a gather, where
+  it does one over every device as an all-reduce of a zero-filled buffer. Falls back to a
+  plain constraint (x whole) when no dimension, or more than one, is split, or the split's
+  device count has no two-stage factoring."""
+  from jax.sharding import NamedSharding, PartitionSpec
+  entries = list(spec) + [None] * (x.ndim - len(spec))
+  split = [d for d, e in enumerate(entries) if e is not None]
+  whole = lambda: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec()))
+  if len(split) != 1:
+    return whole()
+  dim, axes = split[0], _axes(entries[split[0]])
+  staged = _staged_mesh(mesh, axes, x.shape[dim] // math.prod(mesh.shape[a] for a in axes))
+  if staged is None:
+    return whole()
+  in_spec = PartitionSpec(*[_STAGED if d == dim else None for d in range(x.ndim)])
+
+  def gather(v):
+    v = jax.lax.all_gather(v, "gather_inner", axis=dim, tiled=True)
+    return jax.lax.all_gather(v, "gather_outer", axis=dim, tiled=True)
+
+  return jax.shard_map(gather, mesh=staged, in_specs=in_spec, out_specs=PartitionSpec(),
+                       check_vma=False)(x)
+
+
+def staged_einsum_by_batch(subscripts: str, x: jax.Array, w: jax.Array, mesh, x_spec,
+                           w_spec) -> jax.Array | None:
+  """einsum(subscripts, x, w) contracting a dimension split over the same mesh axes in x
+  (laid out by the PartitionSpec x_spec) and w (w_spec), its partial sums reduce-scattered
+  on the output's first dimension (the batch) in two stages, over groups of `outer` then
+  `inner` devices (`_staged_mesh`): the output split by sequence over those axes. A
+  reduce-scatter over every device in one group the TPU compiler does as an all-reduce.
+  None where the two specs do not split over one set of axes, or it has no staging."""
+  from jax.sharding import PartitionSpec
+  found = {_axes(e) for e in list(x_spec) + list(w_spec)} - {()}
+  staged = _staged_mesh(mesh, found.pop()) if len(found) == 1 else None
+  if staged is None:
+    return None
+  on = lambda spec: PartitionSpec(*[_STAGED if e is not None else None for e in spec])
+
+  def body(a, b):
+    part = jnp.einsum(subscripts, a, b)
+    part = jax.lax.psum_scatter(part, "gather_outer", scatter_dimension=0, tiled=True)
+    return jax.lax.psum_scatter(part, "gather_inner", scatter_dimension=0, tiled=True)
+
+  return jax.shard_map(body, mesh=staged, in_specs=(on(x_spec), on(w_spec)),
+                       out_specs=PartitionSpec(_STAGED), check_vma=False)(x, w)
+
+
+def all_gather_in_stages(x: jax.Array, axis_name, size: int, tiled: bool = False) -> jax.Array:
+  """`jax.lax.all_gather(x, axis_name, tiled=tiled)` (the axis' `size` devices' x stacked on
+  a new leading dimension, or concatenated on the first) inside a `shard_map`, as two
+  all-gathers over groups of that axis' devices (`axis_index_groups`: `inner` consecutive
+  indices, then every `inner`-th; `_stages`), for the reason `staged_gather` gives; one
+  gather where `size` has no two-stage factoring."""
+  stages = _stages(size)
+  if stages is None:
+    return jax.lax.all_gather(x, axis_name, tiled=tiled)
+  outer, inner = stages
+  y = jax.lax.all_gather(x, axis_name, tiled=True, axis_index_groups=[
+      [o * inner + i for i in range(inner)] for o in range(outer)])      # [inner n, ...]
+  y = jax.lax.all_gather(y, axis_name, tiled=True, axis_index_groups=[
+      [o * inner + i for o in range(outer)] for i in range(inner)])      # [outer inner n, ...]
+  return y if tiled else y.reshape((size,) + x.shape)
+
+
 SLOT_KEY = ("page_split", "slot")
 """The key of `parallel_for(mesh, "slot")`'s Parallel (see `batch_fills_mesh`)."""
 
@@ -182,4 +314,5 @@ SINGLE = Parallel()
 """The single-device program: no constraints, kernels called directly, reference ops."""
 
 
-__all__ = ["Parallel", "ParallelOps", "SINGLE", "SLOT_KEY"]
+__all__ = ["Parallel", "ParallelOps", "SINGLE", "SLOT_KEY", "all_gather_in_stages",
+           "staged_gather"]

@@ -65,6 +65,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from k3_jax.ops import moe as moe_ops
 from k3_jax.ops.activations import glu
 from k3_jax.ops.mx_gmm import StackedLayer
+from k3_jax.partitioning import all_gather_in_stages
 from sharding.kernels import mesh_platform
 from sharding.rules import RULES
 
@@ -97,7 +98,8 @@ def expert_parallel_dispatch(mesh: Mesh, x: jax.Array, weights: jax.Array,
                              beta2: float = 25.0, gmm: moe_ops.GroupedMatmul | None = None,
                              exchange: str = "auto",
                              capacity_factor: float | None = None,
-                             recv_factor: float | None = None) -> jax.Array:
+                             recv_factor: float | None = None,
+                             staged_gather: bool = False) -> jax.Array:
   """Dropless routed-expert FFN with the experts sharded over the mesh's expert axis.
 
   x [N, Din]; weights [N, k] f32 combine weights; expert_ids [N, k] int32 (global ids);
@@ -113,7 +115,10 @@ def expert_parallel_dispatch(mesh: Mesh, x: jax.Array, weights: jax.Array,
   tokens (N not divisible by it, a small decode batch), every device computes its own
   experts' pairs of all its tokens and the partial results are summed over the expert axis
   instead: no exchange, no rounding of the expert outputs, always dropless (`exchange`,
-  `capacity_factor` and `recv_factor` are not used).
+  `capacity_factor` and `recv_factor` are not used). staged_gather: the routing counts
+  all-gathered in two stages (`partitioning.all_gather_in_stages`; the node decode's
+  layout: the TPU compiler does a gather over the whole axis as an all-reduce of a
+  zero-filled buffer).
   """
   if exchange not in EXCHANGES:
     raise ValueError(f"exchange={exchange!r}: expected one of {EXCHANGES}")
@@ -144,7 +149,8 @@ def expert_parallel_dispatch(mesh: Mesh, x: jax.Array, weights: jax.Array,
   ffn = dict(gmm=gmm, activation=activation, beta1=beta1, beta2=beta2)
   if any(a in tok for a in ex):
     body = functools.partial(_local_dispatch, ex=ex, p=p, exchange=exchange,
-                             capacity=capacity_factor, recv_bound=recv_factor, **ffn)
+                             capacity=capacity_factor, recv_bound=recv_factor,
+                             staged=staged_gather, **ffn)
   else:                                     # tokens replicated over the expert axis
     body = functools.partial(_replicated_dispatch, ex=ex, **ffn)
   fn = jax.shard_map(body, mesh=mesh, in_specs=(tok_spec, tok_spec, tok_spec, w_spec(w_gate),
@@ -159,7 +165,7 @@ def _excl_cumsum(x, axis=0):
 
 
 def _local_dispatch(x, weights, expert_ids, w_gate, w_up, w_down, *, ex, p, exchange, gmm,
-                    capacity, activation, beta1, beta2, recv_bound=None):
+                    capacity, activation, beta1, beta2, recv_bound=None, staged=False):
   """One device's part. x [n, D]; weights, expert_ids [n, k]; w_* the local experts."""
   n, k = expert_ids.shape
   d = x.shape[1]
@@ -181,7 +187,8 @@ def _local_dispatch(x, weights, expert_ids, w_gate, w_up, w_down, *, ex, p, exch
   order = jnp.argsort(flat, stable=True)                               # [n k]
   dest = flat[order] // el                                             # [n k] destination
   counts = jnp.bincount(flat, length=e).astype(jnp.int32)              # [E]
-  all_counts = jax.lax.all_gather(counts, ex).reshape(p, p, el)        # [src, dst, E_l]
+  gather = (functools.partial(all_gather_in_stages, size=p) if staged else jax.lax.all_gather)
+  all_counts = gather(counts, ex, tiled=True).reshape(p, p, el)        # [src, dst, E_l]
   per_dst_full = per_dst = all_counts.sum(2)                           # [src, dst]
   input_offsets = _excl_cumsum(per_dst[me])                            # [P]
   pos_in_chunk = jnp.arange(n * k) - input_offsets[dest]               # [n k]
@@ -305,8 +312,10 @@ def _ragged_all_to_all_reference(operand, output, input_offsets, send_sizes, out
   return output
 
 
-def parallel_ops(mesh: Mesh) -> dict:
-  """{"moe_dispatch": the expert-parallel dispatch} when the mesh has an expert axis > 1."""
+def parallel_ops(mesh: Mesh, staged_gather: bool = False) -> dict:
+  """{"moe_dispatch": the expert-parallel dispatch} when the mesh has an expert axis > 1
+  (staged_gather: the node decode's layout, `expert_parallel_dispatch`)."""
   if not expert_axes(mesh):
     return {}
-  return {"moe_dispatch": functools.partial(expert_parallel_dispatch, mesh)}
+  return {"moe_dispatch": functools.partial(expert_parallel_dispatch, mesh,
+                                            staged_gather=staged_gather)}

@@ -23,7 +23,9 @@ from sharding.rules import named_sharding
 def mesh_parallel_ops(mesh: Mesh, page_split: str = "column") -> partitioning.ParallelOps:
   """The explicit-collective ops for `mesh` (fields None where the mesh lacks the axis);
   page_split: how the serving cache's pages lie over the mesh (sharding/paged.py)."""
-  return partitioning.ParallelOps(**expert.parallel_ops(mesh), **context.parallel_ops(mesh),
+  slot = page_split == "slot"           # the node decode's layout: gathers in two stages
+  return partitioning.ParallelOps(**expert.parallel_ops(mesh, staged_gather=slot),
+                                  **context.parallel_ops(mesh),
                                   **paged.parallel_ops(mesh, page_split))
 
 

@@ -74,6 +74,8 @@ def test_weights_by_output_moves_the_model_dimension():
     assert tuple(d[k].spec).index("expert") != tuple(m[k].spec).index("expert")
   experts = [k for k in d if "w_gate" in jax.tree_util.keystr(k)]
   assert experts and all(d[k].spec == m[k].spec for k in experts)   # routed experts stay
+  table = [k for k in d if "'embed'" in jax.tree_util.keystr(k)]  # the embedding table:
+  assert table and all(tuple(m[k].spec) == ("expert", None) for k in table)    # D -> V
 
 
 def test_weights_by_output_moves_q_b_off_its_low_rank_input():
@@ -152,3 +154,38 @@ def test_prefill_program_is_the_engines_step_over_its_paged_cache():
   logits, cache = jax.eval_shape(fn, *args)
   assert logits.shape == (2, cfg.vocab_size)                       # each row's last logits
   assert jax.tree.structure(cache) == jax.tree.structure(args[2])  # the cache, in place
+
+
+def test_staged_gather_equals_the_whole_constraint_and_is_two_all_gathers():
+  """partitioning.staged_gather (Parallel.gathered in the node decode's layout): an array
+  split by rows over expert:8, or on its last dimension, gathered whole by two all-gathers
+  (over 2 then 4 devices; 4 then 2 at 8 rows a device) is the array itself, and its program holds two all-gathers and no
+  all-reduce; an unsplit array is left whole; all_gather_in_stages (the same inside a
+  shard_map, by axis_index_groups) equals jax.lax.all_gather, stacked or tiled."""
+  import re
+
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  from k3_jax.partitioning import all_gather_in_stages, staged_gather
+  mesh = make_mesh(parse_mesh("expert:8"))
+  x = jnp.arange(16 * 24, dtype=jnp.float32).reshape(16, 24)
+  for spec, a in ((P("expert", None), x), (P(None, "expert"), x),   # 2 rows a device: 4 x 2
+                  (P("expert", None), jnp.tile(x, (4, 1)))):       # 8: 2 x 4 (_stages)
+    xs = jax.device_put(a, NamedSharding(mesh, spec))
+    f = jax.jit(lambda a, spec=spec: staged_gather(a * 2, mesh, spec))
+    out = f(xs)
+    assert out.sharding.is_fully_replicated
+    np.testing.assert_array_equal(np.asarray(out), 2 * np.asarray(a))
+    hlo = f.lower(xs).compile().as_text()
+    assert len(re.findall(r"= \S+ all-gather(?:-start)?\(", hlo)) == 2
+    assert "all-reduce(" not in hlo
+  out = jax.jit(lambda a: staged_gather(a, mesh, P()))(x)          # nothing split: whole
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(x))
+  for tiled in (False, True):     # inside a shard_map: all_gather_in_stages = all_gather
+    staged, plain = (jax.jit(jax.shard_map(g, mesh=mesh, in_specs=P("expert"),
+                                           out_specs=P("expert"), check_vma=False))
+                     for g in (lambda v: all_gather_in_stages(v, "expert", 8, tiled=tiled),
+                               lambda v: jax.lax.all_gather(v, "expert", tiled=tiled)))
+    np.testing.assert_array_equal(np.asarray(staged(x)), np.asarray(plain(x)))

@@ -9,6 +9,7 @@ from k3_jax.config import ModelConfig, jnp_dtype
 from k3_jax.layers.init import Init
 from k3_jax.layers.linear import Linear, apply_stacked
 from k3_jax.ops.activations import glu
+from k3_jax.partitioning import SINGLE, Parallel
 
 
 class GatedFFN(nnx.Module):
@@ -24,6 +25,11 @@ class GatedFFN(nnx.Module):
                        std=out_std)
 
   @jax.named_scope("dense_ffn")
-  def __call__(self, x: jax.Array) -> jax.Array:
-    gate, up = apply_stacked(x, (self.gate, self.up))                  # one matmul
-    return self.down(glu(gate, up, self.kind, self.beta1, self.beta2))
+  def __call__(self, x: jax.Array, par: Parallel = SINGLE) -> jax.Array:
+    if par.batch_fills_mesh:   # node decode: one by one on their output splits (no stack)
+      gate, up = self.gate(x), self.up(x)
+    else:
+      gate, up = apply_stacked(x, (self.gate, self.up))                # one matmul
+    h = glu(gate, up, self.kind, self.beta1, self.beta2)
+    # node decode: the hidden, split on its width, gathered whole for the down-projection
+    return self.down(par.gathered(h, (None,) * (h.ndim - 1) + ("embed",)))

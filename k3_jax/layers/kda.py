@@ -128,12 +128,13 @@ class KDA(nnx.Module):
     `compile.weights_by_output` splits on their output (`_decay`; whole on every chip,
     each read 3 MB a layer: 0.2 GB a step; and the decay's down-projection, alone, was
     gathered whole)."""
-    whole, split = par.whole, lambda a: par.by_batch(par.by_output(a))
-    xw = whole(x)
+    split = lambda a: par.by_batch(par.by_output(a))
+    whole = lambda a: par.gathered(par.by_output(a), (None, None, "embed"))
+    xw = par.gathered(x, ("batch", None, None))
     out = [split(lin(xw)) for lin in heads]
-    zf = whole(par.by_output(self.f_down(xw)))
+    zf = whole(self.f_down(xw))
     if self.c.gate_rank:
-      out.append(split(self.g_up(whole(par.by_output(self.g_down(xw))))))
+      out.append(split(self.g_up(whole(self.g_down(xw)))))
     return out[0], out[1], out[2], zf, out[3]
 
   @jax.named_scope("decay")
@@ -151,10 +152,11 @@ class KDA(nnx.Module):
                     conv_q=conv, conv_k=conv, conv_v=conv)
 
   @jax.named_scope("output")
-  def _output(self, o, gate):
+  def _output(self, o, gate, par: Parallel = SINGLE):
     o = rms_norm(o.astype(jnp.float32), self.o_norm[...], self.eps)     # [B, T, H, V]
     o = jax.nn.sigmoid(gate.astype(jnp.float32)) * o
-    return self.o_proj(o.astype(self.dtype))
+    # node decode: gathered whole for o_proj (split on its output, the model dimension)
+    return self.o_proj(par.gathered(o.astype(self.dtype), ("batch", None, None, None)))
 
   # ----- forward --------------------------------------------------------------
   @jax.named_scope("kda")
@@ -191,7 +193,7 @@ class KDA(nnx.Module):
                                    output_final_state=cache is not None,
                                    segment_ids=segment_ids, backend=par.kernels.kda_backend,
                                    par=par)
-    y = self._output(o, gate)
+    y = self._output(o, gate, par)
     if cache is None:
       return y, None
     if cache.active is not None:   # idle rows keep their state (selected here, per layer,

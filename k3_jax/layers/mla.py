@@ -74,8 +74,11 @@ class MLA(nnx.Module):
 
   @jax.named_scope("projections")
   def _query(self, x, par: Parallel = SINGLE):
-    q = (par.by_batch(par.by_output(self.q_b(self.q_norm(self.q_a(x)))))  # node decode: split
-         if self.c.q_lora_rank else self.q_proj(x))                          # on its output
+    if self.c.q_lora_rank:     # node decode: q_a's normed output gathered for q_b, split on
+      q_low = self.q_norm(par.by_output(self.q_a(x)))                  # its output
+      q = par.by_batch(par.by_output(self.q_b(par.gathered(q_low, (None, None, "embed")))))
+    else:
+      q = self.q_proj(x)
     n = self.c.qk_nope_head_dim
     return q[..., :n], q[..., n:]                                      # [B, T, H, n], [.., p]
 
@@ -86,10 +89,12 @@ class MLA(nnx.Module):
     return self.kv_norm(ckv[..., :r]), ckv[..., r:]                    # [B, T, R], [B, T, P]
 
   @jax.named_scope("output")
-  def _output(self, x, o):
-    if self.c.output_gate:
-      o = jax.nn.sigmoid(self.g_proj(x).astype(jnp.float32)) * o.astype(jnp.float32)
-    return self.o_proj(o.astype(self.dtype))
+  def _output(self, x, o, par: Parallel = SINGLE):
+    if self.c.output_gate:     # node decode: the gate (split on its output) sent by sequence
+      g = par.by_batch(par.by_output(self.g_proj(x)))
+      o = jax.nn.sigmoid(g.astype(jnp.float32)) * o.astype(jnp.float32)
+    # node decode: gathered whole for o_proj (split on its output, the model dimension)
+    return self.o_proj(par.gathered(o.astype(self.dtype), ("batch", None, None, None)))
 
   @jax.named_scope("mla")
   def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None,
@@ -104,6 +109,7 @@ class MLA(nnx.Module):
     """
     b, t, _ = x.shape
     c = self.c
+    x = par.gathered(x, ("batch", None, None))   # node decode: once for every projection
     q_nope, q_rope = self._query(x, par)
     c_kv, k_r = self._latent(x)
     if cache is None:
@@ -145,7 +151,7 @@ class MLA(nnx.Module):
       w_k, w_v = w[..., :n], w[..., n:]
     few = few_rows(q_nope, par)
     if few:
-      q_nope = par.whole(q_nope)
+      q_nope = par.gathered(q_nope, ("batch", None, None, None))
     q_lat = jnp.einsum("bthn,rhn->bthr", q_nope.astype(jnp.float32), w_k)
     if few:
       q_lat = par.by_batch(par.by_output(q_lat))
@@ -206,11 +212,12 @@ class MLA(nnx.Module):
       own = attn_ops.token_partial(q_lat, q_rope, new_c[:, 0], new_r[:, 0], self.scale)
     part = attn_ops.merge_partials(cached, own)
     o_lat = attn_ops.finish_partial(part)[:, None]                     # [B, 1, H, R]
-    few = few_rows(o_lat, par)    # node decode, kv_b split on R: o's partial sums reduced
-    o = jnp.einsum("bthr,rhv->bthv", par.by_input(o_lat) if few else o_lat, w_v)
-    if few:                       # whole, as o_proj (split on its output) takes it
-      o = par.whole(o)
-    return self._output(x, o), part.m.max(axis=0)
+    if few_rows(o_lat, par):      # node decode, kv_b split on R: o's partial sums
+      o = par.einsum_by_batch("bthr,rhv->bthv", o_lat, w_v,      # reduce-scattered by sequence
+                              (None, None, None, "embed"), ("embed", None, None))
+    else:
+      o = jnp.einsum("bthr,rhv->bthv", o_lat, w_v)
+    return self._output(x, o, par), part.m.max(axis=0)
 
   def _paged(self, x, q_nope, q_rope, c_kv, k_r, cache, pos, par: Parallel = SINGLE):
     """Tokens at per-sequence positions pos[b] + [0, T): write their latents into the pages

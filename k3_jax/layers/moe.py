@@ -114,7 +114,7 @@ class MoE(nnx.Module):
     b, t, d = x.shape
     xf = x.reshape(b * t, d)                                           # [N, D]
     if par.batch_fills_mesh:   # node decode: the tokens gathered once for the router, latent
-      xf = par.whole(xf)                     # and shared projections (each gathered its own)
+      xf = par.gathered(xf, ("batch", None))  # and shared projections (each gathered its own)
     with jax.named_scope("router"):
       scores = moe_ops.router_scores(xf, self.router[...])             # [N, E] f32
       if par.batch_fills_mesh:      # node decode: computed split on E, then per token whole
@@ -140,10 +140,10 @@ class MoE(nnx.Module):
       else:
         u = moe_ops.moe_dispatch(*args, **kw)                          # [N, L]
     with jax.named_scope("latent_up"):
-      y = self.up(self.norm(u)) if m.latent_dim else u                 # [N, D]
+      y = self.up(par.gathered(self.norm(u), ("batch", None))) if m.latent_dim else u  # [N, D]
     if m.num_shared_experts:
       with jax.named_scope("shared_experts"):
-        y = y + self.shared(xf)
+        y = y + self.shared(xf, par)
     with jax.named_scope("balance"):
       aux = {"expert_load": moe_ops.expert_load(ids, m.num_experts)}
       if train:
