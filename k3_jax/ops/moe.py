@@ -420,36 +420,82 @@ _tiled_moe.defvjp(_tiled_moe_fwd, _tiled_moe_bwd)
 
 def _moe_tile_loop(x, weights, expert_ids, w_gate, w_up, w_down, activation, beta1, beta2,
                    tile: int | None = None, gate_up: jax.Array | None = None):
-  """The tiled layout run as a loop over the tiles that hold rows (`used`, known only at
+  """The tiled layout run as loops over the tiles that hold rows (`used`, known only at
   run time: no padding tile beyond the last expert's is computed), each tile's three
   matmuls against its expert's weights read in place, its rows weighted and added into
   their tokens' outputs (a padding row adds 0 x its output to a spare row). A token's k
-  pairs are added in expert order. Not reverse-differentiable (a loop of run-time
-  length): `_moe_tiled` differentiates `_moe_tiles_batched` instead."""
+  pairs are added in expert order within each loop. Not reverse-differentiable (a loop of
+  run-time length): `_moe_tiled` differentiates `_moe_tiles_batched` instead.
+
+  With tiles larger than LOOP_TILE, an expert's rows past its last whole tile go to a
+  second loop of LOOP_TILE-row tiles unless they fill more than half a tile
+  (`_split_layout`): padded up to the large tile, an expert one row past a tile boundary
+  computed a whole tile of padding (with 16 experts at the mean of 512 rows, about half
+  of them; the large tiles alone ran ~1.5x the rows)."""
   n, k = expert_ids.shape
   e, din, f = w_gate.shape
   t = tile or prefill_tile(n * k, e)
-  num_tiles = -(-(n * k + e * (t - 1)) // t)                             # static bound
-  rows = num_tiles * t
   f32 = jnp.float32
   with jax.named_scope("dispatch"):
-    dest, src, tile_expert, used = _tiled_layout(expert_ids, n, k, e, t, num_tiles, rows,
-                                                 search="compare_all")
-    row_weight = jnp.zeros((rows,), f32).at[dest].set(
-        weights.reshape(-1).astype(f32)).reshape(num_tiles, t)           # 0 on padding
     xe = jnp.concatenate([x, jnp.zeros((1, din), x.dtype)], axis=0)      # [N+1, Din]
-    xs = jnp.take(xe, src, axis=0).reshape(num_tiles, t, din)            # [tiles, t, Din]
-    token = src.reshape(num_tiles, t)                                    # n = the spare row
+    regions = _split_layout(expert_ids, weights, n, k, e, t,
+                            LOOP_TILE if t > LOOP_TILE else None)
 
-  def one_tile(i, y):
-    out = _expert_rows(xs[i], tile_expert[i], w_gate, w_up, w_down, activation, beta1,
-                       beta2, gate_up)                                            # [t, Din]
-    return y.at[token[i]].add(out * row_weight[i][:, None])
+  y = jnp.zeros((n + 1, din), f32)
+  for size, src, tile_expert, row_weight, used in regions:
+    xs = jnp.take(xe, src, axis=0).reshape(-1, size, din)                # [tiles, t, Din]
+    token = src.reshape(-1, size)                                        # n = the spare row
+    row_weight = row_weight.reshape(-1, size)
 
-  with jax.named_scope("experts"):           # each tile's rows added into y as it goes
-    y = jax.lax.fori_loop(0, used, one_tile, jnp.zeros((n + 1, din), f32))
+    def one_tile(i, y, xs=xs, token=token, row_weight=row_weight, tile_expert=tile_expert):
+      out = _expert_rows(xs[i], tile_expert[i], w_gate, w_up, w_down, activation, beta1,
+                         beta2, gate_up)                                          # [t, Din]
+      return y.at[token[i]].add(out * row_weight[i][:, None])
+
+    with jax.named_scope("experts"):         # each tile's rows added into y as it goes
+      y = jax.lax.fori_loop(0, used, one_tile, y)
   with jax.named_scope("combine"):
     return y[:n].astype(x.dtype)                                         # the spare row off
+
+
+def _split_layout(expert_ids, weights, n, k, e, t, small):
+  """`_moe_tile_loop`'s layout: a list of regions (tile rows, src [rows] token of each row
+  (n = the zero pad row), tile_expert [tiles], row_weight [rows] (0 on padding), used: the
+  tiles that hold rows). Every expert's rows sorted by pair; with `small`, each expert
+  takes floor(g / t) tiles of t rows, one more when its remainder exceeds t / 2, and the
+  rows left (at most t / 2) go to the second region's `small`-row tiles."""
+  m = n * k
+  flat_ids = expert_ids.reshape(-1)                                      # [M] pair -> expert
+  order = jnp.argsort(flat_ids, stable=True)                             # [M] sorted row -> pair
+  sizes = jnp.bincount(flat_ids, length=e).astype(jnp.int32)            # [E]
+  starts = jnp.cumsum(sizes) - sizes
+  sorted_ids = flat_ids[order]
+  rank = jnp.arange(m, dtype=jnp.int32) - starts[sorted_ids]             # [M] row within expert
+  token = (order // k).astype(jnp.int32)
+  pair_weight = weights.reshape(-1).astype(jnp.float32)[order]
+  if small is None:
+    parts = [(t, sizes, m + e * (t - 1))]
+  else:
+    big = sizes // t + (sizes % t > t // 2)                              # [E] large tiles
+    in_big = jnp.minimum(sizes, big * t)
+    parts = [(t, in_big, m + e * (t // 2)), (small, sizes - in_big, e * (t // 2 + small - 1))]
+  regions, offset = [], jnp.zeros_like(rank)
+  for size, count, bound in parts:                  # count [E]: the rows this region holds
+    num_tiles = -(-bound // size)                                        # static bound
+    rows = num_tiles * size
+    padded = (count + size - 1) // size * size
+    padded_ends = jnp.cumsum(padded)
+    r = rank - offset                                                    # [M] row in region
+    mine = (r >= 0) & (r < count[sorted_ids])
+    dest = jnp.where(mine, padded_ends[sorted_ids] - padded[sorted_ids] + r, rows)
+    src = jnp.full((rows,), n, jnp.int32).at[dest].set(token, mode="drop")
+    row_weight = jnp.zeros((rows,), jnp.float32).at[dest].set(pair_weight, mode="drop")
+    tile_expert = jnp.minimum(jnp.searchsorted(   # [tiles, E] compares: one fusion, where
+        padded_ends, jnp.arange(num_tiles) * size,  # "scan" is a loop of ~5 small steps
+        side="right", method="compare_all"), e - 1)
+    regions.append((size, src, tile_expert, row_weight, padded_ends[-1] // size))
+    offset = offset + count[sorted_ids]
+  return regions
 
 
 def _moe_tiles_batched(x, weights, expert_ids, w_gate, w_up, w_down, activation, beta1,
@@ -486,12 +532,10 @@ def _moe_tiles_batched(x, weights, expert_ids, w_gate, w_up, w_down, activation,
   return y.astype(x.dtype)
 
 
-def _tiled_layout(expert_ids, n, k, e, t, num_tiles, rows, search: str = "scan"):
-  """_moe_tiled's layout: (dest [M] padded row of each pair, src [rows] token of each
-  padded row (n = the zero pad row), tile_group [tiles] expert of each tile, used: how many
-  tiles hold rows, the rest padding). search: jnp.searchsorted's method for each tile's
-  expert (the same integers either way); "compare_all" ([tiles, E] compares, one fusion)
-  for XLA:CPU's loop, where "scan" is a while loop of ~5 small steps in every MoE layer."""
+def _tiled_layout(expert_ids, n, k, e, t, num_tiles, rows):
+  """`_moe_tiles_batched`'s layout: (dest [M] padded row of each pair, src [rows] token of
+  each padded row (n = the zero pad row), tile_group [tiles] expert of each tile, used: how
+  many tiles hold rows, the rest padding)."""
   m = n * k
   flat_ids = expert_ids.reshape(-1)                                      # [M] pair -> expert
   order = jnp.argsort(flat_ids, stable=True)                             # [M] sorted row -> pair
@@ -507,7 +551,7 @@ def _tiled_layout(expert_ids, n, k, e, t, num_tiles, rows, search: str = "scan")
   src = jnp.full((rows,), n, jnp.int32).at[dest_sorted].set(
       (order // k).astype(jnp.int32))                                    # [rows] token (n = pad)
   tile_group = jnp.minimum(jnp.searchsorted(padded_ends, jnp.arange(num_tiles) * t,
-                                            side="right", method=search), e - 1)  # [tiles]
+                                            side="right"), e - 1)       # [tiles]
   return dest, src, tile_group, padded_ends[-1] // t
 
 

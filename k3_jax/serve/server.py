@@ -68,21 +68,41 @@ def _install_guards(app, engine) -> None:
   async def _param_error(_, e: api_params.ParamError):
     return JSONResponse(ApiError(400, str(e), e.param, code=e.code).body(), status_code=400)
 
-  @app.middleware("http")
-  async def _limits(http: HttpRequest, call_next):
-    if http.method == "POST":
-      if app.state.draining:
-        return JSONResponse(ApiError(503, "the server is shutting down; retry on another "
-                                     "instance", type_="server_error",
-                                     code="draining").body(),
-                            status_code=503, headers={"Retry-After": "5"})
-      size = http.headers.get("content-length")
-      limit = engine.serve.max_body_bytes
-      if size is not None and size.isdigit() and int(size) > limit:
-        return JSONResponse(ApiError(413, f"the request body has {size} bytes; the limit is "
-                                     f"{limit} (--max_body_bytes)", code="body_too_large"
-                                     ).body(), status_code=413)
-    return await call_next(http)
+  def refusal(method: str, headers) -> JSONResponse | None:
+    """The response that refuses a request before its handler runs, or None."""
+    if method != "POST":
+      return None
+    if app.state.draining:
+      return JSONResponse(ApiError(503, "the server is shutting down; retry on another "
+                                   "instance", type_="server_error", code="draining").body(),
+                          status_code=503, headers={"Retry-After": "5"})
+    size = headers.get("content-length")
+    limit = engine.serve.max_body_bytes
+    if size is not None and size.isdigit() and int(size) > limit:
+      return JSONResponse(ApiError(413, f"the request body has {size} bytes; the limit is "
+                                   f"{limit} (--max_body_bytes)", code="body_too_large"
+                                   ).body(), status_code=413)
+    return None
+
+  app.add_middleware(Guard, refusal=refusal)
+
+
+class Guard:
+  """A plain ASGI middleware: `refusal(method, headers)` answers a request before the app
+  sees it, or passes it through untouched. (Starlette's `@app.middleware("http")` carries
+  every chunk of a streamed response through a memory stream between two tasks: a task
+  switch per token per request.)"""
+
+  def __init__(self, app, refusal):
+    self.app, self.refusal = app, refusal
+
+  async def __call__(self, scope, receive, send):
+    if scope["type"] == "http":
+      from starlette.datastructures import Headers
+      out = self.refusal(scope["method"], Headers(scope=scope))
+      if out is not None:
+        return await out(scope, receive, send)
+    await self.app(scope, receive, send)
 
 
 def build_app(engine, tokenizer, model_name: str, *, start_loop: bool = True):

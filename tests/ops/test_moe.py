@@ -206,11 +206,16 @@ def test_dispatch_matches_dense(n, d, e, f, k, skew, activation):
   np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-5, atol=1e-5)
 
 
-def test_tiled_loop_equals_batched_and_differentiates_batched():
+@pytest.mark.parametrize("loop_tile", [64, 2])
+def test_tiled_loop_equals_batched_and_differentiates_batched(loop_tile, monkeypatch):
   """The tiled layout's two programs: the loop over used tiles (what a plain call runs)
   equals the batched per-tile matmuls (1e-5: the same products, summed per tile either
-  way, only the matmul kernels differ), with experts left empty and a tile size that
-  leaves padding; differentiated, `_moe_tiled` is the batched program's gradient exactly."""
+  way, only the matmul kernels and the order of a token's k terms differ), with experts
+  left empty and a tile size that leaves padding; differentiated, `_moe_tiled` is the
+  batched program's gradient exactly. loop_tile 2: tiles above it send each expert's rows
+  past its last whole tile (when at most half a tile) to a second loop of 2-row tiles
+  (`_split_layout`), as a long prefill's 512-row tiles do with 64-row ones."""
+  monkeypatch.setattr(moe_ops, "LOOP_TILE", loop_tile)
   n, d, e, f, k = 40, 16, 8, 12, 2
   x, w_r, bias = _routing(11, n, d, e, k, True)
   experts = _expert_weights(12, e, d, f)
