@@ -461,18 +461,17 @@ def _moe_tile_loop(x, weights, expert_ids, w_gate, w_up, w_down, activation, bet
 def _split_layout(expert_ids, weights, n, k, e, t, small):
   """`_moe_tile_loop`'s layout: a list of regions (tile rows, src [rows] token of each row
   (n = the zero pad row), tile_expert [tiles], row_weight [rows] (0 on padding), used: the
-  tiles that hold rows). Every expert's rows sorted by pair; with `small`, each expert
+  tiles that hold rows). Every expert's rows in pair order; with `small`, each expert
   takes floor(g / t) tiles of t rows, one more when its remainder exceeds t / 2, and the
   rows left (at most t / 2) go to the second region's `small`-row tiles."""
-  m = n * k
   flat_ids = expert_ids.reshape(-1)                                      # [M] pair -> expert
-  order = jnp.argsort(flat_ids, stable=True)                             # [M] sorted row -> pair
+  m = n * k
   sizes = jnp.bincount(flat_ids, length=e).astype(jnp.int32)            # [E]
-  starts = jnp.cumsum(sizes) - sizes
-  sorted_ids = flat_ids[order]
-  rank = jnp.arange(m, dtype=jnp.int32) - starts[sorted_ids]             # [M] row within expert
-  token = (order // k).astype(jnp.int32)
-  pair_weight = weights.reshape(-1).astype(jnp.float32)[order]
+  order = jnp.argsort(flat_ids, stable=True)                             # sorted row -> pair
+  rank = jnp.zeros((m,), jnp.int32).at[order].set(      # [M] the pair's row in its expert
+      jnp.arange(m, dtype=jnp.int32) - (jnp.cumsum(sizes) - sizes)[flat_ids[order]])
+  token = jnp.arange(m, dtype=jnp.int32) // k
+  pair_weight = weights.reshape(-1).astype(jnp.float32)
   if small is None:
     parts = [(t, sizes, m + e * (t - 1))]
   else:
@@ -486,15 +485,15 @@ def _split_layout(expert_ids, weights, n, k, e, t, small):
     padded = (count + size - 1) // size * size
     padded_ends = jnp.cumsum(padded)
     r = rank - offset                                                    # [M] row in region
-    mine = (r >= 0) & (r < count[sorted_ids])
-    dest = jnp.where(mine, padded_ends[sorted_ids] - padded[sorted_ids] + r, rows)
+    mine = (r >= 0) & (r < count[flat_ids])
+    dest = jnp.where(mine, padded_ends[flat_ids] - padded[flat_ids] + r, rows)
     src = jnp.full((rows,), n, jnp.int32).at[dest].set(token, mode="drop")
     row_weight = jnp.zeros((rows,), jnp.float32).at[dest].set(pair_weight, mode="drop")
     tile_expert = jnp.minimum(jnp.searchsorted(   # [tiles, E] compares: one fusion, where
         padded_ends, jnp.arange(num_tiles) * size,  # "scan" is a loop of ~5 small steps
         side="right", method="compare_all"), e - 1)
     regions.append((size, src, tile_expert, row_weight, padded_ends[-1] // size))
-    offset = offset + count[sorted_ids]
+    offset = offset + count[flat_ids]
   return regions
 
 
