@@ -48,7 +48,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -65,7 +64,6 @@ from k3_jax import train  # noqa: E402
 from k3_jax.config import apply_overrides, validate  # noqa: E402
 from k3_jax.model import create_model  # noqa: E402
 from k3_jax.config import SINGLE_STREAM  # noqa: E402
-from k3_jax.serve import expert_layout  # noqa: E402
 from k3_jax.serve.engine import Engine, SamplingParams  # noqa: E402
 
 
@@ -134,9 +132,7 @@ def bench_pool(runs):
   """The decode step of the 15M Kimi-Linear, 8 slots at context 1,000 (16 active pages),
   with pools of 1x, 16x and 256x the active pages (kv_cache_bytes): the step writes in
   place and reads only the active pages, so its time should not move with the pool.
-  Target: 256x <= 1.1x the 1x step. Beside them, the 1x step with the routed experts read
-  from their training layout only (serve/expert_layout.off: gate and up weights sliced and
-  multiplied apart, as before the serve-time layout): `layout_gain` = that / 1x."""
+  Target: 256x <= 1.1x the 1x step."""
   import tempfile
   with tempfile.TemporaryDirectory() as tmp:
     _, cfg, ours, _ = kimi_pair(tmp)
@@ -146,12 +142,10 @@ def bench_pool(runs):
   probe_bytes = Engine(cfg, g, p, r, max_batch=1, max_len=512, prefix_cache_bytes=0,
                        kv_cache_bytes=1 << 20).page_bytes
   steppers, times = {}, {}
-  for k in (1, 16, 256, "plain"):
-    with expert_layout.off() if k == "plain" else contextlib.nullcontext():
-      eng = Engine(cfg, g, p, r, max_batch=slots, max_len=cfg.max_seq_len,
-                   prefix_cache_bytes=0, kv_cache_bytes=((k if k != "plain" else 1) * active
-                                                         + 1) * probe_bytes)
-    key = f"pool_{k}x" if k != "plain" else "pool_1x_training_layout"
+  for k in (1, 16, 256):
+    eng = Engine(cfg, g, p, r, max_batch=slots, max_len=cfg.max_seq_len,
+                 prefix_cache_bytes=0, kv_cache_bytes=(k * active + 1) * probe_bytes)
+    key = f"pool_{k}x"
     res[key] = {"pages": eng.num_pages, "bytes": eng.num_pages * probe_bytes}
     steppers[key], times[key] = decode_stepper(eng, pos, slots), []
   for _ in range(runs):           # the pools' steps alternate: the machine's drift
@@ -159,7 +153,6 @@ def bench_pool(runs):
       times[k].append(step())
   for k in steppers:
     res[k]["step_s"] = statistics.median(times[k])
-  res["layout_gain"] = res["pool_1x_training_layout"]["step_s"] / res["pool_1x"]["step_s"]
   res["ratio_256x"] = res["pool_256x"]["step_s"] / res["pool_1x"]["step_s"]
   res["ratio_16x"] = res["pool_16x"]["step_s"] / res["pool_1x"]["step_s"]
   return res
@@ -511,8 +504,7 @@ def main():
     print("decode step, 8 slots at context 1,000 (16 active pages), by pool size: " +
           ", ".join(f"{k[5:]} {v['pages']} pages ({v['bytes'] / 2**20:.0f} MiB) "
                     f"{v['step_s'] * 1e3:.2f} ms" for k, v in t.items() if k.startswith("pool_"))
-          + f"; 256x / 1x = {t['ratio_256x']:.2f} (target <= 1.1); the experts' training "
-          f"layout / their serve-time one = {t['layout_gain']:.2f}", flush=True)
+          + f"; 256x / 1x = {t['ratio_256x']:.2f} (target <= 1.1)", flush=True)
   if "http" in only:
     out["http"] = t = bench_http(a.quick, a.serve_flag)
     print(f"serve {' '.join(a.serve_flag) or '(default flags)'}: {t['serve_pool_line']}",

@@ -34,12 +34,6 @@ class RouterBias(nnx.Variable):
   """The balancing bias: state, not a parameter (no gradient, no optimizer, no decay)."""
 
 
-class GateUpExperts(nnx.Variable):
-  """Serve-time state: the routed experts' gate and up weights side by side, [(U,) E, Din,
-  2F] (ops/moe.stack_gate_up), added by k3_jax/serve/expert_layout.py when an engine serves
-  on XLA:CPU; a decode step's moe_small loops read it."""
-
-
 class MoE(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, init: Init, out_std: float | None = None):
     m, d = cfg.moe, cfg.d_model
@@ -135,8 +129,7 @@ class MoE(nnx.Module):
       elif not train and xf.shape[0] <= moe_ops.SMALL_TOKENS and not self.qat \
           and not self._packed():           # a decode step: no training-sized layout
         kw.pop("gmm")
-        gate_up = self.gate_up[...] if hasattr(self, "gate_up") else None   # serve-time
-        u = moe_ops.moe_small(*args, pair_loop=par.platform == "cpu", gate_up=gate_up, **kw)
+        u = moe_ops.moe_small(*args, pair_loop=par.platform == "cpu", **kw)
       else:
         u = moe_ops.moe_dispatch(*args, **kw)                          # [N, L]
     with jax.named_scope("latent_up"):

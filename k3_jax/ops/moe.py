@@ -255,7 +255,7 @@ SMALL_TOKENS = 64    # at most this many tokens (a decode step): moe_small, not 
 def moe_small(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
               w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
               activation: str = "situ", beta1: float = 4.0, beta2: float = 25.0,
-              pair_loop: bool = False, gate_up: jax.Array | None = None) -> jax.Array:
+              pair_loop: bool = False) -> jax.Array:
   """`moe_dispatch` for a handful of tokens (decode), with no sort, no group sizes and no
   tile padding: each row's result depends on that row alone (batch invariance).
 
@@ -273,14 +273,11 @@ def moe_small(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
   tokens 4.5 vs 6.0, 40 (a batch-8 verify window) 6.3 vs 11.3. Otherwise every expert runs
   on every token (E/k times the FLOPs, but each expert's weights are read once, which is
   what a memory-bound step pays for). Same arguments and result as `moe_dispatch`.
-  gate_up: the experts' gate and up weights side by side, [E, Din, 2F] (`stack_gate_up`;
-  the serve-time layout an engine builds once on XLA:CPU): the loops then take one weight
-  slice and one matmul for both a pair or tile, not two of each (the served 15M
-  Kimi-Linear's engine, one run on 12-05 morning: a step of 1 row 3.25 -> 2.98 ms, 2 rows
-  3.79 -> 3.68, 8 rows 7.52 -> 6.87; after that evening's KDA decode step, 60 alternating
-  batch-8 steps each way read the training layout at 0.984x / 0.998x of this one's time:
-  no gain left to measure), and the tiles run as the plain loop (serving: never
-  differentiated)."""
+
+  (Reading each expert's gate and up weights side by side, one matmul for both, was a
+  serve-time layout on XLA:CPU until stop 54 (12-05): 7.52 -> 6.87 ms a batch-8 step when it came,
+  it read 0.87-0.998x of its time in five later runs against the layout here, and cost a
+  second copy of those weights.)"""
   n, k = expert_ids.shape
   e = w_gate.shape[0]
   f32 = jnp.float32
@@ -289,13 +286,9 @@ def moe_small(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
       def one_pair(i, y):
         tok, j = i // k, expert_ids[i // k, i % k]
         out = _expert_rows(x[tok][None], j, w_gate, w_up, w_down, activation, beta1,
-                           beta2, gate_up)[0]                            # [Din]
+                           beta2)[0]                                     # [Din]
         return y.at[tok].add(out * weights[tok, i % k].astype(f32))
       y = jax.lax.fori_loop(0, n * k, one_pair, jnp.zeros((n, x.shape[1]), f32))
-  elif pair_loop and gate_up is not None:      # served: never differentiated
-    with jax.named_scope("experts_tiles"):
-      y = _moe_tile_loop(x, weights, expert_ids, w_gate, w_up, w_down, activation, beta1,
-                         beta2, tile=decode_tile(n * k, e), gate_up=gate_up)
   elif pair_loop:
     with jax.named_scope("experts_tiles"):
       y = _moe_tiled(x, weights, expert_ids, w_gate, w_up, w_down, activation, beta1,
@@ -327,8 +320,7 @@ def moe_small(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
 
 def stack_gate_up(w_gate: jax.Array, w_up: jax.Array) -> jax.Array:
   """w_gate, w_up [..., E, Din, F] -> [..., E, Din, 2F]: each expert's gate and up weights
-  side by side, read by one matmul (the batched tiles of training, and the serve-time
-  layout the decode's loops read: k3_jax/serve/expert_layout.py)."""
+  side by side, read by one matmul (the batched tiles of training)."""
   return jnp.concatenate([w_gate, w_up], axis=-1)
 
 
@@ -340,18 +332,13 @@ def decode_tile(m: int, e: int) -> int:
   return min(LOOP_TILE, max(4, 1 << (-(-m // e) - 1).bit_length()))
 
 
-def _expert_rows(xt, j, w_gate, w_up, w_down, activation, beta1, beta2, gate_up=None):
+def _expert_rows(xt, j, w_gate, w_up, w_down, activation, beta1, beta2):
   """Expert j's FFN on rows xt [r, Din], its weights read where they lie (the loops of
   `moe_small` and `_moe_tile_loop`) -> [r, Din] float32."""
   f32 = jnp.float32
-  if gate_up is not None:     # [E, Din, 2F]: one weight slice and one matmul for both
-    f = w_down.shape[1]
-    gu = jnp.dot(xt, gate_up[j], preferred_element_type=f32)
-    h = glu(gu[:, :f], gu[:, f:], activation, beta1=beta1, beta2=beta2).astype(xt.dtype)
-  else:
-    h = glu(jnp.dot(xt, w_gate[j], preferred_element_type=f32),
-            jnp.dot(xt, w_up[j], preferred_element_type=f32),
-            activation, beta1=beta1, beta2=beta2).astype(xt.dtype)
+  h = glu(jnp.dot(xt, w_gate[j], preferred_element_type=f32),
+          jnp.dot(xt, w_up[j], preferred_element_type=f32),
+          activation, beta1=beta1, beta2=beta2).astype(xt.dtype)
   return jnp.dot(h, w_down[j], preferred_element_type=f32)
 
 
@@ -419,7 +406,7 @@ _tiled_moe.defvjp(_tiled_moe_fwd, _tiled_moe_bwd)
 
 
 def _moe_tile_loop(x, weights, expert_ids, w_gate, w_up, w_down, activation, beta1, beta2,
-                   tile: int | None = None, gate_up: jax.Array | None = None):
+                   tile: int | None = None):
   """The tiled layout run as loops over the tiles that hold rows (`used`, known only at
   run time: no padding tile beyond the last expert's is computed), each tile's three
   matmuls against its expert's weights read in place, its rows weighted and added into
@@ -449,7 +436,7 @@ def _moe_tile_loop(x, weights, expert_ids, w_gate, w_up, w_down, activation, bet
 
     def one_tile(i, y, xs=xs, token=token, row_weight=row_weight, tile_expert=tile_expert):
       out = _expert_rows(xs[i], tile_expert[i], w_gate, w_up, w_down, activation, beta1,
-                         beta2, gate_up)                                          # [t, Din]
+                         beta2)                                                   # [t, Din]
       return y.at[token[i]].add(out * row_weight[i][:, None])
 
     with jax.named_scope("experts"):         # each tile's rows added into y as it goes

@@ -29,7 +29,7 @@ from flax import nnx
 from k3_jax.cache import PagedMLACache
 from k3_jax.config import ModelConfig, ServeConfig, UserError
 from k3_jax.execution import DEFAULT_KERNELS, Kernels
-from k3_jax.serve import expert_layout, kv_manager
+from k3_jax.serve import kv_manager
 from k3_jax.serve import kv_pages as kv
 from k3_jax.serve import steps
 from k3_jax.serve.kv_pages import PAGE
@@ -98,8 +98,6 @@ class Runner:
     """The weights placed (by their logical axes on `mesh`; as given without one) and the
     sizes of one MLA page and one slot's KDA state probed; `allocate` makes the rest.
     kernels: the job's kernel choices (k3_jax/execution.py; None: the defaults)."""
-    graphdef, params, rest = expert_layout.with_gate_up(     # serve-time expert layout
-        cfg, graphdef, params, rest, mesh)
     self.cfg, self.graphdef, self.mesh, self.relay = cfg, graphdef, mesh, relay
     self.kernels = kernels or DEFAULT_KERNELS
     self.max_batch = max_batch

@@ -276,37 +276,6 @@ def test_small_token_path_matches_dense(n, e, k):
     assert np.array_equal(np.asarray(other[n - 2]), np.asarray(y_loop[0]))
 
 
-@pytest.mark.parametrize("n", [1, 8])
-def test_gate_up_layout_loops_match_dense_and_keep_rows_apart(n):
-  """moe_small's loops (over the pairs at 1 row, over expert tiles at 8) reading the
-  serve-time layout (stack_gate_up: each expert's gate and up weights side by side, one
-  matmul for both) equal the dense reference (f32, 1e-5: the same products summed in
-  another order), and a row's bits do not depend on the other rows (at 8 rows: redrawn,
-  the row moved; at 1 row: the row alone vs in a batch of 3)."""
-  d, e, f, k = 16, 16, 12, 4
-  rows = max(n, 3)
-  x, w_r, bias = _routing(31 + n, rows, d, e, k, False)
-  experts = _expert_weights(32, e, d, f)
-  gate_up = moe_ops.stack_gate_up(*experts[:2])
-  assert gate_up.shape == (e, d, 2 * f)
-  assert np.array_equal(gate_up[..., f:], experts[1])
-  weights, ids = select_experts(router_scores(3.0 * x, w_r), bias, top_k=k)
-  run = jax.jit(functools.partial(moe_ops.moe_small, pair_loop=True))
-  y = run(3.0 * x[:n], weights[:n], ids[:n], *experts, gate_up=gate_up)
-  y_ref = moe_dense_reference(3.0 * x[:n], weights[:n], ids[:n], *experts)
-  np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-5, atol=1e-5)
-  if n == 1:
-    batch = run(3.0 * x, weights, ids, *experts, gate_up=gate_up)
-    assert np.array_equal(np.asarray(batch[0]), np.asarray(y[0]))
-    return
-  x2, w_r2, bias2 = _routing(33, n, d, e, k, False)
-  w2, ids2 = select_experts(router_scores(3.0 * x2, w_r2), bias2, top_k=k)
-  put = lambda a, b: jnp.concatenate([b[1:-1], a[:1], b[-1:]])       # row 0 -> row n - 2
-  other = run(put(3.0 * x, 3.0 * x2), put(weights, w2), put(ids, ids2), *experts,
-              gate_up=gate_up)
-  assert np.array_equal(np.asarray(other[n - 2]), np.asarray(y[0]))
-
-
 def test_dispatch_matches_explicit_loop():
   """Independent numpy check (per token, per chosen expert)."""
   n, d, e, f, k = 6, 4, 3, 5, 2

@@ -32,9 +32,6 @@ def _run(eng, prompts, slots):
 
 
 def test_logits_do_not_depend_on_the_batch_or_the_slot(engine):
-  # on XLA:CPU the engine serves its experts' gate and up weights side by side
-  # (serve/expert_layout.py), which the 8-row decode's MoE tiles read: checked here too
-  assert all(hasattr(moe, "gate_up") for moe, _ in engine.runner.model.moe_layers())
   x = prompt_of(7, 40)
   solo = _run(engine, [x], [3])[0]
   rng = np.random.default_rng(0)
