@@ -275,9 +275,9 @@ def moe_small(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
   what a memory-bound step pays for). Same arguments and result as `moe_dispatch`.
 
   (Reading each expert's gate and up weights side by side, one matmul for both, was a
-  serve-time layout on XLA:CPU until stop 54 (12-05): 7.52 -> 6.87 ms a batch-8 step when it came,
-  it read 0.87-0.998x of its time in five later runs against the layout here, and cost a
-  second copy of those weights.)"""
+  serve-time layout on XLA:CPU until stop 54 (12-05): 7.52 -> 6.87 ms a batch-8 step when
+  it came, it read 0.87-0.998x of its time in five later runs against the layout here, and
+  cost a second copy of those weights.)"""
   n, k = expert_ids.shape
   e = w_gate.shape[0]
   f32 = jnp.float32
