@@ -76,7 +76,8 @@ class MLA(nnx.Module):
   def _query(self, x, par: Parallel = SINGLE):
     if self.c.q_lora_rank:     # node decode: q_a's normed output gathered for q_b, split on
       q_low = self.q_norm(par.by_output(self.q_a(x)))                  # its output
-      q = par.by_batch(par.by_output(self.q_b(par.gathered(q_low, (None, None, "embed")))))
+      q = par.by_batch(par.by_output(self.q_b(par.gathered(q_low, (None, None, "embed"))),
+                                     heads=True))
     else:
       q = self.q_proj(x)
     n = self.c.qk_nope_head_dim
@@ -91,7 +92,7 @@ class MLA(nnx.Module):
   @jax.named_scope("output")
   def _output(self, x, o, par: Parallel = SINGLE):
     if self.c.output_gate:     # node decode: the gate (split on its output) sent by sequence
-      g = par.by_batch(par.by_output(self.g_proj(x)))
+      g = par.by_batch(par.by_output(self.g_proj(x), heads=True))
       o = jax.nn.sigmoid(g.astype(jnp.float32)) * o.astype(jnp.float32)
     # node decode: gathered whole for o_proj (split on its output, the model dimension)
     return self.o_proj(par.gathered(o.astype(self.dtype), ("batch", None, None, None)))
