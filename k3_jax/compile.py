@@ -285,7 +285,10 @@ def weights_by_output(params, mesh, rows: int | None = None, groups: int = 1):
     if axes is None or len(axes) != len(x.shape) or len(axes) < 2:
       return sh
     if "kv_lora" in axes and "heads" in axes:    # MLA's kv_b [(layers,) R, H, n + v]: whole
-      few = rows is not None and rows <= SMALL_ROWS      # (few rows: on R, layers/mla.py)
+      few = rows is not None and rows <= SMALL_ROWS      # (few rows: on R, layers/mla.py;
+      if view is not None and grouped_heads(x.shape[-2], view):   # token groups: on H)
+        return NamedSharding(view, PartitionSpec(*([None] * (len(axes) - 2)), GROUP_AXES[1],
+                                                 None))
       return sh if few else NamedSharding(mesh, PartitionSpec())
     if "q_lora" in axes and "heads" in axes:     # MLA's q_b [(layers,) Q, H, n + p]: output
       spec = list(sh.spec) + [None] * (len(axes) - len(sh.spec))

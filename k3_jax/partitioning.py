@@ -157,6 +157,23 @@ class Parallel:
         return y
     return staged_gather(x, self.mesh, spec)
 
+  def heads_grouped(self, heads: int) -> bool:
+    """Do the node decode's token groups split `heads` over a group's devices
+    (`grouped_heads`; MLA then absorbs kv_b per head where its heads lie, layers/mla.py)?"""
+    view = self._grouped()
+    return view is not None and grouped_heads(heads, view)
+
+  def gathered_heads(self, x: jax.Array) -> jax.Array:
+    """x [B, ..., H, K] laid out by token group, its heads over the group's devices (as
+    `by_output(x, heads=True)` leaves it), gathered whole within each group: one
+    all-gather over the group's devices (`heads_grouped` only)."""
+    from jax.sharding import PartitionSpec
+    tg, og = GROUP_AXES
+    mid = [None] * (x.ndim - 3)
+    return jax.shard_map(lambda v: jax.lax.all_gather(v, og, axis=x.ndim - 2, tiled=True),
+                         mesh=self._grouped(), in_specs=PartitionSpec(tg, *mid, og, None),
+                         out_specs=PartitionSpec(tg, *mid, None, None), check_vma=False)(x)
+
   def einsum_by_batch(self, subscripts: str, x: jax.Array, w: jax.Array,
                       x_axes: tuple[str | None, ...], w_axes: tuple[str | None, ...]):
     """einsum(subscripts, x, w) for a contraction over a dimension split alike in x and w
