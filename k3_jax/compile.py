@@ -250,7 +250,8 @@ def weights_by_output(params, mesh, rows: int | None = None, groups: int = 1):
   on its output here (the LM head and the embedding table aside), and every weight that
   outputs the model dimension on it, is split over the n / a devices of a group of the
   mesh viewed as [a, n / a] (`partitioning.grouped_mesh`) and repeated over the a groups:
-  each device reads a / n of it and its group's tokens."""
+  each device reads a / n of it and its group's tokens; MLA's kv_b goes on its heads
+  there (where the group's devices divide them: layers/mla.py absorbs per head)."""
   from jax.sharding import NamedSharding, PartitionSpec
   from k3_jax.partitioning import GROUP_AXES, grouped_heads, grouped_mesh
   from sharding.rules import logical_to_spec

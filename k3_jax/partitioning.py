@@ -324,7 +324,7 @@ def token_groups(rows: int, mesh) -> int:
   has one axis to view as [2, n / 2] (`grouped_mesh`), else 1. Each by-output projection
   then reads its group's T / a tokens and 1 / (n / a) of its weight, T D / a + a W / n,
   where one group reads T D + W / n: k3 v5p-128, 1,024 rows, a KDA projection (T D 14.7 MB,
-  W 176 MB) 17.4 -> 12.8 MB, its o-projection's 25 MB input the same; a = 4 doubles the
+  W 176 MB) 17.4 -> 12.8 MB, an o-projection (25 MB input) 27.8 -> 18.1; a = 4 doubles the
   weights' share again for a quarter of the tokens (measured: docs/pod-scale.md)."""
   if mesh is None or rows < TOKEN_GROUP_ROWS * mesh.size or grouped_mesh(mesh, 2) is None:
     return 1
