@@ -32,6 +32,7 @@ from k3_jax.stack import map_cache
 from pod import aot
 from pod.topology import Target, resolve_target, target_devices
 from sharding import arrays
+from k3_jax.partitioning import token_groups
 from sharding.install import parallel_for
 from sharding.mesh import make_mesh, parse_mesh, validate_mesh
 from sharding.rules import RULES, tree_shardings
@@ -160,7 +161,8 @@ def compile_step(cfg: ModelConfig, tc: TrainConfig, target: Target, step: str,
                                                                                 cfg))
       report["ep_recv_capacity"] = run.ep_recv_capacity
     report.update(page_split=page_split, expert_exchange=exchange,
-                  weight_split="output" if page_split == "slot" else "model")
+                  weight_split="output" if page_split == "slot" else "model",
+                  token_groups=token_groups(rows, mesh) if page_split == "slot" else 1)
   fn, args = _serving_program(cfg, mesh, step, batch, seq, length, expert_format, page_split,
                               draft_tokens, run.kernels)
   report.update(cache_len=length, expert_format=expert_format,
@@ -216,7 +218,7 @@ def decode_page_split(batch: int, mesh, given: str = "auto") -> str:
   return "slot" if shards > 1 and batch % shards == 0 else "column"
 
 
-def weights_by_output(params, mesh, rows: int | None = None):
+def weights_by_output(params, mesh, rows: int | None = None, groups: int = 1):
   """Shardings of the served parameters for a decode whose batch fills the mesh: a weight
   whose model dimension ("embed") is an input (not its last dimension) is split on its last
   (output) dimension instead, over the same mesh axes, where that divides; the others
@@ -243,10 +245,38 @@ def weights_by_output(params, mesh, rows: int | None = None):
   embedding table [V, D] is split on V: on D (under 128 lanes a chip) the TPU compiler
   holds each chip's [V, D / n] transposed and copied it whole to row-major for every
   step's lookup (k3 v5p-128: 73 MB a chip a step); on V a lookup reads its rows where they
-  lie and the [B, D] rows are summed over the chips."""
+  lie and the [B, D] rows are summed over the chips. groups: the decode's token groups a
+  (`partitioning.token_groups`, the model's Parallel alike): above 1, every weight split
+  on its output here (the LM head and the embedding table aside), and every weight that
+  outputs the model dimension on it, is split over the n / a devices of a group of the
+  mesh viewed as [a, n / a] (`partitioning.grouped_mesh`) and repeated over the a groups:
+  each device reads a / n of it and its group's tokens; MLA's kv_b goes on its heads
+  there (where the group's devices divide them: layers/mla.py absorbs per head)."""
   from jax.sharding import NamedSharding, PartitionSpec
+  from k3_jax.partitioning import GROUP_AXES, grouped_heads, grouped_mesh
   from sharding.rules import logical_to_spec
   default = tree_shardings(params, mesh)
+  view = grouped_mesh(mesh, groups) if groups > 1 else None
+
+  def grouped(x, sh, res):
+    """res, or the same split over a group's devices (groups > 1, see above)."""
+    if view is None or not isinstance(x, nnx.Variable) or not hasattr(x.get_raw_value(),
+                                                                       "shape"):
+      return res
+    axes = tuple(x.get_metadata().get("logical_axes") or ())
+    if len(axes) != len(x.shape) or len([a for a in axes if a != "layers"]) < 2 \
+        or axes[-2:] in (("embed", "vocab"), ("vocab", "embed")):     # vectors, LM head, table
+      return res
+    spec = list(res.spec) + [None] * (len(axes) - len(res.spec))
+    moved = res is not sh and spec[-1] is not None and all(e is None for e in spec[:-1])
+    kept = res is sh and axes[-1] == "embed" and spec[-1] is not None and all(
+        e is None for e in spec[:-1])
+    if not (moved or kept) or x.shape[-1] % view.shape[GROUP_AXES[1]]:
+      return res
+    spec = [None] * len(axes)
+    heads = moved and axes[-2:] == ("heads", "head_dim") and grouped_heads(x.shape[-2], view)
+    spec[-2 if heads else -1] = GROUP_AXES[1]        # [.., H, K]: on H where it divides
+    return NamedSharding(view, PartitionSpec(*spec))
   keep = {"embed", "layers", "experts", "expert_embed", "expert_mlp", None}
 
   def one(x, sh):
@@ -256,7 +286,10 @@ def weights_by_output(params, mesh, rows: int | None = None):
     if axes is None or len(axes) != len(x.shape) or len(axes) < 2:
       return sh
     if "kv_lora" in axes and "heads" in axes:    # MLA's kv_b [(layers,) R, H, n + v]: whole
-      few = rows is not None and rows <= SMALL_ROWS      # (few rows: on R, layers/mla.py)
+      few = rows is not None and rows <= SMALL_ROWS      # (few rows: on R, layers/mla.py;
+      if view is not None and grouped_heads(x.shape[-2], view):   # token groups: on H)
+        return NamedSharding(view, PartitionSpec(*([None] * (len(axes) - 2)), GROUP_AXES[1],
+                                                 None))
       return sh if few else NamedSharding(mesh, PartitionSpec())
     if "q_lora" in axes and "heads" in axes:     # MLA's q_b [(layers,) Q, H, n + p]: output
       spec = list(sh.spec) + [None] * (len(axes) - len(sh.spec))
@@ -289,7 +322,8 @@ def weights_by_output(params, mesh, rows: int | None = None):
       return sh
     spec[last], spec[split[0]] = spec[split[0]], None
     return NamedSharding(mesh, PartitionSpec(*spec))
-  return jax.tree.map(one, params, default, is_leaf=lambda v: isinstance(v, nnx.Variable))
+  return jax.tree.map(lambda x, sh: grouped(x, sh, one(x, sh)), params, default,
+                      is_leaf=lambda v: isinstance(v, nnx.Variable))
 
 
 # The decode's expert exchange drops a (source, destination) chunk's pairs past its
@@ -539,12 +573,14 @@ def _serving_program(cfg: ModelConfig, mesh, step: str, batch: int, seq: int, le
   graphdef, params, rest = serving_params(cfg, expert_format)
   p_sh, r_sh = tree_shardings(params, mesh), tree_shardings(rest, mesh)
   decoding = step in ("decode", "verify")
+  rows = batch * (1 + draft_tokens if step == "verify" else 1)
+  groups = token_groups(rows, mesh) if decoding and page_split == "slot" else 1
   if decoding and page_split == "slot":     # the batch fills the mesh
-    p_sh = weights_by_output(params, mesh, batch * (1 + draft_tokens if step == "verify"
-                                                    else 1))
+    p_sh = weights_by_output(params, mesh, rows, groups)
   p_args = (arrays.with_shardings(params, p_sh), arrays.with_shardings(rest, r_sh))
   if decoding:
-    return _paged_decode_program(cfg, mesh, graphdef, parallel_for(mesh, page_split, kernels),
+    return _paged_decode_program(cfg, mesh, graphdef,
+                                 parallel_for(mesh, page_split, kernels, groups),
                                  p_args, (p_sh, r_sh), batch, length, page_split,
                                  draft_tokens if step == "verify" else 0)
   return _paged_prefill_program(cfg, mesh, graphdef, parallel_for(mesh, kernels=kernels),

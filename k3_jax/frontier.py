@@ -87,7 +87,7 @@ def point_summary(rep: dict) -> dict:
   out = {"step": step, "batch": batch, "cache_len": rep.get("cache_len"),
          "mesh": ",".join(f"{k}:{v}" for k, v in rep["mesh"].items() if v != 1),
          "page_split": rep.get("page_split"), "expert_exchange": rep.get("expert_exchange"),
-         "ep_capacity": rep.get("ep_capacity"),
+         "token_groups": rep.get("token_groups"), "ep_capacity": rep.get("ep_capacity"),
          "ep_recv_capacity": rep.get("ep_recv_capacity"), "fits": rep["fits"],
          "gib_per_chip": rep["per_chip_total_bytes"] / 2 ** 30,
          "compile_seconds": rep.get("compile_seconds")}
@@ -198,8 +198,10 @@ def point_line(p: dict) -> str:
   fit = f"{'fits' if p['fits'] else 'DOES NOT FIT'} {p['gib_per_chip']:.2f} GiB"
   if "step_time_s" not in p:
     return f"{head}: {fit}"
+  groups = (f", tokens in {p['token_groups']} groups" if (p.get("token_groups") or 1) > 1
+            else "")
   s = (f"{head} [{p['mesh']}, pages {p.get('page_split')}, experts "
-       f"{p.get('expert_exchange')}]: {fit}, {p['hbm_bytes_per_chip'] / 1e9:.1f} GB HBM")
+       f"{p.get('expert_exchange')}{groups}]: {fit}, {p['hbm_bytes_per_chip'] / 1e9:.1f} GB HBM")
   if p.get("hbm_vs_min"):
     s += f" ({p['hbm_vs_min']:.2f}x min)"
   s += f", {p['bound']}-bound, step {p['step_time_s'] * 1e3:.1f} ms, "
@@ -228,6 +230,8 @@ def markdown_table(pts: list[dict]) -> str:
     ratio = f" ({p['hbm_vs_min']:.2f}x)" if p.get("hbm_vs_min") else ""
     lay = (f"{p.get('page_split')}, {p.get('expert_exchange')}" if p["step"] == "decode"
            else p["mesh"])
+    if (p.get("token_groups") or 1) > 1:
+      lay += f", {p['token_groups']} token groups"
     mfu = f"{100 * p['mfu']:.1f}%" if p.get("mfu") is not None else "-"
     rows.append(f"| {p['step']} | {what} | {lay} | {p['gib_per_chip']:.1f}"
                 f"{'' if p['fits'] else ' (does not fit)'} | "

@@ -454,7 +454,7 @@ class K3Model(nnx.Module):
     if self.cfg.attn_res.enabled:
       x = self.final_query(x, self.cfg.norm_eps)
     with jax.named_scope("lm_head"):
-      logits = par.by_output(self.lm_head(self.final_norm(x)))
+      logits = par.by_output(self.lm_head(self.final_norm(x)), grouped=False)
     aux = {k: jnp.concatenate([a[k] for a in auxes if k in a], axis=0)
            for k in ("expert_load", "max_logit", "new_bias") if any(k in a for a in auxes)}
     return logits, new_cache, aux

@@ -107,7 +107,22 @@ class Parallel:
     """Is this the decode layout of a batch that fills the mesh (`parallel_for(mesh,
     "slot")`): pages by sequence, the batch over every axis of the pages, the dense weights
     split on their output dimension (k3_jax/compile.py weights_by_output)?"""
-    return self.key == SLOT_KEY
+    return self.key == SLOT_KEY or (isinstance(self.key, tuple) and len(self.key) == 3
+                                    and self.key[:2] == SLOT_KEY)
+
+  @property
+  def token_groups(self) -> int:
+    """a, the token groups of the node decode's two-way split (`token_groups`): the
+    by-output projections run on the devices viewed as [a, n / a], each device the tokens
+    of its group and 1 / (n / a) of each weight's outputs (`grouped_mesh`); 1 = every
+    device all the step's tokens and 1 / n of each weight (the key's third entry)."""
+    return self.key[2] if self.batch_fills_mesh and len(self.key) == 3 else 1
+
+  def _grouped(self):
+    """The [a, n / a] view of the mesh where the token groups apply, else None."""
+    if self.token_groups == 1 or self.resolver is None:
+      return None
+    return grouped_mesh(self.mesh, self.token_groups)
 
   @property
   def kernels_sharded(self) -> bool:
@@ -134,7 +149,30 @@ class Parallel:
     64 x 1M). Identity in any other layout."""
     if not self.batch_fills_mesh or self.resolver is None:
       return x
-    return staged_gather(x, self.mesh, self.resolver(x.shape, axes).spec)
+    spec = self.resolver(x.shape, axes).spec
+    view = self._grouped()
+    if view is not None:
+      y = group_gather(x, view, spec, axes)
+      if y is not None:
+        return y
+    return staged_gather(x, self.mesh, spec)
+
+  def heads_grouped(self, heads: int) -> bool:
+    """Do the node decode's token groups split `heads` over a group's devices
+    (`grouped_heads`; MLA then absorbs kv_b per head where its heads lie, layers/mla.py)?"""
+    view = self._grouped()
+    return view is not None and grouped_heads(heads, view)
+
+  def gathered_heads(self, x: jax.Array) -> jax.Array:
+    """x [B, ..., H, K] laid out by token group, its heads over the group's devices (as
+    `by_output(x, heads=True)` leaves it), gathered whole within each group: one
+    all-gather over the group's devices (`heads_grouped` only)."""
+    from jax.sharding import PartitionSpec
+    tg, og = GROUP_AXES
+    mid = [None] * (x.ndim - 3)
+    return jax.shard_map(lambda v: jax.lax.all_gather(v, og, axis=x.ndim - 2, tiled=True),
+                         mesh=self._grouped(), in_specs=PartitionSpec(tg, *mid, og, None),
+                         out_specs=PartitionSpec(tg, *mid, None, None), check_vma=False)(x)
 
   def einsum_by_batch(self, subscripts: str, x: jax.Array, w: jax.Array,
                       x_axes: tuple[str | None, ...], w_axes: tuple[str | None, ...]):
@@ -152,15 +190,25 @@ class Parallel:
         return y
     return jnp.einsum(subscripts, x, w)
 
-  def by_output(self, y: jax.Array) -> jax.Array:
+  def by_output(self, y: jax.Array, grouped: bool = True, heads: bool = False) -> jax.Array:
     """A projection's output y [..., F] in the decode layout of a batch that fills the mesh
     (`batch_fills_mesh`: the dense weights split on their output dimension over the model
     dimension's axes, k3_jax/compile.py weights_by_output) constrained to its weight's split:
     F over those axes, the rest whole, so the partitioner gathers the step's few tokens
     instead of the weight (it gathered the MoE latent projection, the router and the LM head
-    whole, every step). Identity in any other layout."""
+    whole, every step). With token groups (`token_groups` > 1; grouped=False: a weight
+    kept on the one-way split, the LM head) the rows by group and F over the group's
+    devices, or with heads=True (an output [..., H, K] whose weight splits its heads,
+    `grouped_heads`) H over them. Identity in any other layout."""
     if not self.batch_fills_mesh:
       return y
+    view = self._grouped() if grouped else None
+    if view is not None:
+      from jax.sharding import NamedSharding, PartitionSpec
+      dim = y.ndim - 2 if heads and grouped_heads(y.shape[-2], view) else y.ndim - 1
+      spec = [None] * y.ndim
+      spec[0], spec[dim] = GROUP_AXES
+      return jax.lax.with_sharding_constraint(y, NamedSharding(view, PartitionSpec(*spec)))
     return self.constrain(y, (None,) * (y.ndim - 1) + ("embed",))
 
   def by_input(self, x: jax.Array) -> jax.Array:
@@ -171,7 +219,7 @@ class Parallel:
     are reduced, where the partitioner gathered the weight whole every layer. The same
     constraint as `by_output` (the model dimension's axes on the last dimension), on the
     other side of a matmul. Identity in any other layout."""
-    return self.by_output(x)
+    return self.by_output(x, grouped=False)
 
   def by_batch(self, y: jax.Array) -> jax.Array:
     """A by-output projection's low-rank output y [B, ..., r] split by sequence again in
@@ -266,6 +314,74 @@ def staged_gather(x: jax.Array, mesh, spec) -> jax.Array:
                        check_vma=False)(x)
 
 
+GROUP_AXES = ("token_group", "out_group")
+TOKEN_GROUP_ROWS = 16     # a device's rows from which the node decode groups its tokens
+
+
+def token_groups(rows: int, mesh) -> int:
+  """a, the token groups of the node decode (`Parallel.token_groups`) for `rows` tokens a
+  step on `mesh`: 2 where each device holds at least TOKEN_GROUP_ROWS of them and the mesh
+  has one axis to view as [2, n / 2] (`grouped_mesh`), else 1. Each by-output projection
+  then reads its group's T / a tokens and 1 / (n / a) of its weight, T D / a + a W / n,
+  where one group reads T D + W / n: k3 v5p-128, 1,024 rows, a KDA projection (T D 14.7 MB,
+  W 176 MB) 17.4 -> 12.8 MB, an o-projection (25 MB input) 27.8 -> 18.1; a = 4 doubles the
+  weights' share again for a quarter of the tokens (measured: docs/pod-scale.md)."""
+  if mesh is None or rows < TOKEN_GROUP_ROWS * mesh.size or grouped_mesh(mesh, 2) is None:
+    return 1
+  return 2
+
+
+def grouped_heads(heads: int, view) -> bool:
+  """Does a weight whose output is [H, K] split H (not K) over a token group's devices of
+  `view` (`grouped_mesh`)? Where they divide H (k3 on v5p-128 in 2 groups: 96 heads over
+  32): a device's slice [D, H / 32, K] keeps K's 128 lanes minor, where split on K (4 a
+  device) the TPU compiler holds each device's [D, H, 4] with D minor and copies every
+  layer's slice out of the layer stack, and back in for the prefetch, before the matmul."""
+  return heads % view.shape[GROUP_AXES[1]] == 0
+
+
+def grouped_mesh(mesh, a: int):
+  """`mesh`'s devices viewed as [a, n / a] (GROUP_AXES: shard s of a dimension split over
+  the whole mesh = group * (n / a) + index, as a spec splitting it over the mesh numbers
+  them; the devices in the mesh's own order, so shardings on either mesh agree), or None
+  where the mesh has more than one axis above 1 or a does not divide it."""
+  from jax.sharding import Mesh
+  if mesh is None or sum(s > 1 for s in mesh.shape.values()) != 1 or mesh.size % a \
+      or a < 2 or mesh.size == a:
+    return None
+  return Mesh(mesh.devices.reshape(a, mesh.size // a), GROUP_AXES)
+
+
+def group_gather(x: jax.Array, view, spec, axes) -> jax.Array | None:
+  """x gathered whole within its token group on the [a, n / a] `view` (`grouped_mesh`):
+  x split by row over the whole mesh (spec's first entry; logical axes[0] "batch") or, as
+  `Parallel.by_output` leaves it, its rows by group and its last dimension ("embed") over
+  the group's devices; -> its group's rows, whole, on each device of the group (one
+  all-gather over the n / a devices of the group). None for any other layout."""
+  from jax.sharding import PartitionSpec
+  entries = list(spec) + [None] * (x.ndim - len(spec))
+  split = [d for d, e in enumerate(entries) if e is not None]
+  if len(split) != 1:
+    return None
+  dim = split[0]
+  tg, og = GROUP_AXES
+  rest = [None] * (x.ndim - 1)
+  if dim == 0 and axes[0] == "batch":
+    in_spec = PartitionSpec((tg, og), *rest)
+  elif dim == x.ndim - 1 and axes[-1] == "embed" and x.ndim >= 2:
+    in_spec = PartitionSpec(tg, *rest[:-1], og)
+  else:
+    return None
+  if x.shape[0] % view.shape[tg]:
+    return None
+
+  def gather(v):
+    return jax.lax.all_gather(v, og, axis=dim, tiled=True)
+
+  return jax.shard_map(gather, mesh=view, in_specs=in_spec,
+                       out_specs=PartitionSpec(tg, *rest), check_vma=False)(x)
+
+
 def staged_einsum_by_batch(subscripts: str, x: jax.Array, w: jax.Array, mesh, x_spec,
                            w_spec) -> jax.Array | None:
   """einsum(subscripts, x, w) contracting a dimension split over the same mesh axes in x
@@ -308,11 +424,12 @@ def all_gather_in_stages(x: jax.Array, axis_name, size: int, tiled: bool = False
 
 
 SLOT_KEY = ("page_split", "slot")
-"""The key of `parallel_for(mesh, "slot")`'s Parallel (see `batch_fills_mesh`)."""
+"""The key of `parallel_for(mesh, "slot")`'s Parallel (see `batch_fills_mesh`); with token
+groups a > 1, SLOT_KEY + (a,) (`Parallel.token_groups`)."""
 
 SINGLE = Parallel()
 """The single-device program: no constraints, kernels called directly, reference ops."""
 
 
 __all__ = ["Parallel", "ParallelOps", "SINGLE", "SLOT_KEY", "all_gather_in_stages",
-           "staged_gather"]
+           "group_gather", "grouped_heads", "grouped_mesh", "staged_gather", "token_groups"]

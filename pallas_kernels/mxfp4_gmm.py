@@ -309,11 +309,19 @@ def _row_align(*dtypes) -> int:
   return max(32 // jnp.dtype(d).itemsize for d in dtypes)
 
 
+SINGLE_TILE_ROWS = 512    # an aligned m up to this is one row tile (no pad, no slice)
+
+
 def default_tiling(m: int, l: int, f: int, row_align: int = 16) -> Tiling:
-  """tm 128 (fewer for small m), tn 512 (or the largest of 256/128 dividing f), tk = L,
-  tc 512 (256 when 512 does not divide L). Fits the default scoped VMEM of every TPU
-  generation at K3 expert shapes (L 3584, F 3072)."""
+  """tm 128 (fewer for small m; m itself for an m of up to SINGLE_TILE_ROWS that is a
+  multiple of row_align: one row tile, so the call neither pads its lhs to a multiple of
+  128 rows nor slices its output back, two copies of each at the node decode's 352-row
+  expert buffers), tn 512 (or the largest of 256/128 dividing f), tk = L, tc 512 (256
+  when 512 does not divide L). Fits the default scoped VMEM of every TPU generation at K3
+  expert shapes (L 3584, F 3072)."""
   tm = min(128, _round_up(max(m, 1), row_align))
+  if 128 < m <= SINGLE_TILE_ROWS and m % row_align == 0:
+    tm = m
   tn = next((t for t in (512, 256, 128) if f % t == 0), f)
   tc = 512 if l % 512 == 0 else 256
   return Tiling(tm, tn, l, tc)
@@ -548,5 +556,6 @@ def _mxfp4_gmm(x, xs, wc, ws, group_sizes, layer, *, lhs_fmt, out_dtype, tiling,
 
 
 __all__ = ["Tiling", "GroupMetadata", "LHS_FORMATS", "ORDERS", "ROWS_OUTER_TM", "ROWS_OUTER_SHARE",
+           "SINGLE_TILE_ROWS",
            "default_tiling", "group_metadata", "hbm_bytes", "choose_order", "mxfp4_gmm",
            "rhs_fetches", "vmem_bytes"]

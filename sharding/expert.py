@@ -69,6 +69,12 @@ from k3_jax.partitioning import all_gather_in_stages
 from sharding.kernels import mesh_platform
 from sharding.rules import RULES
 
+# The row multiple of the MXFP4 kernel's 8-bit (MXFP8) lhs tiles: a receive bound of at
+# least 8 of them is rounded up to it (at most 1/8 more rows; k3 1,024 x 32K: 336 -> 352),
+# so the kernel takes the expert buffers in one row tile, without padding them to 128 rows
+# and slicing its outputs back (pallas_kernels/mxfp4_gmm.default_tiling).
+ROW_ALIGN = 32
+
 # "ragged_reference": the ragged bookkeeping with an all-gather emulation of
 # ragged_all_to_all, so the CPU tests check the offsets the TPU path uses.
 EXCHANGES = ("auto", "ragged", "all_to_all", "ragged_reference")
@@ -180,6 +186,8 @@ def _local_dispatch(x, weights, expert_ids, w_gate, w_up, w_down, *, ex, p, exch
   slots = p * cap
   if recv_bound is not None and ragged:
     slots = max(1, min(slots, math.ceil(recv_bound * n * k)))
+    if slots >= 8 * ROW_ALIGN:   # whole 8-bit row tiles of the MXFP4 kernel (no pad, slice)
+      slots = min(p * cap, -(-slots // ROW_ALIGN) * ROW_ALIGN)
   me = jax.lax.axis_index(ex)
 
   # --- source side: pairs sorted by expert, i.e. grouped by destination device.

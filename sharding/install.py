@@ -31,7 +31,8 @@ def mesh_parallel_ops(mesh: Mesh, page_split: str = "column") -> partitioning.Pa
 
 @functools.lru_cache(maxsize=64)
 def parallel_for(mesh: Mesh | None, page_split: str = "column",
-                 kernels: Kernels = DEFAULT_KERNELS) -> partitioning.Parallel:
+                 kernels: Kernels = DEFAULT_KERNELS, token_groups: int = 1
+                 ) -> partitioning.Parallel:
   """The program's parallel setup on `mesh` (`partitioning.SINGLE` for None and the default
   kernels; one device with `kernels` otherwise): model code called with it shards
   activations by the rules table, runs kernels per shard and takes the mesh's
@@ -39,13 +40,17 @@ def parallel_for(mesh: Mesh | None, page_split: str = "column",
   case (compared by the mesh and its platform), so a jitted step keyed on it recompiles for
   a different mesh only. page_split="slot": the paged decode attention for pages laid out
   by sequence (paged.PAGE_SPLITS; part of the value's key). kernels: the job's kernel
-  choices (k3_jax/execution.py), read by the layers from the value."""
+  choices (k3_jax/execution.py), read by the layers from the value. token_groups (slot
+  only): the node decode's token groups a (`partitioning.token_groups`; the weights must
+  be laid out for the same a: compile.weights_by_output's `groups`)."""
   if mesh is None:
     return (partitioning.SINGLE if kernels == DEFAULT_KERNELS
             else partitioning.Parallel(kernels=kernels))
+  key = None if page_split == "column" else ("page_split", page_split)    # slot: SLOT_KEY
+  if page_split == "slot" and token_groups > 1:
+    key = key + (token_groups,)
   return partitioning.Parallel(
-      mesh=mesh, target=mesh_kernels.mesh_platform(mesh), kernels=kernels,
-      key=None if page_split == "column" else ("page_split", page_split),  # slot: SLOT_KEY
+      mesh=mesh, target=mesh_kernels.mesh_platform(mesh), kernels=kernels, key=key,
       ops=mesh_parallel_ops(mesh, page_split),
       resolver=functools.partial(named_sharding, mesh),
       sharder=functools.partial(mesh_kernels.shard_map_kernel, mesh))

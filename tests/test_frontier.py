@@ -189,3 +189,59 @@ def test_staged_gather_equals_the_whole_constraint_and_is_two_all_gathers():
                      for g in (lambda v: all_gather_in_stages(v, "expert", 8, tiled=tiled),
                                lambda v: jax.lax.all_gather(v, "expert", tiled=tiled)))
     np.testing.assert_array_equal(np.asarray(staged(x)), np.asarray(plain(x)))
+
+
+def test_token_groups_rule_gather_and_weights():
+  """The node decode's token groups (partitioning.token_groups): 2 from TOKEN_GROUP_ROWS
+  rows a device on a one-axis mesh, else 1; group_gather gathers an array split by rows,
+  or by group and on its last dimension (Parallel.by_output's layout), within each group of
+  the [2, 4] view, by one all-gather and no all-reduce; weights_by_output(groups=2) puts
+  the by-output weights (and those that output the model dimension) on a group's 4
+  devices, [H, K] outputs on H where 4 divides the heads, and leaves the LM head, the
+  embedding table and the vectors as with one group."""
+  import re
+
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  from k3_jax.config import apply_overrides
+  from k3_jax.partitioning import (GROUP_AXES, TOKEN_GROUP_ROWS, group_gather, grouped_mesh,
+                                   token_groups)
+  mesh = make_mesh(parse_mesh("expert:8"))
+  assert token_groups(TOKEN_GROUP_ROWS * 8, mesh) == 2
+  assert token_groups(TOKEN_GROUP_ROWS * 8 - 8, mesh) == 1
+  assert token_groups(1024, make_mesh(parse_mesh("expert:4,fsdp:2"))) == 1
+  view = grouped_mesh(mesh, 2)
+  x = jnp.arange(16 * 24, dtype=jnp.float32).reshape(16, 24)
+  tg, og = GROUP_AXES
+  for src, axes in ((NamedSharding(mesh, P("expert", None)), ("batch", None)),
+                    (NamedSharding(view, P(tg, og)), (None, "embed"))):
+    xs = jax.device_put(x, src)
+    spec = P("expert", None) if axes[0] == "batch" else P(None, "expert")
+    f = jax.jit(lambda a, spec=spec, axes=axes: group_gather(a * 2, view, spec, axes))
+    out = f(xs)
+    assert tuple(out.sharding.spec)[:1] == (tg,) and not any(tuple(out.sharding.spec)[1:])
+    for shard in out.addressable_shards:            # each device: its group's rows, whole
+      np.testing.assert_array_equal(np.asarray(shard.data), 2 * np.asarray(x)[shard.index])
+      assert shard.data.shape == (8, 24)
+    hlo = f.lower(xs).compile().as_text()
+    assert len(re.findall(r"= \S+ all-gather(?:-start)?\(", hlo)) == 1
+    assert "all-reduce(" not in hlo
+  cfg = comp.validate(apply_overrides(configs.get("k3_tiny"),
+                                      ["kda.num_heads=4", "mla.num_heads=4",
+                                       "mla.qk_rope_head_dim=8"]))
+  _, params, _ = comp.serving_params(cfg)
+  flat = lambda t: {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(t)}
+  one, two = flat(comp.weights_by_output(params, mesh)), flat(comp.weights_by_output(
+      params, mesh, 128, 2))
+  grouped = {k for k, s in two.items() if s.mesh.axis_names == GROUP_AXES}
+  for name in ("q_proj", "o_proj", "f_up", "router", "shared']['down", "q_b"):
+    assert any(name in k for k in grouped), name
+  for k in grouped:
+    assert tuple(two[k].spec).count(og) == 1 and tg not in tuple(two[k].spec)
+    if re.search(r"\['(q_proj|k_proj|v_proj|g_proj|f_up|q_b)'\]", k):
+      assert tuple(two[k].spec)[-2:] == (og, None), k         # on H: 4 heads over 4
+  for k in set(two) - grouped:        # the LM head, the table, vectors, kv_b, experts
+    assert two[k] == one[k], k
+  assert not any("lm_head" in k or "norm" in k for k in grouped)

@@ -128,7 +128,7 @@ class KDA(nnx.Module):
     `compile.weights_by_output` splits on their output (`_decay`; whole on every chip,
     each read 3 MB a layer: 0.2 GB a step; and the decay's down-projection, alone, was
     gathered whole)."""
-    split = lambda a: par.by_batch(par.by_output(a))
+    split = lambda a: par.by_batch(par.by_output(a, heads=True))
     whole = lambda a: par.gathered(par.by_output(a), (None, None, "embed"))
     xw = par.gathered(x, ("batch", None, None))
     out = [split(lin(xw)) for lin in heads]
@@ -140,7 +140,7 @@ class KDA(nnx.Module):
   @jax.named_scope("decay")
   def _decay(self, zf, par: Parallel = SINGLE):
     # (by_output, by_batch: node decode, f_up split on its output, `_by_output`)
-    z = par.by_output(self.f_up(zf)).astype(jnp.float32) + self.dt_bias[...]   # [B, T, H, K]
+    z = par.by_output(self.f_up(zf), heads=True).astype(jnp.float32) + self.dt_bias[...]
     if self.c.decay == "softplus":
       return par.by_batch(kda_ops.kda_gate_softplus(z, self.a_log[...]))
     return par.by_batch(kda_ops.kda_gate_lower_bound(z, self.a_log[...], self.c.g_min))

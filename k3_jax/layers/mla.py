@@ -76,7 +76,9 @@ class MLA(nnx.Module):
   def _query(self, x, par: Parallel = SINGLE):
     if self.c.q_lora_rank:     # node decode: q_a's normed output gathered for q_b, split on
       q_low = self.q_norm(par.by_output(self.q_a(x)))                  # its output
-      q = par.by_batch(par.by_output(self.q_b(par.gathered(q_low, (None, None, "embed")))))
+      q = par.by_output(self.q_b(par.gathered(q_low, (None, None, "embed"))), heads=True)
+      if not par.heads_grouped(q.shape[-2]):    # (grouped heads: by sequence after kv_b's
+        q = par.by_batch(q)                     # absorption, `_absorb_query`)
     else:
       q = self.q_proj(x)
     n = self.c.qk_nope_head_dim
@@ -89,10 +91,15 @@ class MLA(nnx.Module):
     return self.kv_norm(ckv[..., :r]), ckv[..., r:]                    # [B, T, R], [B, T, P]
 
   @jax.named_scope("output")
-  def _output(self, x, o, par: Parallel = SINGLE):
+  def _output(self, x, o, par: Parallel = SINGLE, heads: bool = False):
+    """heads: o [B, T, H, V] comes by token group with its heads split (`heads_grouped`),
+    the gate is taken so too and the product gathered within the group on H."""
     if self.c.output_gate:     # node decode: the gate (split on its output) sent by sequence
-      g = par.by_batch(par.by_output(self.g_proj(x)))
+      g = par.by_output(self.g_proj(x), heads=True)
+      g = g if heads else par.by_batch(g)
       o = jax.nn.sigmoid(g.astype(jnp.float32)) * o.astype(jnp.float32)
+    if heads:
+      return self.o_proj(par.gathered_heads(o.astype(self.dtype)))
     # node decode: gathered whole for o_proj (split on its output, the model dimension)
     return self.o_proj(par.gathered(o.astype(self.dtype), ("batch", None, None, None)))
 
@@ -155,6 +162,9 @@ class MLA(nnx.Module):
     q_lat = jnp.einsum("bthn,rhn->bthr", q_nope.astype(jnp.float32), w_k)
     if few:
       q_lat = par.by_batch(par.by_output(q_lat))
+    if par.heads_grouped(q_nope.shape[-2]):     # token groups: absorbed where the heads lie
+      q_lat = par.by_batch(par.by_output(q_lat, heads=True))
+      q_rope = par.by_batch(q_rope)
     return q_lat, q_rope.astype(jnp.float32), w_v
 
   @jax.named_scope("absorbed_attention")
@@ -212,12 +222,16 @@ class MLA(nnx.Module):
       own = attn_ops.token_partial(q_lat, q_rope, new_c[:, 0], new_r[:, 0], self.scale)
     part = attn_ops.merge_partials(cached, own)
     o_lat = attn_ops.finish_partial(part)[:, None]                     # [B, 1, H, R]
+    heads = par.heads_grouped(o_lat.shape[-2])
     if few_rows(o_lat, par):      # node decode, kv_b split on R: o's partial sums
       o = par.einsum_by_batch("bthr,rhv->bthv", o_lat, w_v,      # reduce-scattered by sequence
                               (None, None, None, "embed"), ("embed", None, None))
+    elif heads:                   # token groups: o_lat to its heads' devices, kv_b's there
+      o = par.by_output(jnp.einsum("bthr,rhv->bthv", par.by_output(o_lat, heads=True), w_v),
+                        heads=True)
     else:
       o = jnp.einsum("bthr,rhv->bthv", o_lat, w_v)
-    return self._output(x, o, par), part.m.max(axis=0)
+    return self._output(x, o, par, heads), part.m.max(axis=0)
 
   def _paged(self, x, q_nope, q_rope, c_kv, k_r, cache, pos, par: Parallel = SINGLE):
     """Tokens at per-sequence positions pos[b] + [0, T): write their latents into the pages

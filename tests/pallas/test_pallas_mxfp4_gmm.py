@@ -310,3 +310,22 @@ def test_order_choice_by_bytes():
   with pytest.raises(ValueError, match="order"):
     mxfp4_gmm(jnp.zeros((16, L), jnp.bfloat16), _data(0)[1], jnp.zeros((E,), jnp.int32),
               order="columns")
+
+
+def test_default_tiling_takes_an_aligned_buffer_in_one_row_tile():
+  """default_tiling: an m of 129 to SINGLE_TILE_ROWS rows that is a multiple of the lhs'
+  row alignment is one row tile (the node decode's 352-row expert buffers: no pad to 384
+  rows, no slice of the output back); otherwise tiles of 128. The one-tile call (160
+  MXFP8 rows, groups straddling nothing but the tile) matches the reference."""
+  from pallas_kernels.mxfp4_gmm import SINGLE_TILE_ROWS, default_tiling
+  assert default_tiling(352, 3584, 3072, 32).tm == 352
+  assert default_tiling(336, 3584, 3072, 32).tm == 128            # not a multiple of 32
+  assert default_tiling(SINGLE_TILE_ROWS + 32, 3584, 3072, 32).tm == 128
+  assert default_tiling(64, 3584, 3072, 32).tm == 64
+  x, w = _data(5, m=160, l=L, f=128)
+  lhs = mx.quantize(x, "mxfp8_e4m3", axis=-1)
+  sizes = jnp.asarray([50, 0, 70, 31], jnp.int32)
+  out = mxfp4_gmm(lhs, w, sizes, preferred_element_type=jnp.float32,
+                  tiling=default_tiling(160, L, 128, 32), interpret=True)
+  ref = reference(lhs, w, sizes, preferred_element_type=jnp.float32)
+  _assert_close(out, ref, _abs_bound(lhs, w, sizes), sizes, L, bf16_out=False)

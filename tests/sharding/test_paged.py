@@ -81,15 +81,20 @@ def test_slot_split_paged_attention_matches_one_device():
                           pos[:12], 0.3, 2, split="slot")
 
 
-@pytest.mark.slow   # ~40 s of compiles (suite budget); the op alone: the test above
-def test_batch_filling_decode_layout_matches_one_device():
+@pytest.mark.slow   # ~40 s of compiles each (suite budget); the op alone: the test above
+@pytest.mark.parametrize("groups", [1, 2])
+def test_batch_filling_decode_layout_matches_one_device(groups):
   """The decode layout for a batch that fills the mesh (k3_jax/compile.py): 8 slots on
   expert:8, pages by slot (slot b's pages on shard b), weights split off the model
   dimension (weights_by_output), the experts' all-to-all at the rule's capacity; the
   serving decode step's logits equal one device's to 1e-5, and the idle slots' KDA states
-  come back unchanged (kept per layer: KDAState.active)."""
+  come back unchanged (kept per layer: KDAState.active). groups=2: the token groups of a
+  large batch (partitioning.token_groups, forced here at 8 rows): the mesh viewed as
+  [2, 4], each group's 4 tokens against weights split over its 4 devices, the [H, K]
+  outputs on H (4 heads here, so that 4 devices divide them: partitioning.grouped_heads)."""
   from k3_jax import compile as comp
   from k3_jax import train
+  from k3_jax.config import apply_overrides, validate
   from k3_jax.model import create_model
   from k3_jax.serve import kv_pages as kv
   from k3_jax.serve import steps
@@ -100,6 +105,8 @@ def test_batch_filling_decode_layout_matches_one_device():
   from tests.serve.test_engine import tiny_serving_config
   mesh = make_mesh(parse_mesh("expert:8"))
   cfg = tiny_serving_config()
+  if groups > 1:
+    cfg = validate(apply_overrides(cfg, ["kda.num_heads=4", "mla.num_heads=4"]))
   b, per, m = 8, 3, 2
   cap = comp.decode_ep_capacity(b, mesh, cfg)
   g, p, r = train.split_model(create_model(cfg, seed=3))
@@ -126,11 +133,12 @@ def test_batch_filling_decode_layout_matches_one_device():
                             active, sampling, z, np.zeros(b, bool))
   counts = lambda: jnp.zeros((b, v), jnp.int32)
   one = steps.jit_steps(g, parallel_for(None)).decode(p, r, cache, counts(), batch)[0].logits
-  ps = jax.device_put(p, comp.weights_by_output(p, mesh, b))
+  ps = jax.device_put(p, comp.weights_by_output(p, mesh, b, groups))
   rs = jax.device_put(r, tree_shardings(r, mesh))
   cs = jax.device_put(fresh(), kv.paged_cache_shardings(shapes, mesh))
-  got = steps.jit_steps(g, parallel_for(mesh, "slot", Kernels(ep_capacity=cap))).decode(
-      ps, rs, cs, counts(), batch)
+  par = parallel_for(mesh, "slot", Kernels(ep_capacity=cap), groups)
+  assert par.token_groups == groups
+  got = steps.jit_steps(g, par).decode(ps, rs, cs, counts(), batch)
   np.testing.assert_allclose(np.asarray(got[0].logits), np.asarray(one), atol=1e-5, rtol=0)
   # each KDA layer kept the idle slots' state and windows exactly, and moved the others'
   old = kv.kda_states(fresh())
