@@ -68,15 +68,15 @@ def _install_guards(app, engine) -> None:
   async def _param_error(_, e: api_params.ParamError):
     return JSONResponse(ApiError(400, str(e), e.param, code=e.code).body(), status_code=400)
 
-  def refusal(method: str, headers) -> JSONResponse | None:
-    """The response that refuses a request before its handler runs, or None."""
+  def refusal(method: str, size: str | None) -> JSONResponse | None:
+    """The response that refuses a request (its content-length header `size`) before its
+    handler runs, or None."""
     if method != "POST":
       return None
     if app.state.draining:
       return JSONResponse(ApiError(503, "the server is shutting down; retry on another "
                                    "instance", type_="server_error", code="draining").body(),
                           status_code=503, headers={"Retry-After": "5"})
-    size = headers.get("content-length")
     limit = engine.serve.max_body_bytes
     if size is not None and size.isdigit() and int(size) > limit:
       return JSONResponse(ApiError(413, f"the request body has {size} bytes; the limit is "
@@ -88,18 +88,19 @@ def _install_guards(app, engine) -> None:
 
 
 class Guard:
-  """A plain ASGI middleware: `refusal(method, headers)` answers a request before the app
-  sees it, or passes it through untouched. (Starlette's `@app.middleware("http")` carries
-  every chunk of a streamed response through a memory stream between two tasks: a task
-  switch per token per request.)"""
+  """A plain ASGI middleware: `refusal(method, content-length)` answers a request before
+  the app sees it, or passes it through untouched. (Starlette's `@app.middleware("http")`
+  carries every chunk of a streamed response through a memory stream between two tasks: a
+  task switch per token per request.)"""
 
   def __init__(self, app, refusal):
     self.app, self.refusal = app, refusal
 
   async def __call__(self, scope, receive, send):
     if scope["type"] == "http":
-      from starlette.datastructures import Headers
-      out = self.refusal(scope["method"], Headers(scope=scope))
+      size = next((v.decode("latin-1") for k, v in scope["headers"]
+                   if k == b"content-length"), None)       # (ASGI: lower-case names)
+      out = self.refusal(scope["method"], size)
       if out is not None:
         return await out(scope, receive, send)
     await self.app(scope, receive, send)
