@@ -72,8 +72,8 @@ def settle(eng, now: float) -> float:
   where the first used to be prefilled alone while the rest queued behind it; a lone
   request waits admit_gap_ms."""
   serve = eng.serve
-  if eng.running or eng._pending is not None or not eng.waiting \
-      or len(eng.waiting) >= eng.max_batch or serve.admit_gap_ms <= 0:
+  if eng.busy() or not eng.waiting or len(eng.waiting) >= eng.max_batch \
+      or serve.admit_gap_ms <= 0:
     return 0.0
   arrivals = [r.arrival for r in eng.waiting]
   until = min(min(arrivals) + serve.admit_window_ms / 1e3,

@@ -130,7 +130,11 @@ class Engine:
 
   # ----- the step -----------------------------------------------------------------------
   def has_work(self) -> bool:
-    return bool(self.waiting or self.running or self._pending is not None)
+    return bool(self.waiting) or self.busy()
+
+  def busy(self) -> bool:
+    """A request decoding, or a step whose tokens are unread."""
+    return bool(self.running or self._pending is not None)
 
   def resource_counts(self) -> dict:
     """Slots, pages and prefix-cache pins in use (for /metrics and tests). With nothing
