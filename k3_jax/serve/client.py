@@ -29,8 +29,8 @@ log = logging.getLogger("k3_jax.serve")
 
 
 class EngineLoop:
-  """Runs engine.step() in a daemon thread while there is work. An idle engine lets a
-  burst of requests arrive before its first step (`settle`)."""
+  """Runs engine.step() in a daemon thread while there is work. With --admit_gap_ms set,
+  an idle engine lets a burst of requests arrive before its first step (`settle`)."""
 
   def __init__(self, engine, on_fatal=None):
     self.engine = engine
@@ -68,12 +68,12 @@ def settle(eng, now: float) -> float:
   """Seconds an idle engine (nothing running, nothing in flight) waits before its first
   step: until no request has arrived for admit_gap_ms, at most admit_window_ms after the
   first one, or none once max_batch are waiting. The requests of a burst (8 clients at
-  once: their arrivals spread over ~35 ms on 2 CPU cores) then share their prefill calls
+  once: their arrivals spread over 35-60 ms on 2 CPU cores) then share their prefill calls
   where the first used to be prefilled alone while the rest queued behind it; a lone
   request waits admit_gap_ms."""
   serve = eng.serve
-  if eng.busy() or not eng.waiting or len(eng.waiting) >= eng.max_batch \
-      or serve.admit_gap_ms <= 0:
+  if serve.admit_gap_ms <= 0 or eng.busy() or not eng.waiting \
+      or len(eng.waiting) >= eng.max_batch:
     return 0.0
   arrivals = [r.arrival for r in eng.waiting]
   until = min(min(arrivals) + serve.admit_window_ms / 1e3,
