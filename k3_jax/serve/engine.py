@@ -31,10 +31,9 @@ import math
 import numpy as np
 
 from k3_jax.config import ModelConfig, ServeConfig
-from k3_jax.serve import generate, intake, kv_manager, output, planner
+from k3_jax.serve import generate, intake, kv_manager, output, planner, speculate
 from k3_jax.serve import kv_pages as kv
 from k3_jax.serve.kv_pages import PAGE
-from k3_jax.serve import speculate
 from k3_jax.serve import cache_tiers, turn_cache      # cache tiers
 from k3_jax.serve.roster import Roster
 from k3_jax.serve.runner import Runner, shared
@@ -70,7 +69,7 @@ class Engine:
       raise ValueError(f"max_len={self.max_len} exceeds the model's max_seq_len={cfg.max_seq_len}")
     self.pages_per_slot = math.ceil(self.max_len / PAGE)
     run = self.runner = Runner(cfg, graphdef, params, rest, serve.max_batch, mesh, relay, kernels)
-    self.graphdef, self.params, self.rest = run.graphdef, run.params, run.rest   # expert layout
+    self.graphdef, self.params, self.rest = run.graphdef, run.params, run.rest   # (as placed)
     self.page_bytes, self.ckpt_bytes = self.runner.page_bytes, self.runner.ckpt_bytes
     self.num_pages, self.pool_summary, prefix = self.runner.size_memory(
         serve, self.pages_per_slot, self.max_len)
@@ -81,12 +80,10 @@ class Engine:
     self.speculator = speculate.for_engine(self)   # speculation
     self.tiers = cache_tiers.attach(self)      # cache tiers: host / disk behind the prefix cache
     self.turns = turn_cache.attach(self)       # cache tiers: decoded tokens join the cache
-
     self.roster = Roster(self.max_batch, serve.max_queue, self.kv)
     if self.turns is not None:                 # cache tiers: the conversation so far
       self.roster.on_done = self.turns.on_finish
-    self.step_no = 0
-    self.generated_tokens = 0
+    self.step_no = self.generated_tokens = 0
 
   # the roster's own objects (never copies: a test that reorders the free slots reorders its)
   lock, waiting, running = (property(lambda self, k=k: getattr(self.roster, k))
@@ -251,8 +248,7 @@ class Engine:
     full, part = divmod(n, PAGE)
     for f in forks:
       if f.cancelled:
-        f.finish_reason, f.state = "cancelled", "done"
-        f.done_event.set()
+        self.roster.drop_cancelled(f)
         continue
       with self.lock, shared("the page pool bookkeeping"):
         fresh = self.kv.fork(lead.slot, self.free_slots[-1], full, n + 1) \

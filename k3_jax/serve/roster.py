@@ -68,9 +68,13 @@ class Roster:
       self.finish(r, "cancelled")
     for r in planner.cancelled(self.waiting):
       self.waiting.remove(r)
-      r.finish_reason, r.state = "cancelled", "done"
-      self.release_forks(r)
-      r.done_event.set()
+      self.drop_cancelled(r)
+
+  def drop_cancelled(self, r: Request) -> None:
+    """r, cancelled before it held a slot (queued, or a fork not yet started), ends."""
+    r.finish_reason, r.state = "cancelled", "done"
+    self.release_forks(r)
+    r.done_event.set()
 
   def seat(self, r: Request, slot: int, state: str) -> None:
     """r runs in `slot` (taken off the free list by the caller) from now on."""
