@@ -3,8 +3,9 @@
 A short loop over parts with a module each (docs/design.md, Serving: the seams):
 kv_manager.KVManager (pages, prefix-cache entries, KDA checkpoints, page tables), planner
 (pure decisions of a step), runner.Runner (the device: cache, jitted steps, overlap,
-relay), output (a sampled token on the host: detokenise, stops, grammar, streaming) and
-roster.Roster (the requests by state, and every move between states).
+relay), output (a sampled token on the host: detokenise, stops, grammar, streaming),
+roster.Roster (the requests by state, and every move between states) and forks (the
+samples of one prefill started from it).
 
 Per engine step (`Engine.step`): timed-out or cancelled requests leave; waiting requests
 join free slots (a prefix-cache hit and pages from the KV manager, the slot's KDA state
@@ -31,7 +32,7 @@ import math
 import numpy as np
 
 from k3_jax.config import ModelConfig, ServeConfig
-from k3_jax.serve import generate, intake, kv_manager, output, planner, speculate
+from k3_jax.serve import forks, generate, intake, kv_manager, output, planner, speculate
 from k3_jax.serve import kv_pages as kv
 from k3_jax.serve.kv_pages import PAGE
 from k3_jax.serve import cache_tiers, turn_cache      # cache tiers
@@ -190,7 +191,7 @@ class Engine:
       self.roster.fail(r, e)
       return False
 
-  # ----- admission, forks, preemption ---------------------------------------------------
+  # ----- admission, preemption (the samples of one prefill: forks.py) -----------------
   def _admit(self) -> None:
     """Seats waiting requests, oldest first, while a slot is free and the pool holds the
     pages of their tokens and the first generated position (KVManager.acquire); the first
@@ -235,42 +236,6 @@ class Engine:
         if r.state == "decode":
           out.append(r)
     return [r for r in out if r.state == "decode"]
-
-  def _fork(self, lead: Request, logits, row: int) -> None:
-    """Starts the samples waiting on `lead`'s prefill (Request.fork_of) from it, now that
-    its slot holds the state after the prompt: each gets a slot with that KDA state, shares
-    the prompt's whole pages, continues in a copy of the partial last one, and samples its
-    first token from the same logits with its own parameters. One that finds no slot or
-    pages joins the queue as a request of its own (a cold prefill, prefix cache permitting)."""
-    with self.lock:
-      forks, lead.forks = lead.forks, []
-    n = lead.prompt.size
-    full, part = divmod(n, PAGE)
-    for f in forks:
-      if f.cancelled:
-        self.roster.drop_cancelled(f)
-        continue
-      with self.lock, shared("the page pool bookkeeping"):
-        fresh = self.kv.fork(lead.slot, self.free_slots[-1], full, n + 1) \
-            if self.free_slots else None
-        if fresh is None:
-          f.fork_of = None
-          self.waiting.appendleft(f)
-          continue
-        f.feed, f.pos = lead.feed, n
-        f.cached_tokens, f.hashes, f.registered = n, lead.hashes, lead.registered
-        self.roster.seat(f, self.free_slots.pop(), "decode")
-      self._own(f, self._start_fork, f, lead, logits, row, (full, part, fresh))
-
-  def _start_fork(self, f: Request, lead: Request, logits, row: int, layout) -> None:
-    full, part, fresh = layout
-    self.runner.seat(f.slot)
-    self.runner.copy_slot(lead.slot, f.slot)
-    if part:
-      self.runner.copy_page(self.tables[lead.slot, full], fresh[0])
-    f.decoder = self.tokenizer.stream_decoder() if self.tokenizer is not None else None
-    bias = output.biases([f], self.cfg.vocab_size)
-    self._take(f, self.runner.first_token(logits, row, f, bias), 0)
 
   # ----- prefill --------------------------------------------------------------------------
   def _prefill_all(self, pre: list[Request]) -> None:
@@ -324,7 +289,7 @@ class Engine:
     r.features = None
     got = self.runner.first_token(logits, row, r, output.biases([r], self.cfg.vocab_size))
     r.state = "decode"
-    self._fork(r, logits, row)       # before r's own token, which may already finish it
+    forks.start(self, r, logits, row)   # before r's own token, which may already finish it
     self._take(r, got, 0)
 
   # ----- decode ---------------------------------------------------------------------------
