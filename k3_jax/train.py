@@ -35,7 +35,7 @@ from k3_jax.partitioning import SINGLE, Parallel
 from k3_jax.stack import plan_of
 from k3_jax.train_state import (abstract_state, init_state, lr_schedule, make_optimizer,
                                 split_model)
-from sharding.arrays import tree_bytes
+from sharding.arrays import all_finite, tree_bytes
 from sharding.install import parallel_for
 from sharding.rules import logical_to_spec, tree_shardings
 
@@ -206,7 +206,7 @@ def train_step(graphdef, optimizer, cfg: ModelConfig, tc: TrainConfig, state: di
   # A non-finite loss, gradient or updated parameter skips the whole update: parameters,
   # optimizer state and balancing biases stay as they were (only the step advances), so a
   # checkpoint never holds a non-finite state. The loop counts skipped steps.
-  ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & _all_finite(params)
+  ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & all_finite(params)
   # Each leaf leaves in the dtype it came in, so the donated state is reused in place and
   # the next step finds the same signature (no recompilation at step 2).
   keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a.astype(b.dtype), b),
@@ -227,12 +227,6 @@ def train_step(graphdef, optimizer, cfg: ModelConfig, tc: TrainConfig, state: di
                     "zero_load_experts": stats["num_zero"].max(),
                     "zero_load_experts_avg": stats["num_zero"].astype(jnp.float32).mean()})
   return new_state, metrics
-
-
-def _all_finite(tree) -> jax.Array:
-  leaves = [jnp.isfinite(x).all() for x in jax.tree.leaves(tree)
-            if jnp.issubdtype(x.dtype, jnp.inexact)]
-  return jnp.stack(leaves).all() if leaves else jnp.bool_(True)
 
 
 def eval_step(graphdef, state: dict, batch: dict, *, par: Parallel = SINGLE):

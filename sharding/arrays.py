@@ -21,6 +21,14 @@ def with_shardings(shapes, shardings):
                       is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
 
 
+def all_finite(tree) -> jax.Array:
+  """Whether every float leaf of `tree` is finite, as one traced boolean (the train step's
+  guard; a restored checkpoint's check jits it)."""
+  leaves = [jax.numpy.isfinite(x).all() for x in jax.tree.leaves(tree)
+            if np.issubdtype(np.dtype(x.dtype), np.inexact)]
+  return jax.numpy.stack(leaves).all() if leaves else jax.numpy.bool_(True)
+
+
 def tree_bytes(tree) -> int:
   """Bytes of a pytree of arrays or ShapeDtypeStructs, whole (not per device)."""
   return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
