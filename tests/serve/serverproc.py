@@ -23,7 +23,7 @@ def start_server(launch: str, log_dir, cache_dir: str | None = None, **fmt):
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT,
          "XLA_FLAGS": ""}                       # one CPU device is enough here
   if cache_dir:
-    env.update(JAX_COMPILATION_CACHE_DIR=cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    env.update(JAX_COMPILATION_CACHE_DIR=cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5")
   with open(log, "w") as out:
     proc = subprocess.Popen([sys.executable, "-c", launch.format(port=port, **fmt)],
                             cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
