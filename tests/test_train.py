@@ -84,7 +84,11 @@ def test_router_bias_updated_by_train_step_only():
   before = biases(state)
   assert all((b == 0).all() for b in before)
   b = train.put_batch(_batches(1, seed=3)[0], steps.batch_sharding)
-  steps.eval(state, b)                                     # evaluation leaves state alone
+  # Evaluation leaves state alone: its program returns the loss terms only (no state to
+  # carry a moved bias out) and donates none of its inputs. Checked on its lowering, not
+  # run: the eval step's compile (~5 s) is the CLI tests' (eval_loss in tests/test_cli.py).
+  assert jax.tree.map(lambda x: x.shape, jax.eval_shape(steps.eval, state, b)) == ((), ())
+  assert not any(a.donated for a in jax.tree.leaves(steps.eval.lower(state, b).args_info))
   assert all((x == y).all() for x, y in zip(before, biases(state)))
   state, m = steps.train(state, b)
   after = biases(state)

@@ -18,6 +18,11 @@ from k3_jax.optim.qk_clip import TAU, mla_layers, qk_clip
 from sharding.mesh import make_mesh
 
 CFG = configs.get("k3_tiny")
+# The default test's model: k3_tiny cut to 6 layers (tests/model/test_model.py's), MLA as
+# scanned rows 0 and 1 of a scan of 2 x [KDA, MLA] units and as the unscanned last layer:
+# the three places the test clips (k3_tiny's 13 layers clip the same three, at twice the
+# forward's compile).
+CLIP_CFG = dataclasses.replace(CFG, num_layers=6, mla_layers=(3, 5, 6), scan_period=2)
 BOOST = 40.0     # logits scale with BOOST^2: k3_tiny's max logits (~4) become ~6000 > tau
 
 
@@ -49,13 +54,14 @@ def _qk_weights(model):
 
 
 def test_qk_clip_rescales_exactly_the_heads_over_tau():
-  model = create_model(CFG)
+  model = create_model(CLIP_CFG)
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   tokens = _tokens()
   fwd = jax.jit(lambda p: nnx.merge(graphdef, p, rest)(tokens)[2]["max_logit"])
   n_rows = len(fwd(params))
   layers = mla_layers(model)
-  assert sum(r for _, r in layers) == n_rows == len(CFG.mla_layers)
+  assert sum(r for _, r in layers) == n_rows == len(CLIP_CFG.mla_layers)
+  assert [r for _, r in layers] == [2, 1]                 # a stacked layer, then one alone
   picks = {(0, 1), (n_rows - 1, 0)}
   # A head of a scanned (stacked) MLA layer too, when k3_tiny has one.
   stacked_first = next((sum(r for _, r in layers[:i]) for i, (_, r) in enumerate(layers)
@@ -74,7 +80,7 @@ def test_qk_clip_rescales_exactly_the_heads_over_tau():
   assert int(n_clipped) == len(picks)
 
   # Weights: exactly the specified factors on the clipped heads, nothing else touched.
-  c = CFG.mla
+  c = CLIP_CFG.mla
   n, p = c.qk_nope_head_dim, c.qk_rope_head_dim
   row = 0
   for (mla, rows), (q0, kv0), (q1, kv1) in zip(layers, w_before, _qk_weights(model)):

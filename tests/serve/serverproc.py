@@ -14,13 +14,16 @@ from tests import multiproc
 ROOT = multiproc.ROOT
 
 
-def start_server(launch: str, log_dir, **fmt):
-  """launch: Python source with a {port} field (and the fields of `fmt`). -> (process,
-  base URL, log path)."""
+def start_server(launch: str, log_dir, cache_dir: str | None = None, **fmt):
+  """launch: Python source with a {port} field (and the fields of `fmt`). cache_dir: a JAX
+  compilation cache for the server (servers of the same programs then compile them once).
+  -> (process, base URL, log path)."""
   port = multiproc.free_port("127.0.0.1")
   log = log_dir / "server.log"
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT,
          "XLA_FLAGS": ""}                       # one CPU device is enough here
+  if cache_dir:
+    env.update(JAX_COMPILATION_CACHE_DIR=cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5")
   with open(log, "w") as out:
     proc = subprocess.Popen([sys.executable, "-c", launch.format(port=port, **fmt)],
                             cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)

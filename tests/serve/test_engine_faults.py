@@ -1,26 +1,16 @@
 """Fault containment in the engine (docs/faults.md, Serving): a fault while handling one of
 several concurrent requests fails that request alone (its slot, pages and prefix-cache pins
 freed) while the others finish with exactly their solo outputs; a fault of the device step
-stops the engine (Engine.fatal) and fails everything. Reuses the tiny 5-layer k3_tiny engine
-of test_engine.py (greedy decoding, so "equal" is exact)."""
+stops the engine (Engine.fatal) and fails everything. An engine of its own (a prefix cache,
+and it ends fatal) on the session's 8-slot engine's model and shapes, whose compiled steps
+it shares (conftest engine8; greedy decoding, so "equal" is exact)."""
 
 import numpy as np
 import pytest
 
-import configs
-from k3_jax.config import apply_overrides, validate
 from k3_jax.data.tokenizers import ByteTokenizer
 from k3_jax.serve.engine import Engine, SamplingParams
-from k3_jax.serve.kv_pages import PAGE
 from k3_jax.serve.requests import EngineFatal
-from k3_jax import train
-from k3_jax.model import create_model
-
-
-
-def tiny_serving_config():
-  return validate(apply_overrides(configs.get("k3_tiny"),
-                                  ["max_seq_len=2048", "num_layers=5", "mla_layers=(4,5)"]))
 
 
 def prompt_of(seed, n):
@@ -28,13 +18,19 @@ def prompt_of(seed, n):
 
 
 @pytest.fixture(scope="module")
-def eng():
-  cfg = tiny_serving_config()
-  g, p, r = train.split_model(create_model(cfg, seed=3))
-  # batch invariant: one step shape per piece (fewer compiles; the default's row buckets
-  # are tested in test_prefill_batching.py and through test_server.py's server)
-  return Engine(cfg, g, p, r, max_batch=3, max_len=PAGE * 2, prefix_cache_bytes=1 << 22,
-                tokenizer=ByteTokenizer(), batch_invariant=True)
+def eng(engine8):
+  # batch invariant, engine8's slots, context and pool (its byte budget given exactly, the
+  # prefix cache's pages included), so its steps' shapes are engine8's: no compile of its own
+  # (the default's row buckets are tested in test_prefill_batching.py and through
+  # test_server.py's server)
+  e8 = engine8
+  eng = Engine(e8.cfg, e8.graphdef, e8.params, e8.rest, max_batch=e8.max_batch,
+               max_len=e8.max_len, prefix_cache_bytes=1 << 22,
+               kv_cache_bytes=e8.num_pages * e8.page_bytes, tokenizer=ByteTokenizer(),
+               batch_invariant=True)
+  assert eng.num_pages == e8.num_pages and eng.prefix is not None
+  eng.runner.steps = e8.runner.steps
+  return eng
 
 
 def idle(eng):

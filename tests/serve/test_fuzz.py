@@ -33,8 +33,11 @@ run_server(ServeOptions(config="k3_tiny", overrides=("max_seq_len=1024", "num_la
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-  proc, base, log = start_server(LAUNCH, tmp_path_factory.mktemp("fuzz"))
+def server(tmp_path_factory, env):
+  # the session's compilation cache (tests/conftest.py `env`): test_server_faults.py's server
+  # runs the same programs (same model, slots, context, prefix cache) and loads them from it
+  proc, base, log = start_server(LAUNCH, tmp_path_factory.mktemp("fuzz"),
+                                 cache_dir=env["JAX_COMPILATION_CACHE_DIR"])
   try:
     # compile every step shape a 64-token context uses (prefill pieces 16, 4, 1; decode)
     # before fuzzing, so that the fuzz budget goes to requests

@@ -1,24 +1,13 @@
 """Engine.generate with a frequency penalty: the decode step counts what it generated."""
 
-import dataclasses
 
-from flax import nnx
-
-import configs
-from k3_jax.model import create_model
-from k3_jax.config import SINGLE_STREAM
-from k3_jax.serve.engine import Engine
-
-
-def test_a_huge_frequency_penalty_never_repeats_a_token():
-  # k3_tiny cut to 6 layers (every layer kind, a scan of 2 x [KDA, MLA] units): the penalty
-  # is applied to the logits, whatever the depth; 4 layer bodies to compile instead of 9.
-  cfg = dataclasses.replace(configs.get("k3_tiny"), num_layers=6, mla_layers=(3, 5, 6),
-                            scan_period=2)
-  engine = Engine(cfg, *nnx.split(create_model(cfg, seed=0), nnx.Param, ...), SINGLE_STREAM)
+def test_a_huge_frequency_penalty_never_repeats_a_token(engine8):
+  # The session's 8-slot engine (conftest.py; the tiny 5-layer serving model): its prefill
+  # piece of 4 tokens and its decode step are compiled once for every module that uses it.
+  # The penalty is applied to the logits, whatever the depth or the batch.
   prompt, n = [5, 17, 99, 3], 40
-  plain = list(engine.generate(prompt, n))
-  penalized = list(engine.generate(prompt, n, frequency_penalty=1e4))
+  plain = list(engine8.generate(prompt, n))
+  penalized = list(engine8.generate(prompt, n, frequency_penalty=1e4))
   # A random tiny model repeats itself under greedy decoding; with every generated token's
   # logit lowered by 1e4 (far more than the spread of its logits) no token comes twice.
   assert len(set(plain)) < n

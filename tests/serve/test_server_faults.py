@@ -38,7 +38,7 @@ def submit(self, ids, *a, **kw):
 
 def step(self):
   if any(bytes(int(t) for t in r.prompt[:4]) == b"SLOW" for r in self.running):
-    time.sleep(0.01)
+    time.sleep(0.1)
   return real_step(self)
 
 I.block_hashes, E.Engine.submit, E.Engine.step = hashes, submit, step
@@ -47,14 +47,17 @@ from k3_jax.config import ServeConfig
 run_server(ServeOptions(config="k3_tiny", overrides=("max_seq_len=1024", "num_layers=5",
            "mla_layers=(4,5)"), seed=3, model_name="{model}",
            serve=ServeConfig(max_batch=4, max_queue=16, prefix_cache_bytes=1 << 22, warmup=False,
-                             max_len=1024, max_body_bytes=4096, drain_timeout=60,
+                             max_len=64, max_body_bytes=4096, drain_timeout=60,
                              batch_invariant=True,   # one step shape per piece: fewer compiles
                              host="127.0.0.1", port={port})))
 """
+# The model, slots, 64-token context and prefix cache of test_fuzz.py's server: the same
+# programs, which it loads from the session's compilation cache (tests/conftest.py `env`)
+# instead of compiling them again.
 
 
-def start(tmp):
-  return start_server(LAUNCH, tmp, model=MODEL)
+def start(tmp, env):
+  return start_server(LAUNCH, tmp, cache_dir=env["JAX_COMPILATION_CACHE_DIR"], model=MODEL)
 
 
 def stop(proc):
@@ -64,8 +67,8 @@ def stop(proc):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-  proc, base, log = start(tmp_path_factory.mktemp("faults"))
+def server(tmp_path_factory, env):
+  proc, base, log = start(tmp_path_factory.mktemp("faults"), env)
   try:
     yield proc, base, log
   finally:
@@ -124,7 +127,7 @@ def test_body_over_the_limit_is_413(server):
 def test_sigterm_drains_then_exits_0(server):
   proc, base, log = server
   with httpx.stream("POST", f"{base}/v1/completions", timeout=120, json={
-      "model": MODEL, "prompt": "SLOW and long", "max_tokens": 400, "temperature": 0,
+      "model": MODEL, "prompt": "SLOW and long", "max_tokens": 48, "temperature": 0,
       "stream": True}) as r:
     it = r.iter_lines()
     first = next(l for l in it if l)
@@ -144,8 +147,8 @@ def test_sigterm_drains_then_exits_0(server):
 
 
 @pytest.mark.slow
-def test_fatal_fault_stops_the_server_with_status_1(tmp_path):
-  proc, base, log = start(tmp_path)
+def test_fatal_fault_stops_the_server_with_status_1(tmp_path, env):
+  proc, base, log = start(tmp_path, env)
   try:
     r = post(base, "FATAL now")
     assert r.status_code == 500 and "injected shared-state fault" in r.text, r.text
