@@ -205,8 +205,65 @@ def _fp8_f32(c: jax.Array, fmt: str) -> jax.Array:
 # ----------------------------------------------------------------------------- kernel
 
 
+def _block_max(a: jax.Array) -> jax.Array:
+  """a [r, c] float32 (c a multiple of 128) -> every lane holds the max of its aligned
+  32-lane block: a butterfly over the lane axis, each step taking the lane i ^ d's value
+  (d = 1, 2, 4, 8, 16; i ^ d stays in i's block) from one of two lane rotations.
+
+  pltpu.roll follows jnp.roll (out[i] = x[i - shift], its interpret rule), so lane i's
+  partner i + d (bit d clear) is the rotation by c - d and i - d (bit d set) the one by d."""
+  c = a.shape[1]
+  lane = jax.lax.broadcasted_iota(jnp.int32, a.shape, 1)
+  for d in (1, 2, 4, 8, 16):
+    up = pltpu.roll(a, c - d, 1)                                      # lane i: a[i + d]
+    down = pltpu.roll(a, d, 1)                                        # lane i: a[i - d]
+    a = jnp.maximum(a, jnp.where((lane & d) == 0, up, down))
+  return a
+
+
+def _exponent(a: jax.Array) -> jax.Array:
+  """floor(log2(a)) of a normal float32 a > 0 from its exponent field (int32); 0 and
+  float32 subnormals give -127 (callers clamp below: the reference's frexp gives <= -127
+  for a subnormal, the same after the clamp)."""
+  return ((jax.lax.bitcast_convert_type(a, jnp.int32) >> 23) & 0xFF) - 127
+
+
+def _fake_quant_fp8(x: jax.Array, fmt: str) -> jax.Array:
+  """x [r, c] float32 -> the values `k3_jax.ops.mx.quantize(x, fmt, -1)` dequantizes to
+  (blocks of 32 along c), float32, by the same float32 operations as the reference
+  (ops/mx.py `_quantize_jit`, `_encode`, `_dequantize_jit`) on each lane:
+
+      s     = clip(floor(log2(block max |x|)) - emax, -127, 127)   (-127 for a zero block)
+      v     = x 2^-s;  e = max(floor(log2 |v|), 1 - bias);  q = 2^(e - mbits)
+      r     = min(round_half_even(|v| / q) q, max)                   (the element's magnitude)
+      value = sign(v) r 2^h 2^(s - h),  h = floor(s / 2)             (the reference's two factors)
+
+  |v| / q is exact as |v| 2^(mbits - e) (a power of two, normal at these exponents). Finite
+  inputs only (the reference gives a non-finite block scale byte 0xFF; the kernel does not
+  support those, as for a given MXFP8 lhs)."""
+  bias, mbits = _FP8[fmt]
+  emax, fmax = {"mxfp8_e4m3": (8, 448.0), "mxfp8_e5m2": (15, 57344.0)}[fmt]
+  amax = _block_max(jnp.abs(x))
+  s = jnp.clip(_exponent(amax) - emax, -127, 127)
+  s = jnp.where(amax > 0, s, -127)
+  v = x * _pow2(-s)
+  a = jnp.abs(v)
+  e = jnp.maximum(_exponent(a), 1 - bias)
+  r = jnp.minimum(jnp.round(a * _pow2(mbits - e)) * _pow2(e - mbits), np.float32(fmax))
+  sign = jax.lax.bitcast_convert_type(v, jnp.int32) & np.int32(-(1 << 31))
+  r = _bits_to_f32(jax.lax.bitcast_convert_type(r, jnp.int32) | sign)
+  h = s >> 1                                                          # floor(s / 2)
+  return r * _pow2(h) * _pow2(s - h)
+
+
+def _pow2(e: jax.Array) -> jax.Array:
+  """2^e as float32 for int32 e in [-126, 127] (exact, from the exponent bits)."""
+  return _bits_to_f32((e + 127) << 23)
+
+
 def _kernel(offsets_ref, group_ref, tile_ref, lhs_tile_ref, flags_ref, layer_ref, *refs,
-            lhs_fmt: str | None, tiling: Tiling, tiles_k: int, rows_outer: bool = False):
+            lhs_fmt: str | None, tiling: Tiling, tiles_k: int, rows_outer: bool = False,
+            lhs_quant: str | None = None):
   del lhs_tile_ref, layer_ref
   if lhs_fmt is None:
     x_ref, wc_ref, ws_ref, o_ref, acc_ref, wscale_ref, w_ref, wtile_ref = refs
@@ -233,6 +290,8 @@ def _kernel(offsets_ref, group_ref, tile_ref, lhs_tile_ref, flags_ref, layer_ref
   def lhs_chunk(c):                                                  # -> [tm, tc] bf16
     l0 = pl.multiple_of(c * tc, tc)
     x = x_ref[:, pl.ds(l0, tc)]
+    if lhs_quant is not None:          # MXFP8 values of the float lhs, quantised here
+      return _fake_quant_fp8(x.astype(jnp.float32), lhs_quant).astype(jnp.bfloat16)
     if lhs_fmt is None:
       return x.astype(jnp.bfloat16)
     # Spread each block's scale byte over its 32 columns with a 0/1 matmul (exact).
@@ -310,6 +369,11 @@ def _row_align(*dtypes) -> int:
 
 
 SINGLE_TILE_ROWS = 512    # an aligned m up to this is one row tile (no pad, no slice)
+# A call whose rows are one row tile (a decode's expert buffers) splits F in this many
+# tiles where they are 128-lane multiples and fit VMEM: F outermost reads the lhs once per
+# F tile (6-7 times at 512 lanes), and two keep one tile per core of a two-core chip
+# (the parallel grid axis). None: tn 512 as for more rows.
+SINGLE_TILE_F_TILES: int | None = 2
 
 
 def default_tiling(m: int, l: int, f: int, row_align: int = 16) -> Tiling:
@@ -318,12 +382,19 @@ def default_tiling(m: int, l: int, f: int, row_align: int = 16) -> Tiling:
   128 rows nor slices its output back, two copies of each at the node decode's 352-row
   expert buffers), tn 512 (or the largest of 256/128 dividing f), tk = L, tc 512 (256
   when 512 does not divide L). Fits the default scoped VMEM of every TPU generation at K3
-  expert shapes (L 3584, F 3072)."""
+  expert shapes (L 3584, F 3072). A call of one row tile takes tn = F / SINGLE_TILE_F_TILES
+  where that is a multiple of 128 and the blocks fit _VMEM_BUDGET (BF16 lhs and output:
+  k3's decode, 352 rows, F 3072 / 3584, about 42 MB): the lhs read twice a call, not 6-7
+  times (its rows are read once per F tile)."""
   tm = min(128, _round_up(max(m, 1), row_align))
   if 128 < m <= SINGLE_TILE_ROWS and m % row_align == 0:
     tm = m
   tn = next((t for t in (512, 256, 128) if f % t == 0), f)
   tc = 512 if l % 512 == 0 else 256
+  if SINGLE_TILE_F_TILES and tm >= m and f % SINGLE_TILE_F_TILES == 0:
+    wide = Tiling(tm, f // SINGLE_TILE_F_TILES, l, tc)
+    if wide.tn % LANES == 0 and wide.tn > tn and vmem_bytes(wide, 2, 2, False) <= _VMEM_BUDGET:
+      return wide
   return Tiling(tm, tn, l, tc)
 
 
@@ -379,7 +450,8 @@ def choose_order(m: int, l: int, f: int, e: int, row_align: int, lhs_row_bytes: 
 def mxfp4_gmm(lhs, rhs, group_sizes: jax.Array, *, preferred_element_type=None,
               tiling: Tiling | tuple[int, int, int, int] | None = None,
               interpret: bool | pltpu.InterpretParams = False,
-              layer: jax.Array | None = None, order: str = "auto") -> jax.Array:
+              layer: jax.Array | None = None, order: str = "auto",
+              lhs_quant: str | None = None) -> jax.Array:
   """Grouped matmul lhs [M, L] x MXFP4 rhs [E, L, F] -> [M, F] (see the module docstring).
 
   layer: with an int32 scalar, rhs is a stack of such weights [layers, E, L, F] (a scanned
@@ -392,6 +464,12 @@ def mxfp4_gmm(lhs, rhs, group_sizes: jax.Array, *, preferred_element_type=None,
   in Pallas interpret mode on CPU (True, or pltpu.InterpretParams for the TPU one).
   order: the grid order (ORDERS); "auto" picks by `choose_order` (with a given tiling,
   by the same byte estimate at that tiling).
+  lhs_quant: an MXFP8 format (LHS_FORMATS) to quantise a float lhs to inside the kernel:
+  each [tm, tc] chunk's blocks of 32 along L are scaled and rounded in VMEM
+  (`_fake_quant_fp8`), so the call multiplies bitwise what it multiplies given
+  `ops.mx.quantize(lhs, lhs_quant, -1)`, without that quantisation's passes over the
+  buffer in HBM (it reads the lhs in its own dtype instead: 2 bytes a value for BF16
+  where MXFP8 is 1 + 1/32). The output dtype defaults to the lhs dtype.
   """
   _check(order in ORDERS, f"order={order!r}: expected one of {ORDERS}")
   _check(_is_mx(rhs), f"rhs must be an MXFP4 MX array (codes, scales, fmt, axis), got "
@@ -413,6 +491,8 @@ def mxfp4_gmm(lhs, rhs, group_sizes: jax.Array, *, preferred_element_type=None,
   l = 2 * l_half
   _check(scales.shape[1:] == (e, l // BLOCK, f),
          f"rhs.scales shape {rhs.scales.shape} != (E, L/32, F) = {(e, l // BLOCK, f)}")
+  _check(lhs_quant is None or (lhs_quant in _FP8 and not _is_mx(lhs)),
+         f"lhs_quant={lhs_quant!r}: expected None or one of {LHS_FORMATS}, with a float lhs")
   if _is_mx(lhs):
     _check(lhs.fmt in _FP8, f"lhs.fmt={lhs.fmt!r}; an MX lhs must be one of {LHS_FORMATS}")
     _check(lhs.codes.ndim == 2 and lhs.axis in (1, -1),
@@ -456,7 +536,7 @@ def mxfp4_gmm(lhs, rhs, group_sizes: jax.Array, *, preferred_element_type=None,
   return _mxfp4_gmm(lhs.codes if lhs_fmt else lhs, lhs.scales if lhs_fmt else None,
                     codes, scales, group_sizes.astype(jnp.int32), layer,
                     lhs_fmt=lhs_fmt, out_dtype=out_dtype, tiling=t, interpret=interpret,
-                    rows_outer=rows_outer)
+                    rows_outer=rows_outer, lhs_quant=lhs_quant)
 
 
 def vmem_bytes(tiling: Tiling, lhs_itemsize: int, out_itemsize: int, mx_lhs: bool,
@@ -474,9 +554,9 @@ def vmem_bytes(tiling: Tiling, lhs_itemsize: int, out_itemsize: int, mx_lhs: boo
 
 
 @functools.partial(jax.jit, static_argnames=("lhs_fmt", "out_dtype", "tiling", "interpret",
-                                             "rows_outer"))
+                                             "rows_outer", "lhs_quant"))
 def _mxfp4_gmm(x, xs, wc, ws, group_sizes, layer, *, lhs_fmt, out_dtype, tiling, interpret,
-               rows_outer=False):
+               rows_outer=False, lhs_quant=None):
   tm, tn, tk, tc = tiling
   m, l = x.shape
   e, _, f = wc.shape[1:]                           # wc, ws [layers, E, ...]; layer [1]
@@ -532,7 +612,7 @@ def _mxfp4_gmm(x, xs, wc, ws, group_sizes, layer, *, lhs_fmt, out_dtype, tiling,
                     f if rows_outer else None)
   call = pl.pallas_call(
       functools.partial(_kernel, lhs_fmt=lhs_fmt, tiling=tiling, tiles_k=tiles_k,
-                        rows_outer=rows_outer),
+                        rows_outer=rows_outer, lhs_quant=lhs_quant),
       out_shape=jax.ShapeDtypeStruct((m_pad, f), out_dtype),
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=6,
