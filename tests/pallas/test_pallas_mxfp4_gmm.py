@@ -231,9 +231,11 @@ def test_compiles_for_tpu_lhs_quantised_in_kernel():
   """lhs_quant (the node decode's expert calls): Mosaic lowers the in-kernel MXFP8
   quantisation (lane rotations, round-half-even, bit casts) and the one-row-tile default
   tiling (tn = F / 2) fits VMEM, at k3 v5p-128 1,024 x 32K's 352-row buffers, both
-  projections' shapes (v5p)."""
-  for l, f in ((3584, 3072), (3072, 3584)):
-    compiled = _compile("v5p", "mxfp4+q8", rows=352, e=14, l=l, f=f)
+  projections' shapes; and the gated call (two weight tiles, the SiTU activation; tn =
+  F / 4) at the gate / up shape (v5p)."""
+  for kind, l, f in (("mxfp4+q8", 3584, 3072), ("mxfp4+q8", 3072, 3584),
+                     ("mxfp4+q8+glu", 3584, 3072)):
+    compiled = _compile("v5p", kind, rows=352, e=14, l=l, f=f)
     assert "tpu_custom_call" in compiled.as_text()
 
 
@@ -381,3 +383,30 @@ def test_lhs_quantised_in_the_kernel_is_bitwise_the_mxfp8_lhs(data):
   assert np.all(np.asarray(got)[55:] == 0)
   with pytest.raises(ValueError, match="lhs_quant"):
     mxfp4_gmm(mx.quantize(lhs, "mxfp8_e4m3", -1), w, sizes, lhs_quant="mxfp8_e4m3")
+
+
+@pytest.mark.slow
+def test_gated_call_is_bitwise_the_two_calls_and_activation(data):
+  """rhs_up + glu (the expert FFN's gate and up projections in one call, ops/mx_gmm.packed_gmm
+  `gated`): glu(gate, up) of the two calls' outputs (each rounded to BF16, the activation of
+  k3_jax.ops.activations), bitwise in interpret mode for SiTU (the kernel computes the
+  activation by the same float32 operations; on TPU Mosaic's tanh / logistic may differ
+  from XLA's in the last bit, within one BF16 rounding of the output); a row tile of all 64
+  rows (the decode's one-tile call), ragged groups, rows past the end 0."""
+  from k3_jax.ops.activations import glu
+  x, w = data
+  up = _data(1)[1]
+  one_tile = lambda a: mx.MXArray(a.codes[..., :128], a.scales[..., :128], "mxfp4", -2)
+  w, up = one_tile(w), one_tile(up)
+  lhs = x.astype(jnp.bfloat16)
+  sizes = jnp.asarray([5, 0, 30, 20], jnp.int32)
+  kw = dict(tiling=Tiling(64, 128, L, 256), interpret=True, lhs_quant="mxfp8_e4m3")
+  got = mxfp4_gmm(lhs, w, sizes, rhs_up=up, glu=("situ", 4.0, 25.0), **kw)
+  want = glu(mxfp4_gmm(lhs, w, sizes, **kw), mxfp4_gmm(lhs, up, sizes, **kw), "situ",
+             beta1=4.0, beta2=25.0)
+  assert got.dtype == want.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)),
+                                np.asarray(want.astype(jnp.float32)))
+  assert np.all(np.asarray(got.astype(jnp.float32))[55:] == 0)
+  with pytest.raises(ValueError, match="rhs_up and glu"):
+    mxfp4_gmm(lhs, w, sizes, rhs_up=up, **kw)
