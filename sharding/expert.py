@@ -179,7 +179,7 @@ def _gated(gmm, rows, w_gate, w_up, group_sizes, activation, beta1, beta2, dtype
   return glu(gate, up, activation, beta1=beta1, beta2=beta2).astype(dtype)
 
 
-_IN = "promise_in_bounds"
+_IN = "clip"
 
 
 def _excl_cumsum(x, axis=0):
@@ -225,9 +225,11 @@ def _local_dispatch(x, weights, expert_ids, w_gate, w_up, w_down, *, ex, p, exch
     all_counts = jnp.clip(per_dst[..., None] - _excl_cumsum(all_counts, 2), 0, all_counts)
   send_sizes = per_dst[me]                                             # [P]
   kept = pos_in_chunk < send_sizes[dest]                               # [n k] kept pairs
-  # (the row gathers here take indices in range by construction, permutations or pair
-  # positions: promise_in_bounds, where take's default mode="fill" adds a select pass over
-  # each gathered buffer, k3 v5p-128 1,024 x 32K ~0.8 GB a step)
+  # (a row gather of a local array takes indices in range by construction, permutations
+  # or pair positions: mode="clip", a no-op on them, where take's default mode="fill"
+  # selects the fill value for out-of-range rows, a select over the gathered buffer; the
+  # gathers of the ragged exchanges' outputs keep it: there the select fusion also does
+  # their relayout from the exchange's [rows, 2, D / 2] tiles, measured in pod-scale.md)
   xs = jnp.take(x, order // k, axis=0, mode=_IN)                       # [n k, D]
 
   # --- receive side bookkeeping: from source s come mine[s, j] rows for local expert j,
@@ -275,7 +277,7 @@ def _local_dispatch(x, weights, expert_ids, w_gate, w_up, w_down, *, ex, p, exch
     recv = jax.lax.all_to_all(buf, ex, 0, 0, tiled=True)               # [P cap, D]
 
   # --- local grouped matmul over the received rows, grouped by local expert.
-  rows = jnp.take(recv, slot_of, axis=0, mode=_IN)                     # [slots, D]
+  rows = jnp.take(recv, slot_of, axis=0)                               # [slots, D]
   with jax.named_scope("experts"):
     h = _gated(gmm, rows, w_gate, w_up, group_sizes, activation, beta1, beta2, x.dtype)
     out = gmm(h, w_down, group_sizes)                                  # [slots, D] f32
@@ -298,7 +300,7 @@ def _local_dispatch(x, weights, expert_ids, w_gate, w_up, w_down, *, ex, p, exch
     sorted_out = jnp.where(kept[:, None], sorted_out, jnp.zeros_like(sorted_out))  # [n k, D]
 
   inverse = jnp.argsort(order)
-  pairs = jnp.take(sorted_out, inverse, axis=0, mode=_IN).astype(jnp.float32).reshape(n, k, d)
+  pairs = jnp.take(sorted_out, inverse, axis=0).astype(jnp.float32).reshape(n, k, d)
   y = jnp.sum(pairs * weights.astype(jnp.float32)[..., None], axis=1)  # [n, D]
   return y.astype(x.dtype)
 
