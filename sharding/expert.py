@@ -179,9 +179,6 @@ def _gated(gmm, rows, w_gate, w_up, group_sizes, activation, beta1, beta2, dtype
   return glu(gate, up, activation, beta1=beta1, beta2=beta2).astype(dtype)
 
 
-_IN = "clip"
-
-
 def _excl_cumsum(x, axis=0):
   return jnp.cumsum(x, axis=axis) - x
 
@@ -225,12 +222,7 @@ def _local_dispatch(x, weights, expert_ids, w_gate, w_up, w_down, *, ex, p, exch
     all_counts = jnp.clip(per_dst[..., None] - _excl_cumsum(all_counts, 2), 0, all_counts)
   send_sizes = per_dst[me]                                             # [P]
   kept = pos_in_chunk < send_sizes[dest]                               # [n k] kept pairs
-  # (a row gather of a local array takes indices in range by construction, permutations
-  # or pair positions: mode="clip", a no-op on them, where take's default mode="fill"
-  # selects the fill value for out-of-range rows, a select over the gathered buffer; the
-  # gathers of the ragged exchanges' outputs keep it: there the select fusion also does
-  # their relayout from the exchange's [rows, 2, D / 2] tiles, measured in pod-scale.md)
-  xs = jnp.take(x, order // k, axis=0, mode=_IN)                       # [n k, D]
+  xs = jnp.take(x, order // k, axis=0)                                 # [n k, D]
 
   # --- receive side bookkeeping: from source s come mine[s, j] rows for local expert j,
   # ordered by expert, in slots [s cap, s cap + recv_sizes[s]) (fixed chunks), or packed
@@ -264,7 +256,7 @@ def _local_dispatch(x, weights, expert_ids, w_gate, w_up, w_down, *, ex, p, exch
     # whatever its lhs holds there (the MXFP4 kernel selects its stored rows and quantises
     # row by row; ragged_dot computes only the groups' rows), and the return exchange sends
     # only the rows that arrived. So on TPU it is not zero-filled (`lax.empty`: a buffer
-    # allocated, nothing written; k3 v5p-128 1,024 x 32K: a [352, 7,168] bf16 write a
+    # allocated, nothing written; k3 v5p-128 1,024 x 32K: a [352, 3,584] bf16 write a
     # layer); elsewhere `lax.empty` is zeros.
     recv_buf = (jax.lax.empty((slots, d), x.dtype) if exchange == "ragged"
                 else jnp.zeros((slots, d), x.dtype))
@@ -284,7 +276,7 @@ def _local_dispatch(x, weights, expert_ids, w_gate, w_up, w_down, *, ex, p, exch
   # back to slot order; a slot that received nothing takes a row past sum(group_sizes),
   # which the grouped matmul left 0, and travels back nowhere (the ragged exchange sends
   # the rows that arrived, fixed chunks keep the kept pairs'): no select over the buffer
-  out = jnp.take(out, grouped_pos, axis=0, mode=_IN).astype(x.dtype)
+  out = jnp.take(out, grouped_pos, axis=0).astype(x.dtype)
 
   # --- return exchange, into the source's sorted pair order.
   if ragged:
@@ -319,7 +311,7 @@ def _replicated_dispatch(x, weights, expert_ids, w_gate, w_up, w_down, *, ex, gm
   group_sizes = jnp.bincount(local, length=el + 1)[:el].astype(jnp.int32)  # [E_l]
   valid = jnp.arange(rows) < group_sizes.sum()                         # [rows] real pairs
   token = order // k                                                   # [rows]
-  xs = jnp.take(x, token, axis=0, mode=_IN)                            # [rows, D]
+  xs = jnp.take(x, token, axis=0)                                      # [rows, D]
   with jax.named_scope("experts"):
     h = _gated(gmm, xs, w_gate, w_up, group_sizes, activation, beta1, beta2, x.dtype)
     out = gmm(h, w_down, group_sizes).astype(jnp.float32)              # [rows, D]
