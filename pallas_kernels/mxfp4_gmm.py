@@ -17,6 +17,12 @@ Inputs
   rhs          MXFP4 MX array (fmt "mxfp4") blocked along L (axis 1 / -2):
                codes [E, L/2, F] uint8 (low nibble = even L index), scales [E, L/32, F].
   group_sizes  [E] int32; rows of lhs are grouped contiguously by expert; sum <= M.
+  lhs_quant    a float lhs quantised to MXFP8 in the kernel, per [tm, tc] chunk in VMEM
+               (`_fake_quant_fp8`: bitwise the values of ops.mx.quantize), where XLA's
+               quantisation before the call made f32 passes over the rows in HBM.
+  rhs_up, glu  a gated call: a second weight like rhs and the activation (kind, b1, b2);
+               returns glu(lhs @ rhs, lhs @ rhs_up), both products in two accumulators,
+               rounded to the output dtype, the activation stored (an expert FFN's hidden).
 Any object with `codes`, `scales`, `fmt`, `axis` works as an MX array (k3_jax.ops.mx.MXArray).
 
 Grid and group metadata. The grid is (F tiles, visits, L tiles), F outermost. A "visit"
@@ -696,7 +702,8 @@ def _mxfp4_gmm(x, xs, wc, ws, group_sizes, layer, *, lhs_fmt, out_dtype, tiling,
   return out[:m] if m_pad != m else out
 
 
-__all__ = ["Tiling", "GroupMetadata", "GLU_KINDS", "LHS_FORMATS", "ORDERS", "ROWS_OUTER_TM", "ROWS_OUTER_SHARE",
+__all__ = ["Tiling", "GroupMetadata", "GLU_KINDS", "LHS_FORMATS", "ORDERS", "ROWS_OUTER_TM",
+           "ROWS_OUTER_SHARE", "SINGLE_TILE_F_TILES",
            "SINGLE_TILE_ROWS",
            "default_tiling", "group_metadata", "hbm_bytes", "choose_order", "mxfp4_gmm",
            "rhs_fetches", "vmem_bytes"]

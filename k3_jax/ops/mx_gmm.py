@@ -125,7 +125,8 @@ def packed_gmm(base: GroupedMatmul, kernel: bool = False) -> GroupedMatmul:
   packed codes from HBM and dequantizes tiles in VMEM; the lhs quantized to MXFP8 E4M3 in
   the kernel, per tile in VMEM (`lhs_quant`), the same values). Its `gated` attribute
   computes an expert FFN's gated hidden glu(lhs @ w_gate, lhs @ w_up) in one call (the
-  expert-parallel dispatch takes it where present: sharding/expert.py `_gated`). The caller passes it only where the call runs on whole local arrays (one device,
+  expert-parallel dispatch takes it where present: sharding/expert.py `_gated`). The
+  caller passes it only where the call runs on whole local arrays (one device,
   or inside the expert-parallel shard_map), since a Mosaic kernel cannot be partitioned."""
   if kernel:
     from pallas_kernels.mxfp4_gmm import mxfp4_gmm as kernel_mxfp4_gmm  # lazy: TPU serving
