@@ -269,15 +269,18 @@ def _pow2(e: jax.Array) -> jax.Array:
 
 def _kernel(offsets_ref, group_ref, tile_ref, lhs_tile_ref, flags_ref, layer_ref, *refs,
             lhs_fmt: str | None, tiling: Tiling, tiles_k: int, rows_outer: bool = False,
-            lhs_quant: str | None = None, glu: tuple | None = None):
+            lhs_quant: str | None = None, glu: tuple | None = None, stream: bool = False):
   del lhs_tile_ref, layer_ref
   refs = list(refs)
   x_ref = refs.pop(0)
   xs_ref = None if lhs_fmt is None else refs.pop(0)
   wc_ref, ws_ref = refs.pop(0), refs.pop(0)
   wc2_ref, ws2_ref = (refs.pop(0), refs.pop(0)) if glu else (None, None)
-  o_ref, acc_ref, wscale_ref, w_ref, wtile_ref = refs[:5]
-  acc2_ref, wtile2_ref = refs[5:] if glu else (None, None)
+  o_ref, acc_ref, wscale_ref, w_ref = refs.pop(0), refs.pop(0), refs.pop(0), refs.pop(0)
+  wtile_ref = None if stream else refs.pop(0)
+  acc2_ref = refs.pop(0) if glu else None
+  wtile2_ref = None if stream or not glu else refs.pop(0)
+  wscale2_ref = (refs.pop(0) if stream else wscale_ref) if glu else None
   tm, tn, tk, tc = tiling
   v = pl.program_id(0 if rows_outer else 1)
   n = pl.program_id(1 if rows_outer else 0)
@@ -314,7 +317,7 @@ def _kernel(offsets_ref, group_ref, tile_ref, lhs_tile_ref, flags_ref, layer_ref
     vals = _fp8_f32(x.astype(jnp.int32), lhs_fmt) * _scale_f32(sfield)  # [tm, tc]
     return vals.astype(jnp.bfloat16)
 
-  def rhs_chunk(c, wc_ref):                                          # -> [tc, tn] bf16
+  def rhs_chunk(c, wc_ref, wscale_ref=wscale_ref):                   # -> [tc, tn] bf16
     r0 = pl.multiple_of(c * (tc // 2), tc // 2)
     codes = wc_ref[pl.ds(r0, tc // 2), :].astype(jnp.int32)           # [tc/2, tn]
     s0 = pl.multiple_of(c * (tc // BLOCK), tc // BLOCK)
@@ -342,13 +345,30 @@ def _kernel(offsets_ref, group_ref, tile_ref, lhs_tile_ref, flags_ref, layer_ref
 
     jax.lax.fori_loop(0, tk // tc, body, 0)
 
-  @pl.when(unpack)
   def _unpack():
     fill(wc_ref, ws_ref, wtile_ref)
     if glu:                                   # the up projection's tile beside the gate's
       fill(wc2_ref, ws2_ref, wtile2_ref)
 
-  @pl.when(active)
+  def _stream():
+    # One row tile, one L tile: each group has one visit, so nothing would reuse an
+    # unpacked [tk, tn] tile: each chunk is unpacked and multiplied at once (the same
+    # values and order as from the tile; no tile in VMEM, so wider F tiles fit)
+    wscale_ref[...] = _scale_f32(ws_ref[...].astype(jnp.int32))
+    if glu:
+      wscale2_ref[...] = _scale_f32(ws2_ref[...].astype(jnp.int32))
+
+    def body(c, carry):
+      x = lhs_chunk(c)
+      acc_ref[...] += jnp.dot(x, rhs_chunk(c, wc_ref), precision=_MXU,
+                              preferred_element_type=jnp.float32)
+      if glu:
+        acc2_ref[...] += jnp.dot(x, rhs_chunk(c, wc2_ref, wscale2_ref), precision=_MXU,
+                                 preferred_element_type=jnp.float32)
+      return carry
+
+    jax.lax.fori_loop(0, tk // tc, body, 0)
+
   def _accumulate():
     def body(c, carry):
       rows = pl.ds(pl.multiple_of(c * tc, tc), tc)
@@ -361,6 +381,12 @@ def _kernel(offsets_ref, group_ref, tile_ref, lhs_tile_ref, flags_ref, layer_ref
       return carry
 
     jax.lax.fori_loop(0, tk // tc, body, 0)
+
+  if stream:
+    pl.when(active)(_stream)
+  else:
+    pl.when(unpack)(_unpack)
+    pl.when(active)(_accumulate)
 
   @pl.when(k == tiles_k - 1)
   def _store():
@@ -436,7 +462,7 @@ def default_tiling(m: int, l: int, f: int, row_align: int = 16, rhs_count: int =
       wide = Tiling(tm, f // tiles, l, tc)
       if f % tiles or wide.tn % LANES or wide.tn <= tn:
         break
-      if vmem_bytes(wide, 2, 2, False, rhs_count=rhs_count) <= _VMEM_BUDGET:
+      if vmem_bytes(wide, 2, 2, False, rhs_count=rhs_count, stream=True) <= _VMEM_BUDGET:
         return wide
   return Tiling(tm, tn, l, tc)
 
@@ -602,17 +628,19 @@ def mxfp4_gmm(lhs, rhs, group_sizes: jax.Array, *, preferred_element_type=None,
 
 
 def vmem_bytes(tiling: Tiling, lhs_itemsize: int, out_itemsize: int, mx_lhs: bool,
-               out_width: int | None = None, rhs_count: int = 1) -> int:
+               out_width: int | None = None, rhs_count: int = 1,
+               stream: bool = False) -> int:
   """Rough VMEM need: double-buffered blocks, scratch, and chunk temporaries (out_width:
   the output block's width, tn unless rows are outermost: F; rhs_count: 2 for a gated
-  call, each rhs its blocks, accumulator and unpacked tile)."""
+  call, each rhs its blocks, accumulator and unpacked tile; stream: no unpacked tile, a
+  scale scratch per rhs, as the kernel's one-row-tile calls)."""
   tm, tn, tk, tc = tiling
   blocks = 2 * (tm * tk * lhs_itemsize + rhs_count * (tk // 2 * tn + _round_up(tk // BLOCK, 32)
                                                       * tn) + tm * (out_width or tn) * out_itemsize)
   if mx_lhs:
     blocks += 2 * (tk // tc) * tm * LANES                # [tk/tc, tm, tc/32] lane-padded
-  scratch = (rhs_count * (tm * tn * 4 + tk * tn * 2) + _round_up(tk // BLOCK, 8) * tn * 4
-             + tc * tn * 4)
+  scratch = (rhs_count * (tm * tn * 4 + (0 if stream else tk * tn * 2))
+             + (rhs_count if stream else 1) * _round_up(tk // BLOCK, 8) * tn * 4 + tc * tn * 4)
   temps = 6 * (tc // 2) * tn * 4 + 4 * tm * tc * 4       # codes, values, scale, interleaved
   return blocks + scratch + temps
 
@@ -673,11 +701,13 @@ def _mxfp4_gmm(x, xs, wc, ws, group_sizes, layer, *, lhs_fmt, out_dtype, tiling,
   cost = pl.CostEstimate(flops=2 * nr * m_pad * l * f, transcendentals=0,
                          bytes_accessed=hbm_bytes(m_pad, l, f, e, tiling, row_bytes,
                                                   out_dtype.itemsize, rows_outer, nr))
+  stream = not rows_outer and tiles_k == 1 and m_pad == tm    # one row tile, one L tile
   need = vmem_bytes(tiling, x.dtype.itemsize, out_dtype.itemsize, lhs_fmt is not None,
-                    f if rows_outer else None, nr)
+                    f if rows_outer else None, nr, stream)
   call = pl.pallas_call(
       functools.partial(_kernel, lhs_fmt=lhs_fmt, tiling=tiling, tiles_k=tiles_k,
-                        rows_outer=rows_outer, lhs_quant=lhs_quant, glu=glu),
+                        rows_outer=rows_outer, lhs_quant=lhs_quant, glu=glu,
+                        stream=stream),
       out_shape=jax.ShapeDtypeStruct((m_pad, f), out_dtype),
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=6,
@@ -686,10 +716,11 @@ def _mxfp4_gmm(x, xs, wc, ws, group_sizes, layer, *, lhs_fmt, out_dtype, tiling,
           out_specs=pl.BlockSpec((tm, f if rows_outer else tn), out_map),
           scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32),                 # accumulator
                           pltpu.VMEM((tk // BLOCK, tn), jnp.float32),        # rhs scales
-                          pltpu.VMEM((tn // LANES, tc, LANES), jnp.float32),  # rhs chunk
-                          pltpu.VMEM((tk, tn), jnp.bfloat16)]                # rhs tile
-                         + ([] if glu is None else [pltpu.VMEM((tm, tn), jnp.float32),
-                                                    pltpu.VMEM((tk, tn), jnp.bfloat16)])),
+                          pltpu.VMEM((tn // LANES, tc, LANES), jnp.float32)]  # rhs chunk
+                         + ([] if stream else [pltpu.VMEM((tk, tn), jnp.bfloat16)])  # tile
+                         + ([] if glu is None else [pltpu.VMEM((tm, tn), jnp.float32)]
+                            + [pltpu.VMEM((tk // BLOCK, tn), jnp.float32) if stream
+                               else pltpu.VMEM((tk, tn), jnp.bfloat16)])),
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=(("arbitrary",) * 3 if rows_outer
                                else ("parallel", "arbitrary", "arbitrary")),
