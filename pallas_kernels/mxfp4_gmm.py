@@ -61,7 +61,9 @@ slabs: what Mosaic's strided store supports) and cast to BF16. Every computing v
 multiplies its lhs tile by the cached weight tile on the MXU, chunk by chunk, into a
 float32 accumulator. For an MXFP8 lhs the per-block scale bytes are spread over their 32
 columns by a small 0/1 matmul (exact: integers <= 255 and single terms) and the codes are
-decoded by building float32 bits the same way.
+decoded by building float32 bits the same way. A call of one row tile and one L
+tile (a decode's) visits each group once, so nothing reuses an unpacked tile: it unpacks
+each chunk and multiplies it at once (`stream`), with no [tk, tn] tile in VMEM.
 
 Numerics: dequantized MXFP4 weights (2 significant bits) and MXFP8 activations (<= 4) times
 a power of two are exact in BF16, so the kernel and the reference multiply the same numbers

@@ -283,8 +283,12 @@ def _local_dispatch(x, weights, expert_ids, w_gate, w_up, w_down, *, ex, p, exch
     # My rows for source s land in its sorted array at its offset for destination me.
     # (Offsets in the source's untruncated sorted order; its kept rows are a prefix.)
     back_offsets = _excl_cumsum(per_dst_full, 1)[:, me]                # [src]
+    # (on TPU not zero-filled either: a dropped pair's row is selected to 0 below, in the
+    # fusion that gathers the pairs back to token order)
+    back_buf = (jax.lax.empty((n * k, d), x.dtype) if exchange == "ragged"
+                else jnp.zeros((n * k, d), x.dtype))
     sorted_out = ragged_a2a(
-        out, jnp.zeros((n * k, d), x.dtype), recv_at[:, me].astype(jnp.int32),
+        out, back_buf, recv_at[:, me].astype(jnp.int32),
         recv_sizes, back_offsets, send_sizes, axis_name=ex)            # [n k, D]
   else:
     back = jax.lax.all_to_all(out, ex, 0, 0, tiled=True)               # [P cap, D]
@@ -293,6 +297,8 @@ def _local_dispatch(x, weights, expert_ids, w_gate, w_up, w_down, *, ex, p, exch
 
   inverse = jnp.argsort(order)
   pairs = jnp.take(sorted_out, inverse, axis=0).astype(jnp.float32).reshape(n, k, d)
+  if exchange == "ragged":                  # dropped pairs: rows the exchange did not write
+    pairs = jnp.where(jnp.take(kept, inverse).reshape(n, k, 1), pairs, 0.0)
   y = jnp.sum(pairs * weights.astype(jnp.float32)[..., None], axis=1)  # [n, D]
   return y.astype(x.dtype)
 
