@@ -83,7 +83,9 @@ def _sds(shape, dtype, mesh):
 
 def compile_gmm(gen: str, kind: str, rows: int = 4096, e: int = E, l: int = L, f: int = F,
                 tiling=None):
-  """Compiled executable of one grouped matmul `kind` ("mxfp4", "mxfp4+fp8", "bf16") for
+  """Compiled executable of one grouped matmul `kind` ("mxfp4", "mxfp4+fp8", "mxfp4+q8":
+  a BF16 lhs quantised to MXFP8 in the kernel, "mxfp4+q8+glu": that and a gated call,
+  "bf16") for
   the generation's 4-chip slice; every chip: rows x l lhs, e local experts of l x f.
   tiling: the kernel's Tiling (None: its default)."""
   mesh = _mesh(gen)
@@ -100,6 +102,20 @@ def compile_gmm(gen: str, kind: str, rows: int = 4096, e: int = E, l: int = L, f
       return mxfp4_gmm(x, MXArray(wc, ws, "mxfp4", -2), g, tiling=tiling)
     args = (_sds((n * rows, l), jnp.bfloat16, mesh), _sds((n * e, l // 2, f), jnp.uint8, mesh),
             _sds((n * e, l // 32, f), jnp.uint8, mesh), gs)
+  elif kind == "mxfp4+q8":        # a BF16 lhs quantised to MXFP8 E4M3 inside the kernel
+    def local(x, wc, ws, g):
+      return mxfp4_gmm(x, MXArray(wc, ws, "mxfp4", -2), g, tiling=tiling,
+                       lhs_quant="mxfp8_e4m3")
+    args = (_sds((n * rows, l), jnp.bfloat16, mesh), _sds((n * e, l // 2, f), jnp.uint8, mesh),
+            _sds((n * e, l // 32, f), jnp.uint8, mesh), gs)
+  elif kind == "mxfp4+q8+glu":    # ... and a gated call: glu(lhs @ gate, lhs @ up), SiTU
+    def local(x, wc, ws, uc, us, g):
+      return mxfp4_gmm(x, MXArray(wc, ws, "mxfp4", -2), g, tiling=tiling,
+                       lhs_quant="mxfp8_e4m3", rhs_up=MXArray(uc, us, "mxfp4", -2),
+                       glu=("situ", 4.0, 25.0))
+    args = (_sds((n * rows, l), jnp.bfloat16, mesh),
+            *[_sds((n * e,) + s, jnp.uint8, mesh) for s in ((l // 2, f), (l // 32, f)) * 2],
+            gs)
   elif kind == "mxfp4+fp8":
     def local(xc, xs, wc, ws, g):
       return mxfp4_gmm(MXArray(xc, xs, "mxfp8_e4m3", -1), MXArray(wc, ws, "mxfp4", -2), g,

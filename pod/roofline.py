@@ -54,6 +54,9 @@ CHIP_SOURCE = ("Cloud TPU system architecture pages (v5e, v5p, v6e): bf16 peak, 
 
 # Custom calls XLA cannot see into: Pallas (Mosaic) TPU kernels.
 PALLAS_TARGETS = ("tpu_custom_call",)
+# Custom calls that only allocate a buffer, reading and writing nothing (`jax.lax.empty` on
+# TPU: "AllocateBuffer", values uninitialised): no HBM bytes.
+ALLOCATE_TARGETS = ("AllocateBuffer",)
 
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "permute")
 _KIND = {"all-gather": "all-gather", "all-gather-start": "all-gather",
@@ -477,7 +480,8 @@ class _Walker:
           if not fused:
             out.hbm_bytes += nbytes
             self._scope(out, ins, "hbm_bytes", nbytes)
-      if not fused and op not in _FREE and kernel is None:
+      allocates = target is not None and target.group(1) in ALLOCATE_TARGETS
+      if not fused and op not in _FREE and kernel is None and not allocates:
         b = self.boundary_bytes(comp, ins)
         out.hbm_bytes += b
         self._scope(out, ins, "hbm_bytes", b)

@@ -166,6 +166,19 @@ def expert_parallel_dispatch(mesh: Mesh, x: jax.Array, weights: jax.Array,
     return fn(x, weights, expert_ids, w_gate, w_up, w_down)
 
 
+def _gated(gmm, rows, w_gate, w_up, group_sizes, activation, beta1, beta2, dtype):
+  """The experts' gated hidden glu(rows @ w_gate, rows @ w_up) in `dtype`: in one call
+  where the grouped matmul offers it (`gmm.gated`: the MXFP4 kernel's gated call,
+  ops/mx_gmm.packed_gmm, the same values: both products rounded to the lhs dtype, the same
+  activation), else two grouped matmuls and the activation."""
+  fused = getattr(gmm, "gated", None)
+  if fused is not None:
+    return fused(rows, w_gate, w_up, group_sizes, activation, beta1, beta2).astype(dtype)
+  gate = gmm(rows, w_gate, group_sizes)
+  up = gmm(rows, w_up, group_sizes)
+  return glu(gate, up, activation, beta1=beta1, beta2=beta2).astype(dtype)
+
+
 def _excl_cumsum(x, axis=0):
   return jnp.cumsum(x, axis=axis) - x
 
@@ -238,8 +251,17 @@ def _local_dispatch(x, weights, expert_ids, w_gate, w_up, w_down, *, ex, p, exch
   ragged_a2a = (jax.lax.ragged_all_to_all if exchange == "ragged"
                 else functools.partial(_ragged_all_to_all_reference, p=p))
   if ragged:
+    # The receive buffer's rows past what arrives are never read as values: they sit past
+    # sum(group_sizes) in the grouped order below, whose rows every grouped matmul leaves 0
+    # whatever its lhs holds there (the MXFP4 kernel selects its stored rows and quantises
+    # row by row; ragged_dot computes only the groups' rows), and the return exchange sends
+    # only the rows that arrived. So on TPU it is not zero-filled (`lax.empty`: a buffer
+    # allocated, nothing written; k3 v5p-128 1,024 x 32K: a [352, 3,584] bf16 write a
+    # layer); elsewhere `lax.empty` is zeros.
+    recv_buf = (jax.lax.empty((slots, d), x.dtype) if exchange == "ragged"
+                else jnp.zeros((slots, d), x.dtype))
     recv = ragged_a2a(
-        xs, jnp.zeros((slots, d), x.dtype), input_offsets, send_sizes,
+        xs, recv_buf, input_offsets, send_sizes,
         recv_at[me].astype(jnp.int32), recv_sizes, axis_name=ex)
   else:
     to = jnp.where(kept, dest * cap + pos_in_chunk, p * cap)           # dropped: out of range
@@ -249,20 +271,24 @@ def _local_dispatch(x, weights, expert_ids, w_gate, w_up, w_down, *, ex, p, exch
   # --- local grouped matmul over the received rows, grouped by local expert.
   rows = jnp.take(recv, slot_of, axis=0)                               # [slots, D]
   with jax.named_scope("experts"):
-    gate = gmm(rows, w_gate, group_sizes)                              # [slots, F] f32
-    up = gmm(rows, w_up, group_sizes)
-    h = glu(gate, up, activation, beta1=beta1, beta2=beta2).astype(x.dtype)
+    h = _gated(gmm, rows, w_gate, w_up, group_sizes, activation, beta1, beta2, x.dtype)
     out = gmm(h, w_down, group_sizes)                                  # [slots, D] f32
-  out = jnp.take(out, grouped_pos, axis=0)                             # back to slot order
-  out = jnp.where(valid[:, None], out, 0.0).astype(x.dtype)
+  # back to slot order; a slot that received nothing takes a row past sum(group_sizes),
+  # which the grouped matmul left 0, and travels back nowhere (the ragged exchange sends
+  # the rows that arrived, fixed chunks keep the kept pairs'): no select over the buffer
+  out = jnp.take(out, grouped_pos, axis=0).astype(x.dtype)
 
   # --- return exchange, into the source's sorted pair order.
   if ragged:
     # My rows for source s land in its sorted array at its offset for destination me.
     # (Offsets in the source's untruncated sorted order; its kept rows are a prefix.)
     back_offsets = _excl_cumsum(per_dst_full, 1)[:, me]                # [src]
+    # (on TPU not zero-filled either: a dropped pair's row is selected to 0 below, in the
+    # fusion that gathers the pairs back to token order)
+    back_buf = (jax.lax.empty((n * k, d), x.dtype) if exchange == "ragged"
+                else jnp.zeros((n * k, d), x.dtype))
     sorted_out = ragged_a2a(
-        out, jnp.zeros((n * k, d), x.dtype), recv_at[:, me].astype(jnp.int32),
+        out, back_buf, recv_at[:, me].astype(jnp.int32),
         recv_sizes, back_offsets, send_sizes, axis_name=ex)            # [n k, D]
   else:
     back = jax.lax.all_to_all(out, ex, 0, 0, tiled=True)               # [P cap, D]
@@ -271,6 +297,8 @@ def _local_dispatch(x, weights, expert_ids, w_gate, w_up, w_down, *, ex, p, exch
 
   inverse = jnp.argsort(order)
   pairs = jnp.take(sorted_out, inverse, axis=0).astype(jnp.float32).reshape(n, k, d)
+  if exchange == "ragged":                  # dropped pairs: rows the exchange did not write
+    pairs = jnp.where(jnp.take(kept, inverse).reshape(n, k, 1), pairs, 0.0)
   y = jnp.sum(pairs * weights.astype(jnp.float32)[..., None], axis=1)  # [n, D]
   return y.astype(x.dtype)
 
@@ -291,9 +319,7 @@ def _replicated_dispatch(x, weights, expert_ids, w_gate, w_up, w_down, *, ex, gm
   token = order // k                                                   # [rows]
   xs = jnp.take(x, token, axis=0)                                      # [rows, D]
   with jax.named_scope("experts"):
-    gate = gmm(xs, w_gate, group_sizes)                                # [rows, F] f32
-    up = gmm(xs, w_up, group_sizes)
-    h = glu(gate, up, activation, beta1=beta1, beta2=beta2).astype(x.dtype)
+    h = _gated(gmm, xs, w_gate, w_up, group_sizes, activation, beta1, beta2, x.dtype)
     out = gmm(h, w_down, group_sizes).astype(jnp.float32)              # [rows, D]
   w = jnp.take(weights.reshape(-1), order).astype(jnp.float32)         # [rows]
   # where(), not a multiply: padding rows are exactly 0 whatever gmm left in them

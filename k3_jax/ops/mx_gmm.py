@@ -122,17 +122,33 @@ def packed_gmm(base: GroupedMatmul, kernel: bool = False) -> GroupedMatmul:
   MXFP8 fake-quantized as in QAT, the rhs dequantized to the lhs dtype, then `base`.
 
   kernel=True: the TPU Pallas kernel instead (pallas_kernels/mxfp4_gmm.py: it reads the
-  packed codes from HBM and dequantizes tiles in VMEM; lhs quantized to MXFP8 E4M3, the same
-  values). The caller passes it only where the call runs on whole local arrays (one device,
+  packed codes from HBM and dequantizes tiles in VMEM; the lhs quantized to MXFP8 E4M3 in
+  the kernel, per tile in VMEM (`lhs_quant`), the same values). Its `gated` attribute
+  computes an expert FFN's gated hidden glu(lhs @ w_gate, lhs @ w_up) in one call (the
+  expert-parallel dispatch takes it where present: sharding/expert.py `_gated`). The
+  caller passes it only where the call runs on whole local arrays (one device,
   or inside the expert-parallel shard_map), since a Mosaic kernel cannot be partitioned."""
   if kernel:
     from pallas_kernels.mxfp4_gmm import mxfp4_gmm as kernel_mxfp4_gmm  # lazy: TPU serving
 
     def kernel_gmm(lhs, rhs: MXArray | StackedLayer, group_sizes):
       stacked = isinstance(rhs, StackedLayer)
-      return kernel_mxfp4_gmm(quantize(lhs, ACT_FMT, -1), rhs.stack if stacked else rhs,
-                              group_sizes, preferred_element_type=lhs.dtype,
-                              layer=rhs.index if stacked else None)
+      # the lhs quantised to MXFP8 inside the kernel, per tile in VMEM: bitwise the
+      # values quantize(lhs, ACT_FMT, -1) gives, without its passes over the buffer
+      return kernel_mxfp4_gmm(lhs, rhs.stack if stacked else rhs, group_sizes,
+                              preferred_element_type=lhs.dtype,
+                              layer=rhs.index if stacked else None, lhs_quant=ACT_FMT)
+
+    def gated(lhs, w_gate, w_up, group_sizes, activation, beta1, beta2):
+      """glu(gmm(lhs, w_gate), gmm(lhs, w_up)) in one kernel call (`rhs_up`, `glu`): the
+      lhs read and quantised once for both, neither product written to HBM."""
+      stacked = isinstance(w_gate, StackedLayer)
+      return kernel_mxfp4_gmm(lhs, w_gate.stack if stacked else w_gate, group_sizes,
+                              preferred_element_type=lhs.dtype,
+                              layer=w_gate.index if stacked else None, lhs_quant=ACT_FMT,
+                              rhs_up=w_up.stack if stacked else w_up,
+                              glu=(activation, beta1, beta2))
+    kernel_gmm.gated = gated
     return kernel_gmm
 
   def gmm(lhs, rhs: MXArray | StackedLayer, group_sizes):

@@ -129,7 +129,8 @@ def test_serving_weight_bytes_abstract():
 
 def test_packed_moe_on_tpu_expert_mesh_lowers_to_the_mxfp4_kernel():
   """Serving on a TPU expert mesh: the packed layer's grouped matmuls run the Pallas MXFP4
-  kernel inside the expert-parallel shard_map (three Mosaic calls: gate, up, down), while the
+  kernel inside the expert-parallel shard_map (two Mosaic calls: gate and up in one gated
+  call, then down), while the
   same layer lowered for the CPU keeps dequantize + grouped matmul (no Mosaic call).
   Lowering only (no TPU compile) keeps this cheap; compiling is `main.py compile --quant`."""
   from sharding.mesh import make_mesh, parse_mesh
@@ -152,6 +153,6 @@ def test_packed_moe_on_tpu_expert_mesh_lowers_to_the_mxfp4_kernel():
 
   tpu = lowered_text(topology_devices("v5p:2x2x1"), "expert:4")
   assert "tpu_custom_call" in tpu and "ragged_all_to_all" in tpu
-  assert len(re.findall(r"call @_mxfp4_gmm\b", tpu)) == 3
+  assert len(re.findall(r"call @_mxfp4_gmm(_\d+)?\b", tpu)) == 2
   cpu = lowered_text(jax.devices()[:4], "expert:4")
   assert "tpu_custom_call" not in cpu

@@ -227,6 +227,19 @@ def test_compiles_for_tpu_mxfp8_lhs(gen):
 
 
 @pytest.mark.slow
+def test_compiles_for_tpu_lhs_quantised_in_kernel():
+  """lhs_quant (the node decode's expert calls): Mosaic lowers the in-kernel MXFP8
+  quantisation (lane rotations, round-half-even, bit casts) and the one-row-tile default
+  tiling (tn = F / 2) fits VMEM, at k3 v5p-128 1,024 x 32K's 352-row buffers, both
+  projections' shapes; and the gated call (two weight tiles, the SiTU activation; tn =
+  F / 4) at the gate / up shape (v5p)."""
+  for kind, l, f in (("mxfp4+q8", 3584, 3072), ("mxfp4+q8", 3072, 3584),
+                     ("mxfp4+q8+glu", 3584, 3072)):
+    compiled = _compile("v5p", kind, rows=352, e=14, l=l, f=f)
+    assert "tpu_custom_call" in compiled.as_text()
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("lhs_kind", ["mxfp4", "mxfp4+fp8"])
 def test_compiles_several_l_tiles(lhs_kind):
   """tk < L: [32, tn] uint8 scale blocks, L = 2048 in two 1024 tiles (v6e)."""
@@ -322,6 +335,10 @@ def test_default_tiling_takes_an_aligned_buffer_in_one_row_tile():
   assert default_tiling(336, 3584, 3072, 32).tm == 128            # not a multiple of 32
   assert default_tiling(SINGLE_TILE_ROWS + 32, 3584, 3072, 32).tm == 128
   assert default_tiling(64, 3584, 3072, 32).tm == 64
+  # one row tile: F in SINGLE_TILE_F_TILES = 2 tiles (the lhs read twice, not 6-7 times)
+  assert default_tiling(352, 3584, 3072, 16).tn == 1536
+  assert default_tiling(352, 3072, 3584, 16).tn == 1792
+  assert default_tiling(1024, 3584, 3072, 16).tn == 512           # several row tiles
   x, w = _data(5, m=160, l=L, f=128)
   lhs = mx.quantize(x, "mxfp8_e4m3", axis=-1)
   sizes = jnp.asarray([50, 0, 70, 31], jnp.int32)
@@ -329,3 +346,67 @@ def test_default_tiling_takes_an_aligned_buffer_in_one_row_tile():
                   tiling=default_tiling(160, L, 128, 32), interpret=True)
   ref = reference(lhs, w, sizes, preferred_element_type=jnp.float32)
   _assert_close(out, ref, _abs_bound(lhs, w, sizes), sizes, L, bf16_out=False)
+
+
+def test_lhs_quantised_in_the_kernel_is_bitwise_the_mxfp8_lhs(data):
+  """lhs_quant: a float lhs quantised to MXFP8 inside the kernel (each chunk's blocks of
+  32 scaled and rounded in VMEM, `_fake_quant_fp8`) multiplies exactly the values
+  `mx.quantize(lhs, fmt, -1)` dequantizes to, so the call equals the one given that MXFP8
+  lhs bitwise (same products, same summation order): BF16 rows whose blocks span 2^-20 to
+  2^20 (scales differ per block), an all-zero block, blocks that saturate (|x| / 2^s in
+  [448, 512)), E4M3 subnormals and halfway ties, -0; ragged groups straddling row tiles
+  and rows past the end (exactly 0). The in-kernel quantisation is also checked alone
+  against the reference (E4M3 from BF16, E5M2 from float32)."""
+  from pallas_kernels.mxfp4_gmm import _fake_quant_fp8
+  x, w = data
+  rng = np.random.default_rng(3)
+  v = np.asarray(x) * 2.0 ** rng.integers(-20, 21, size=(M, L // 32, 1)).repeat(32, 1
+                                                                             ).reshape(M, L)
+  v[0, :32] = 0.0
+  v[1, :32], v[1, 0] = 1.0, 1.93                      # 1.93 / 2^-8 = 494: saturates to 448
+  v[2, :] = rng.integers(-40, 41, size=L) * 2.0 ** -10  # E4M3 subnormals, ties to even
+  v[3, 64:96], v[3, 64] = 17.0 * 2.0 ** -5, 496.0     # ties: 8.5 -> 8, 15.5 -> 16 (> 448)
+  v[4, 5] = -0.0
+  for fmt, dt in (("mxfp8_e4m3", jnp.bfloat16), ("mxfp8_e5m2", jnp.float32)):
+    a = jnp.asarray(v, dt)
+    want = mx.dequantize(mx.quantize(a, fmt, -1), jnp.float32)
+    got = jax.jit(lambda b: _fake_quant_fp8(b.astype(jnp.float32), fmt))(a)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  lhs = jnp.asarray(v, jnp.bfloat16)
+  w = mx.MXArray(w.codes[..., :128], w.scales[..., :128], "mxfp4", -2)   # one F tile
+  sizes = jnp.asarray([5, 0, 30, 20], jnp.int32)
+  kw = dict(preferred_element_type=jnp.float32, tiling=Tiling(32, 128, L, 256),
+            interpret=True)
+  got = mxfp4_gmm(lhs, w, sizes, lhs_quant="mxfp8_e4m3", **kw)
+  want = mxfp4_gmm(mx.quantize(lhs, "mxfp8_e4m3", -1), w, sizes, **kw)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  assert np.all(np.asarray(got)[55:] == 0)
+  with pytest.raises(ValueError, match="lhs_quant"):
+    mxfp4_gmm(mx.quantize(lhs, "mxfp8_e4m3", -1), w, sizes, lhs_quant="mxfp8_e4m3")
+
+
+@pytest.mark.slow
+def test_gated_call_is_bitwise_the_two_calls_and_activation(data):
+  """rhs_up + glu (the expert FFN's gate and up projections in one call, ops/mx_gmm.packed_gmm
+  `gated`): glu(gate, up) of the two calls' outputs (each rounded to BF16, the activation of
+  k3_jax.ops.activations), bitwise in interpret mode for SiTU (the kernel computes the
+  activation by the same float32 operations; on TPU Mosaic's tanh / logistic may differ
+  from XLA's in the last bit, within one BF16 rounding of the output); a row tile of all 64
+  rows (the decode's one-tile call), ragged groups, rows past the end 0."""
+  from k3_jax.ops.activations import glu
+  x, w = data
+  up = _data(1)[1]
+  one_tile = lambda a: mx.MXArray(a.codes[..., :128], a.scales[..., :128], "mxfp4", -2)
+  w, up = one_tile(w), one_tile(up)
+  lhs = x.astype(jnp.bfloat16)
+  sizes = jnp.asarray([5, 0, 30, 20], jnp.int32)
+  kw = dict(tiling=Tiling(64, 128, L, 256), interpret=True, lhs_quant="mxfp8_e4m3")
+  got = mxfp4_gmm(lhs, w, sizes, rhs_up=up, glu=("situ", 4.0, 25.0), **kw)
+  want = glu(mxfp4_gmm(lhs, w, sizes, **kw), mxfp4_gmm(lhs, up, sizes, **kw), "situ",
+             beta1=4.0, beta2=25.0)
+  assert got.dtype == want.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)),
+                                np.asarray(want.astype(jnp.float32)))
+  assert np.all(np.asarray(got.astype(jnp.float32))[55:] == 0)
+  with pytest.raises(ValueError, match="rhs_up and glu"):
+    mxfp4_gmm(lhs, w, sizes, rhs_up=up, **kw)

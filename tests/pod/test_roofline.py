@@ -271,3 +271,18 @@ ENTRY %main (a: f32[256], b: f32[256]) -> f32[256] {
   # copy-start: reads a (1 KiB); fusion: reads b, writes its result (1 KiB each)
   assert program_costs(hlo).hbm_bytes == 3 * 1024
   assert program_costs(hlo, hbm_only=False).hbm_bytes > 3 * 1024
+
+
+def test_an_allocated_buffer_is_not_hbm_traffic():
+  """`jax.lax.empty` on TPU (custom call AllocateBuffer: a buffer, nothing written) costs
+  no HBM bytes; its consumer's bytes count as usual."""
+  from pod.roofline import program_costs
+  hlo = """HloModule m, entry_computation_layout={(f32[256]{0})->f32[256]{0}}
+
+ENTRY %main (a: f32[256]) -> f32[256] {
+  %a = f32[256]{0} parameter(0)
+  %e = f32[256]{0} custom-call(), custom_call_target="AllocateBuffer"
+  ROOT %s = f32[256]{0} add(%a, %e)
+}
+"""
+  assert program_costs(hlo).hbm_bytes == 3 * 1024     # add: two reads and a write
