@@ -25,7 +25,7 @@ def all_finite(tree) -> jax.Array:
   """Whether every float leaf of `tree` is finite, as one traced boolean (the train step's
   guard; a restored checkpoint's check jits it)."""
   leaves = [jax.numpy.isfinite(x).all() for x in jax.tree.leaves(tree)
-            if np.issubdtype(np.dtype(x.dtype), np.inexact)]
+            if jax.numpy.issubdtype(x.dtype, jax.numpy.inexact)]   # (bfloat16 too)
   return jax.numpy.stack(leaves).all() if leaves else jax.numpy.bool_(True)
 
 

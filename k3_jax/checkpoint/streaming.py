@@ -185,7 +185,7 @@ class StoredArrays:
     for keys in self.keys():
       if keys[:len(prefix)] != tuple(prefix):
         continue
-      if not np.issubdtype(np.dtype(self._store(keys).dtype.numpy_dtype), np.inexact):
+      if not jax.numpy.issubdtype(self._store(keys).dtype.numpy_dtype, jax.numpy.inexact):
         continue
       for idx in self.rows(keys):
         if not np.isfinite(self.read(keys, idx)).all():
