@@ -7,9 +7,7 @@ pushes the first out of device memory.
 
 A block restored from host memory or disk is the bits that were demoted, so a restored hit
 runs the same computation from the same bits as a device hit and as the cold prefill of the
-same prompt (same pieces: 1,024 then the 256-token tail): logits compared bitwise. The prompt
-lengths give only pieces test_engine.py runs on the same engine (1,024, 512, 256), so this
-file compiles no prefill shape of its own.
+same prompt (same pieces: 512, 512, then the 276-token tail): logits compared bitwise.
 """
 
 import logging
@@ -28,7 +26,7 @@ from k3_jax.serve.kv_pages import PAGE, PagePool
 from k3_jax.serve.prefix_cache import PrefixCache, block_hashes
 from tests.serve.test_engine import assert_bitwise, prompt_of, run
 
-N = 1280        # prompt tokens: two blocks, a checkpoint at 1,024, a tail (test_engine.py's shapes)
+N = 1300        # prompt tokens: two blocks, a checkpoint at 1,024, a tail (test_engine.py's shapes)
 
 
 @pytest.fixture(scope="module")
@@ -247,14 +245,11 @@ DECODED_TOL = 1e-4
 
 
 def test_next_turn_hits_through_the_previous_answer(parts):
-  # prompt 512 + 256 tokens, then 260 decoded past 1,024 (pieces test_engine.py compiles on
-  # this engine: 512, 256; a prompt just under 1,024 would add the 64-token piece)
   eng = make(parts)
-  a = prompt_of(7, 768)
-  first = run(eng, a, 260)                  # decodes past 1,024: a checkpoint there
+  a = prompt_of(7, 1012)
+  first = run(eng, a, 16)                   # decodes past 1,024: a checkpoint there
   assert first.finish_reason == "length" and eng.turns.registered_blocks == 1
-  nxt = np.concatenate([a, np.asarray(first.output_ids, np.int32), prompt_of(8, 252)])
-  assert len(nxt) == N                      # the hit runs the 256-token tail
+  nxt = np.concatenate([a, np.asarray(first.output_ids, np.int32), prompt_of(8, 272)])
   hit = run(eng, nxt, 4)
   assert hit.cached_tokens == 2 * PAGE      # through the answer, not only the prompt (512)
   cold = run(eng, nxt, 4, use_prefix_cache=False)

@@ -32,9 +32,7 @@ def _run(eng, prompt):
 
 def test_warm_up_runs_each_row_count_and_leaves_nothing_behind(prefix_setup):
   _, _, eng = prefix_setup
-  # half a page: one 256-token piece (a shape test_engine.py runs on this engine; 16- and
-  # 4-token pieces would be compiled for this test alone)
-  prompt = np.random.default_rng(11).integers(1, 256, 256).astype(np.int32)
+  prompt = np.random.default_rng(11).integers(1, 256, 300).astype(np.int32)
   before_req = _run(eng, prompt)
   seen = []                                      # (what, rows, tokens a row) of each step
   real_prefill, real_decode = eng.runner.prefill, eng.runner.decode
