@@ -24,10 +24,12 @@ def served(tmp_path_factory, k3_tokenizer):
   from k3_jax.checkpoint import convert
   from k3_jax.config import ServeConfig
   from k3_jax.model import create_model
-  from k3_jax.serve.loader import ServeOptions, build_engine, random_weights
+  import configs
+  from k3_jax.config import apply_overrides, validate
+  from k3_jax.serve.loader import ServeOptions, build_engine
   from k3_jax.serve.server import build_app
-  cfg, *_ = random_weights("k3_tiny", ("vocab_size=163840", "num_layers=2", "mla_layers=(2,)",
-                                       "max_seq_len=512"))
+  cfg = validate(apply_overrides(configs.get("k3_tiny"), (      # the config only: one model
+      "vocab_size=163840", "num_layers=2", "mla_layers=(2,)", "max_seq_len=512")))
   out = str(tmp_path_factory.mktemp("k3_chat") / "hf")
   convert.export_model(create_model(cfg, seed=1), out, tokenizer=k3_tokenizer)
   with open(f"{out}/generation_config.json") as f:

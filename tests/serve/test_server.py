@@ -48,6 +48,16 @@ def client(server):
   return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", timeout=300, max_retries=0)
 
 
+@pytest.fixture(scope="module")
+def reference():
+  """(cfg, model): the served model built again in this process (same preset, overrides and
+  seed), for the tests' independent full forward passes (built once for the file)."""
+  from flax import nnx
+  from k3_jax.serve.loader import random_weights
+  cfg, g, p, r = random_weights("k3_tiny", OVERRIDES, seed=3, vision=True)
+  return cfg, nnx.merge(g, p, r)
+
+
 def complete(client, prompt, n=8, **kw):
   return client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0,
                                    **kw)
@@ -108,8 +118,15 @@ def test_cached_tokens_on_shared_prefix(server, client):
   assert ttft and float(ttft[0].split()[-1]) >= 3
 
 
+def texts(n):
+  """n distinct prompts of 12 to 15 byte tokens: prefill pieces of 4 and 1 only, so that
+  prompts arriving together share 2-row calls of shapes the file compiles anyway (the
+  2-row 4- and 1-token pieces; a 16-token piece would add a 2-row 16-token shape)."""
+  return [f"Req {i}: fox {i * 37}" for i in range(n)]
+
+
 def test_sixteen_concurrent_clients(client):
-  prompts = [f"Request {i}: the quick brown fox number {i * 37}" for i in range(16)]
+  prompts = texts(16)
   alone = {p: complete(client, p, 6).choices[0].text for p in prompts[:4]}
   with concurrent.futures.ThreadPoolExecutor(16) as pool:
     outs = list(pool.map(lambda p: complete(client, p, 6), prompts))
@@ -258,7 +275,7 @@ def two_pictures(seed: int) -> list[str]:
   return [data_url(picture(seed)), data_url(picture(seed + 100, 56, 28))]
 
 
-def test_chat_with_image_matches_a_full_forward(client):
+def test_chat_with_image_matches_a_full_forward(client, reference):
   """The served greedy tokens of an image prompt == greedy tokens of the model's own full
   forward pass (no cache; K3Model.__call__ runs the tower inside), one position at a time
   over a fixed-length padded sequence (causal: the padding after a position never reaches
@@ -268,15 +285,12 @@ def test_chat_with_image_matches_a_full_forward(client):
   import jax.numpy as jnp
   from k3_jax.data.tokenizers import ByteTokenizer
   from k3_jax.data.chat import template_for
-  from k3_jax.serve.loader import random_weights
-  from flax import nnx
 
   messages = image_message(two_pictures(0))
   n = 6
   served = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=n,
                                           temperature=0)
-  cfg, g, p, r = random_weights("k3_tiny", OVERRIDES, seed=3, vision=True)
-  model = nnx.merge(g, p, r)
+  cfg, model = reference
   tok = ByteTokenizer()
   rendered = template_for(tok, cfg.vision).render(messages)
   assert served.usage.prompt_tokens == len(rendered.ids)
@@ -297,11 +311,10 @@ def test_chat_with_image_matches_a_full_forward(client):
                                                temperature=0, stream=True))
   assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
       served.choices[0].message.content
-  texts = [f"Request {i}: the quick brown fox number {i * 37}" for i in range(3)]
   with concurrent.futures.ThreadPoolExecutor(4) as pool:
     image = pool.submit(client.chat.completions.create, model=MODEL, messages=messages,
                         max_tokens=n, temperature=0)
-    others = [pool.submit(complete, client, t, 6) for t in texts]
+    others = [pool.submit(complete, client, t, 6) for t in texts(3)]
     assert image.result().choices[0].message.content == served.choices[0].message.content
     assert all(o.result().usage.completion_tokens >= 1 for o in others)
 
@@ -354,15 +367,13 @@ def test_bad_images_are_400(server):
   assert health(server)["status"] == "ok"                   # still up
 
 
-def test_logprobs_echo_n_and_prompt_forms(server, client):
+def test_logprobs_echo_n_and_prompt_forms(server, client, reference):
   """logprobs are the log-softmax of the model's own logits: the echoed prompt's (scored
   teacher-forced) to 1e-5 against an independent full forward pass, the completion's (the
   engine's paged decode) to 1e-4 (its summation order differs: test_engine's REF_TOL). A
   greedy token is its row's argmax, so it tops its top_logprobs."""
   import jax
   from k3_jax.data.tokenizers import ByteTokenizer
-  from k3_jax.serve.loader import random_weights
-  from flax import nnx
 
   prompt = "The quick brown fox"
   ids = list(prompt.encode())
@@ -372,8 +383,7 @@ def test_logprobs_echo_n_and_prompt_forms(server, client):
   lp = c.logprobs
   assert lp.tokens == list(prompt) and lp.text_offset == list(range(len(prompt)))
   assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-  cfg, g, p, r = random_weights("k3_tiny", OVERRIDES, seed=3, vision=True)
-  model = nnx.merge(g, p, r)
+  _, model = reference
   gen = complete(client, ids, 4, echo=True, logprobs=2)
   out = gen.choices[0]
   # the greedy continuation by the model's own full forward (padded: causal), as the

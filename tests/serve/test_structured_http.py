@@ -65,14 +65,16 @@ def served(request, tmp_path_factory, k3_tokenizer):
   from k3_jax.checkpoint import convert
   from k3_jax.config import ServeConfig
   from k3_jax.model import create_model
-  from k3_jax.serve.loader import ServeOptions, build_engine, random_weights
+  import configs
+  from k3_jax.config import apply_overrides, validate
+  from k3_jax.serve.loader import ServeOptions, build_engine
   from k3_jax.serve.server import build_app
   vocab = 163840
   if request.param == "compact":
     k3_tokenizer = compact_k3_tokenizer(k3_tokenizer, tmp_path_factory.mktemp("compact_tok"))
     vocab = k3_tokenizer.vocab_size
-  cfg, *_ = random_weights("k3_tiny", (f"vocab_size={vocab}", "num_layers=2",
-                                       "mla_layers=(2,)", "max_seq_len=1024"))
+  cfg = validate(apply_overrides(configs.get("k3_tiny"), (      # the config only: one model
+      f"vocab_size={vocab}", "num_layers=2", "mla_layers=(2,)", "max_seq_len=1024")))
   out = str(tmp_path_factory.mktemp("k3_structured") / "hf")
   convert.export_model(create_model(cfg, seed=1), out, tokenizer=k3_tokenizer)
   engine, tok, _ = build_engine(ServeOptions(hf_dir=out, model_name=MODEL, serve=ServeConfig(
