@@ -28,7 +28,9 @@ jax.config.update("jax_default_matmul_precision", "highest")
 @pytest.fixture(scope="session")
 def env(tmp_path_factory):
   """The environment of CLI subprocesses: one CPU device as a user would have (LLVM at
-  level 0 as in the suite's own process), and one JAX compilation cache per session, so
+  level 0 as in the suite's own process; subprocesses that build their own XLA_FLAGS, such
+  as tests/serve/serverproc.py's servers, compile at the default level), and one JAX
+  compilation cache per session, so
   runs of the same program (the fault tests' model in tests/faults and tests/test_cli.py)
   compile it once."""
   e = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
